@@ -1,0 +1,31 @@
+"""jacmode: fast Jacobians for PyTorch.
+
+Forward mode (vmap over jvp) or reverse mode (vmap over vjp), chosen from the sizes involved, with
+fast paths for independent samples and elementwise maps, and the derivative operators that
+physics-informed training needs.
+
+Example:
+    >>> import torch, jacmode as jm
+    >>> net = torch.nn.Sequential(torch.nn.Linear(1, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+    >>> t = torch.rand(100, 1)
+    >>> jm.derivative(net, t).shape   # dy_i/dt at each of the 100 time steps
+    torch.Size([100, 4])
+"""
+
+from ._coupling import clear_cache
+from ._derivatives import derivative
+from ._errors import CoupledBatchError, JacmodeWarning
+from ._jacobian import jacobian, plan
+from ._plan import Plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CoupledBatchError",
+    "JacmodeWarning",
+    "Plan",
+    "clear_cache",
+    "derivative",
+    "jacobian",
+    "plan",
+]

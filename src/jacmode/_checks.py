@@ -1,0 +1,244 @@
+"""Every validation of user input, and the wording of its errors.
+
+All checks run before any differentiation. Errors name the argument, what was expected, what was
+received, and the fix: ``TypeError`` for wrong types, ``ValueError`` for wrong values.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+MODES = ("auto", "forward", "reverse")
+STRUCTURES = ("auto", "independent", "coupled", "diagonal")
+WRT_KINDS = ("inputs", "params")
+
+Wrt = Union[str, Sequence[str]]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Normalised keyword arguments of a jacobian or plan call."""
+
+    wrt: str  # "inputs" or "params"
+    param_names: Optional[tuple[str, ...]]  # selected parameter names when wrt is "params"
+    mode: str
+    batched: bool
+    structure: str
+    chunk_size: Optional[int]
+    create_graph: bool
+    flatten: bool
+
+
+def _fmt(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_function(f: Any) -> None:
+    """``f`` must be an ``nn.Module`` or a callable."""
+    if not callable(f):
+        raise TypeError(
+            f"f: expected an nn.Module or a callable taking one tensor, got {type(f).__name__} "
+            f"({_fmt(f)}). Pass the model itself or a function such as `lambda x: model(x)`."
+        )
+
+
+def check_input(x: Any, *, wrt: str, batched: bool, name: str = "x") -> None:
+    """``x`` must be a tensor; a floating tensor when it is differentiated; batched if asked."""
+    if not isinstance(x, Tensor):
+        raise TypeError(
+            f"{name}: expected a torch.Tensor, got {type(x).__name__} ({_fmt(x)}). "
+            f"Convert it first, e.g. `torch.as_tensor({name}, dtype=torch.float32)`."
+        )
+    if wrt == "inputs" and not (x.is_floating_point()):
+        kind = "complex" if x.is_complex() else "integer/bool"
+        raise TypeError(
+            f"{name}: differentiating with respect to the inputs needs a real floating dtype "
+            f"(float16, bfloat16, float32, float64), got {kind} dtype {x.dtype}. "
+            f"Convert with `{name}.float()`, or use wrt='params' for integer inputs such as "
+            "token ids."
+        )
+    if x.is_complex():
+        raise TypeError(
+            f"{name}: complex inputs are not supported, got dtype {x.dtype}. "
+            "Split real and imaginary parts into a real tensor."
+        )
+    if batched and x.dim() == 0:
+        raise ValueError(
+            f"{name}: batched=True needs a batch dimension, got a 0-d tensor. "
+            f"Pass {name}.reshape(1) for one sample, or batched=False for a single point."
+        )
+
+
+def check_options(
+    *,
+    wrt: Any,
+    mode: Any,
+    batched: Any,
+    structure: Any,
+    chunk_size: Any,
+    create_graph: Any,
+    flatten: Any,
+) -> Options:
+    """Validate and normalise the keyword arguments shared by ``jacobian`` and ``plan``."""
+    param_names: Optional[tuple[str, ...]] = None
+    if isinstance(wrt, str):
+        if wrt not in WRT_KINDS:
+            raise ValueError(
+                f"wrt: expected one of {WRT_KINDS} or a list of parameter names, got {wrt!r}. "
+                "Use wrt='inputs' for d out / d x, wrt='params' for d out / d parameters, or "
+                "wrt=['layer.bias'] for a subset of parameters."
+            )
+        kind = wrt
+    elif isinstance(wrt, (list, tuple)) and all(isinstance(n, str) for n in wrt):
+        if len(wrt) == 0:
+            raise ValueError(
+                "wrt: got an empty list of parameter names. Name at least one parameter, "
+                "or pass wrt='params' for all trainable parameters."
+            )
+        if len(set(wrt)) != len(wrt):
+            raise ValueError(f"wrt: parameter names must be unique, got {list(wrt)!r}.")
+        kind, param_names = "params", tuple(wrt)
+    else:
+        raise TypeError(
+            f"wrt: expected 'inputs', 'params' or a list of parameter names, got "
+            f"{type(wrt).__name__} ({_fmt(wrt)})."
+        )
+    if not isinstance(mode, str) or mode not in MODES:
+        raise ValueError(
+            f"mode: expected one of {MODES}, got {mode!r}. 'auto' picks the faster of "
+            "forward and reverse from the sizes involved."
+        )
+    if not isinstance(structure, str) or structure not in STRUCTURES:
+        raise ValueError(
+            f"structure: expected one of {STRUCTURES}, got {structure!r}. 'auto' assumes "
+            "independent samples and checks it; 'independent' skips the check; 'coupled' "
+            "computes the exact diagonal blocks of the whole-batch Jacobian; 'diagonal' is for "
+            "elementwise functions."
+        )
+    for name, value in (("batched", batched), ("create_graph", create_graph), ("flatten", flatten)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}: expected True or False, got {type(value).__name__} ({_fmt(value)}).")
+    if chunk_size is not None:
+        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+            raise TypeError(
+                f"chunk_size: expected a positive int or None, got {type(chunk_size).__name__} "
+                f"({_fmt(chunk_size)})."
+            )
+        if chunk_size <= 0:
+            raise ValueError(
+                f"chunk_size: expected a positive number of directions per vectorised pass, got "
+                f"{chunk_size}. Use None to let jacmode choose, or e.g. chunk_size=64."
+            )
+    if structure == "diagonal" and kind != "inputs":
+        raise ValueError(
+            "structure: 'diagonal' (elementwise functions) applies to wrt='inputs' only, got "
+            f"wrt={wrt!r}. Use structure='auto' for parameter Jacobians."
+        )
+    if not batched and structure == "coupled":
+        raise ValueError(
+            "structure: 'coupled' describes a batch, but batched=False treats x as one point "
+            "(its full Jacobian is already exact). Drop structure= or set batched=True."
+        )
+    return Options(
+        wrt=kind,
+        param_names=param_names,
+        mode=mode,
+        batched=batched,
+        structure=structure,
+        chunk_size=chunk_size,
+        create_graph=create_graph,
+        flatten=flatten,
+    )
+
+
+def check_output(out: Any, *, batched: bool, n_in: int, where: str = "f(x)") -> Tensor:
+    """The function must return one tensor that keeps the batch dimension of its input."""
+    if not isinstance(out, Tensor):
+        hint = (
+            " It returned a tuple/list/dict: select one output, e.g. "
+            "`lambda x: model(x)[0]` or `lambda x: model(x)['logits']`."
+            if isinstance(out, (tuple, list, dict))
+            else ""
+        )
+        raise TypeError(f"f: expected {where} to return one torch.Tensor, got {type(out).__name__}.{hint}")
+    if not (out.is_floating_point()):
+        raise TypeError(
+            f"f: expected {where} to return a floating tensor (something to differentiate), got "
+            f"dtype {out.dtype}. Return logits or probabilities, not class indices."
+        )
+    if batched and (out.dim() == 0 or out.shape[0] != n_in):
+        got = tuple(out.shape)
+        raise ValueError(
+            f"f: with batched=True, {where} must keep the batch dimension: an input batch of "
+            f"{n_in} samples gave output shape {got}. Do not reduce over dim 0 (e.g. use the "
+            "per-sample loss, not its mean), or pass batched=False to treat x as one point."
+        )
+    return out
+
+
+def check_param_selection(
+    model: Any, names: Optional[Sequence[str]]
+) -> list[tuple[str, nn.Parameter]]:
+    """Return the (name, parameter) pairs to differentiate, in ``named_parameters()`` order."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"f: wrt='params' needs an nn.Module (its parameters are what is differentiated), got "
+            f"{type(model).__name__}. Wrap the parameters in a module, or use wrt='inputs'."
+        )
+    all_named = dict(model.named_parameters())
+    if names is None:
+        chosen = [(n, p) for n, p in all_named.items() if p.requires_grad]
+        if not chosen:
+            raise ValueError(
+                f"f: {type(model).__name__} has no trainable parameters (none with "
+                "requires_grad=True), so wrt='params' has nothing to differentiate. Unfreeze some "
+                "(p.requires_grad_(True)) or name them explicitly in wrt=[...]."
+            )
+        return chosen
+    unknown = [n for n in names if n not in all_named]
+    if unknown:
+        name = unknown[0]
+        close = difflib.get_close_matches(name, list(all_named), n=3)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ValueError(
+            f"wrt: {name!r} is not a parameter of {type(model).__name__}.{hint} "
+            f"Valid names are those of model.named_parameters(), e.g. {list(all_named)[:4]!r}."
+        )
+    wanted = set(names)
+    return [(n, p) for n, p in all_named.items() if n in wanted]
+
+
+def check_out_buffer(out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A caller-provided ``out=`` tensor must match the result exactly."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out: expected a torch.Tensor or None, got {type(out).__name__}.")
+    if tuple(out.shape) != shape:
+        raise ValueError(
+            f"out: expected shape {shape} (B, Y, P), got {tuple(out.shape)}. Allocate it with "
+            f"torch.empty({shape}, dtype={dtype}, device='{device}')."
+        )
+    if out.dtype != dtype:
+        raise ValueError(f"out: expected dtype {dtype} (the parameters' dtype), got {out.dtype}.")
+    if out.device != device:
+        raise ValueError(f"out: expected device {device} (the parameters' device), got {out.device}.")
+    if out.requires_grad:
+        raise ValueError("out: must not require grad; create_graph=True results cannot be written into out=.")
+    return out
+
+
+def check_devices(f: Callable[..., Any], x: Tensor) -> None:
+    """A model and its input must live on the same device."""
+    if isinstance(f, nn.Module):
+        for name, p in f.named_parameters():
+            if p.device != x.device:
+                raise ValueError(
+                    f"x: is on {x.device} but parameter {name!r} of the model is on {p.device}. "
+                    f"Move one of them, e.g. `x.to('{p.device}')` or `model.to('{x.device}')`."
+                )
+            break

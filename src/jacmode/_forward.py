@@ -1,0 +1,69 @@
+"""Forward engine: push chunks of tangents through ``fn`` with ``vmap(jvp)``.
+
+NOTE: [Forward and reverse engines]
+``forward_columns`` and ``reverse_rows`` (in ``_reverse.py``) are mirror images with the same
+signature: a pure function ``fn`` of one tensor ``primal``, ``n`` directions, a ``seeds(start, stop)``
+callback that builds the chunk of tangents (or cotangents) with a leading direction dimension, and a
+``place(start, stop, block)`` callback that writes the chunk's Jacobian-vector products into the
+result. What the directions mean (broadcast over independent samples, one-hot over the whole batch,
+a single vector of ones for elementwise maps) is decided in ``_structure.py``; the engines only
+differentiate. A chunk of one direction uses dual tensors directly, which skips ``vmap`` and is the
+fastest way to run a single jvp.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor
+from torch.func import jvp, vmap
+
+from ._state import RngReplay
+
+Seeds = Callable[[int, int], Tensor]
+Place = Callable[[int, int, Tensor], None]
+
+
+def pushforward(fn: Callable[[Tensor], Tensor], primal: Tensor, tangents: Tensor) -> Tensor:
+    """Jacobian-vector products of ``fn`` at ``primal`` for a stack of tangents.
+
+    Args:
+        fn: a function of one tensor.
+        primal: the point, shape S.
+        tangents: shape (K, *S).
+
+    Returns:
+        Shape (K, *fn(primal).shape).
+    """
+    if tangents.shape[0] == 1:
+        with fwAD.dual_level():
+            out = fn(fwAD.make_dual(primal, tangents[0]))
+            tangent = fwAD.unpack_dual(out).tangent
+        if tangent is None:  # the output does not depend on the input
+            tangent = torch.zeros_like(out)
+        return tangent.unsqueeze(0)
+    return vmap(lambda t: jvp(fn, (primal,), (t,))[1], randomness="same")(tangents)
+
+
+def forward_columns(
+    fn: Callable[[Tensor], Tensor],
+    primal: Tensor,
+    n: int,
+    seeds: Seeds,
+    place: Place,
+    chunk_size: int,
+    rng: RngReplay | None = None,
+) -> None:
+    """Push ``n`` tangent directions through ``fn`` in chunks of ``chunk_size``.
+
+    Every chunk re-runs the forward pass; when ``rng`` is given the random number generator is
+    reset before each chunk, so random layers (dropout in training mode) draw the same masks for
+    every direction.
+    """
+    for start in range(0, n, chunk_size):
+        stop = min(n, start + chunk_size)
+        if rng is not None:
+            rng.reset()
+        place(start, stop, pushforward(fn, primal, seeds(start, stop)))

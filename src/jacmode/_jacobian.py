@@ -1,0 +1,160 @@
+"""The entry points ``jacobian`` and ``plan``: validate, describe, plan, run, assemble."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor
+
+from . import _checks
+from ._checks import Options, Wrt
+from ._plan import Plan, make_plan
+from ._problem import Problem, describe
+from ._state import preserved_state
+from ._structure import run
+
+Result = Union[Tensor, dict[str, Tensor]]
+
+
+def _options(f: Any, x: Any, **kw: Any) -> Options:
+    _checks.check_function(f)
+    opts = _checks.check_options(**kw)
+    _checks.check_input(x, wrt=opts.wrt, batched=opts.batched)
+    _checks.check_devices(f, x)
+    return opts
+
+
+def plan(
+    f: Callable[[Tensor], Tensor],
+    x: Tensor,
+    *,
+    wrt: Wrt = "inputs",
+    mode: str = "auto",
+    batched: bool = True,
+    structure: str = "auto",
+    chunk_size: Optional[int] = None,
+    create_graph: bool = False,
+    flatten: bool = True,
+) -> Plan:
+    """Say what :func:`jacobian` would do for these arguments, and why, without doing it.
+
+    Takes the same arguments as :func:`jacobian`. Runs ``f`` on a few samples to learn the output
+    shape (and to check that samples are independent), but differentiates nothing.
+
+    Returns:
+        A :class:`Plan` with the mode, strategy, directions, chunk sizes, estimated costs and a
+        one-line reason (its ``repr``).
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> net = torch.nn.Sequential(torch.nn.Linear(1, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+        >>> p = jm.plan(net, torch.randn(1000, 1))
+        >>> p.mode, p.strategy, p.directions
+        ('forward', 'broadcast', 1)
+    """
+    opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
+                    chunk_size=chunk_size, create_graph=create_graph, flatten=flatten)
+    with preserved_state(f), torch.no_grad():
+        problem = describe(f, x, opts)
+    return make_plan(problem, opts.mode, opts.chunk_size)
+
+
+def jacobian(
+    f: Callable[[Tensor], Tensor],
+    x: Tensor,
+    *,
+    wrt: Wrt = "inputs",
+    mode: str = "auto",
+    batched: bool = True,
+    structure: str = "auto",
+    chunk_size: Optional[int] = None,
+    create_graph: bool = False,
+    flatten: bool = True,
+    out: Optional[Tensor] = None,
+) -> Result:
+    """Per-sample Jacobian of ``f`` at ``x``, in forward or reverse mode, chosen from the sizes.
+
+    With ``batched=True`` (the default) ``x`` holds B independent samples along dim 0 and the
+    result holds one Jacobian per sample: the diagonal blocks of the whole-batch Jacobian,
+    computed without the off-diagonal zeros (D tangents or Y cotangents in all, not B*D or B*Y).
+
+    Args:
+        f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out).
+        x: the input, shape (B, *in); one point of any shape when ``batched=False``.
+        wrt: "inputs" (d out / d x), "params" (d out / d every trainable parameter of the module
+            ``f``), or a list of parameter names (a subset; the others are held constant).
+        mode: "auto" (cost model, see :func:`plan`), "forward" (vmap over jvp) or "reverse"
+            (vmap over vjp).
+        batched: False treats x as one point and returns the full Jacobian.
+        structure: "auto" assumes independent samples and checks it with a cheap probe (cached);
+            "independent" skips the check; "coupled" computes the exact diagonal blocks of the
+            whole-batch Jacobian (about B times the work); "diagonal" is for elementwise f (output
+            i depends on input i only) and returns the diagonal, shape of x, from one jvp.
+        chunk_size: directions (and, for per-sample parameter Jacobians, samples x directions)
+            per vectorised pass; smaller uses less memory, same result.
+        create_graph: keep the result differentiable with respect to the parameters and x.
+        flatten: for parameters, False returns a dict name -> (B, *out, *param.shape).
+        out: for wrt="params" with flatten=True, a (B, Y, P) tensor to write the result into.
+
+    Returns:
+        wrt="inputs": (B, *out, *in); unbatched (*out, *x.shape); diagonal: x.shape.
+        wrt="params": (B, Y, P) with Y = prod(out) and P the selected parameters flattened and
+        concatenated in ``named_parameters()`` order; unbatched (Y, P).
+
+    Raises:
+        CoupledBatchError: samples are coupled (e.g. BatchNorm in training mode) and
+            ``structure="auto"``.
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> net = torch.nn.Sequential(torch.nn.Linear(1, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
+        >>> t = torch.linspace(0, 1, 1000).unsqueeze(1)
+        >>> jm.jacobian(net, t).shape            # (B, Y, D): dy_i/dt at every time step
+        torch.Size([1000, 4, 1])
+        >>> jm.jacobian(net, t, wrt="params").shape   # (B, Y, P)
+        torch.Size([1000, 4, 124])
+    """
+    opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
+                    chunk_size=chunk_size, create_graph=create_graph, flatten=flatten)
+    grad_mode = torch.enable_grad() if create_graph else torch.no_grad()
+    with preserved_state(f), grad_mode:
+        problem = describe(f, x, opts)
+        if out is not None:
+            if opts.wrt != "params" or not opts.flatten:
+                raise ValueError(
+                    "out: only supported for wrt='params' with flatten=True (a (B, Y, P) tensor); "
+                    "drop out= for other calls."
+                )
+            _checks.check_out_buffer(out, _flat_shape(problem), problem.dtype, problem.device)
+        chosen = make_plan(problem, opts.mode, opts.chunk_size)
+        if problem.batch == 0 or problem.n_in == 0 or problem.n_out == 0:
+            flat = out if out is not None else problem.z.new_zeros(_flat_shape(problem))
+        else:
+            flat = run(problem, chosen, out)
+    return _assemble(problem, flat, opts, out)
+
+
+def _flat_shape(p: Problem) -> tuple[int, ...]:
+    if p.structure == "diagonal":
+        return tuple(p.z.shape)
+    return (p.batch, p.n_out, p.n_in) if p.batched else (p.n_out, p.n_in)
+
+
+def _assemble(p: Problem, flat: Tensor, opts: Options, out: Optional[Tensor]) -> Result:
+    """Give the flat result its user-facing shape (see the ``Returns`` of :func:`jacobian`)."""
+    if out is not None:
+        return out
+    if p.structure == "diagonal":
+        return flat.reshape(p.x.shape)
+    lead = (p.batch, *p.out_shape) if p.batched else tuple(p.out_shape)
+    if p.kind == "inputs":
+        return flat.reshape(*lead, *p.in_shape).contiguous()
+    if opts.flatten:
+        return flat.contiguous()
+    sizes = [s.numel() for _, s in p.params]
+    return {
+        name: block.reshape(*lead, *shape)
+        for (name, shape), block in zip(p.params, flat.split(sizes, dim=-1))
+    }

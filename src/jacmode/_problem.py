@@ -1,0 +1,116 @@
+"""Describe the problem: turn ``(f, x, wrt)`` into a pure function of the differentiated tensor.
+
+A :class:`Problem` is what the planner and the engines see. Whatever the user asked for, it holds
+a function ``fn`` of one flat tensor ``z`` (the inputs reshaped to (B, D), or all selected
+parameters concatenated into (P,)), the axes B, N (D or P) and Y, and the output shapes used to
+assemble the result. For parameters, ``sample_fn(z, x_b)`` evaluates one sample, which the
+per-sample reverse strategy vectorises over the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from . import _checks
+from ._checks import Options
+from ._coupling import probe
+
+
+@dataclass
+class Problem:
+    """A Jacobian problem in flat form: J[b, y, n] = d fn(z)[b, y] / d z[b, n] (or z[n])."""
+
+    kind: str  # "inputs" or "params"
+    batched: bool
+    structure: str  # "independent", "coupled" or "diagonal"
+    fn: Callable[[Tensor], Tensor]  # z -> (B, Y) when batched, (Y,) otherwise
+    z: Tensor  # (B, D) for batched inputs, (N,) unbatched inputs, (P,) for parameters
+    x: Tensor  # the user's input
+    batch: int  # B (1 when unbatched)
+    n_in: int  # D, N or P
+    n_out: int  # Y
+    in_shape: tuple[int, ...]  # per-sample input shape, x.shape unbatched, (P,) for parameters
+    out_shape: tuple[int, ...]  # per-sample output shape (full output shape when unbatched)
+    sample_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None  # params: (z, x_b) -> (Y,)
+    params: list[tuple[str, torch.Size]] = field(default_factory=list)
+    random: bool = False  # random layers in training mode (dropout)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.z.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.z.device
+
+
+def _has_random_layers(f: Any) -> bool:
+    return isinstance(f, nn.Module) and any(
+        isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in f.modules()
+    )
+
+
+def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem:
+    """Build the :class:`Problem` for a call; runs ``f`` on a few samples (see ``_coupling``)."""
+    structure = opts.structure
+    batched = opts.batched and structure != "diagonal"
+    if structure == "auto":
+        structure = "independent"
+    selected = _checks.check_param_selection(f, opts.param_names) if opts.wrt == "params" else []
+
+    def validate(out: Any, n: int) -> Tensor:
+        return _checks.check_output(out, batched=batched, n_in=n)
+
+    if batched:
+        out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate)
+    else:
+        with torch.no_grad():
+            out_shape = tuple(validate(f(x), 1).shape)
+    if opts.structure == "diagonal" and out_shape != tuple(x.shape):
+        raise ValueError(
+            f"structure: 'diagonal' needs an elementwise f whose output has the shape of x, but "
+            f"x has shape {tuple(x.shape)} and f(x) has shape {out_shape}. Use structure='auto'."
+        )
+    batch = x.shape[0] if batched else 1
+    n_out = math.prod(out_shape)
+    keep = (lambda t: t) if opts.create_graph else (lambda t: t.detach())
+    common = dict(batched=batched, structure=structure, x=x, random=_has_random_layers(f))
+
+    if opts.wrt == "inputs":
+        if structure == "diagonal":
+            z = keep(x)
+            return Problem(kind="inputs", fn=f, z=z, batch=1, n_in=n_out, n_out=n_out,
+                           in_shape=tuple(x.shape), out_shape=out_shape, **common)
+        in_shape = tuple(x.shape[1:]) if batched else tuple(x.shape)
+        n_in = math.prod(in_shape)
+        if batched:
+            z = keep(x).reshape(batch, n_in)
+            fn = lambda z: f(z.reshape(batch, *in_shape)).reshape(batch, n_out)  # noqa: E731
+        else:
+            z = keep(x).reshape(n_in)
+            fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
+        return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
+                       in_shape=in_shape, out_shape=out_shape, **common)
+
+    names = [n for n, _ in selected]
+    shapes = [p.shape for _, p in selected]
+    sizes = [p.numel() for _, p in selected]
+    z = torch.cat([keep(p).reshape(-1) for _, p in selected]) if selected else torch.zeros(0)
+
+    def unflatten(z: Tensor) -> dict[str, Tensor]:
+        return {n: t.view(s) for n, t, s in zip(names, z.split(sizes), shapes)}
+
+    if batched:
+        fn = lambda z: functional_call(f, unflatten(z), (x,)).reshape(batch, n_out)  # noqa: E731
+    else:
+        fn = lambda z: functional_call(f, unflatten(z), (x,)).reshape(n_out)  # noqa: E731
+    sample_fn = lambda z, xb: functional_call(f, unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
+    return Problem(kind="params", fn=fn, z=z, batch=batch, n_in=z.numel(), n_out=n_out,
+                   in_shape=(z.numel(),), out_shape=out_shape, sample_fn=sample_fn,
+                   params=list(zip(names, shapes)), **common)

@@ -1,0 +1,86 @@
+"""Reverse engine: pull chunks of cotangents back through ``fn`` with ``vmap(vjp)``.
+
+The mirror image of ``_forward.py`` (see the note there): same signature, with the one forward
+pass and its tape shared by all chunks. ``per_sample_rows`` adds the outer ``vmap`` over samples
+that parameter Jacobians need, since parameters are shared by all samples.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+from torch.func import vjp, vmap
+
+from ._state import RngReplay
+
+Seeds = Callable[[int, int], Tensor]
+Place = Callable[[int, int, Tensor], None]
+
+
+def pullback(vjp_fn: Callable[[Tensor], tuple[Tensor, ...]], cotangents: Tensor) -> Tensor:
+    """Vector-Jacobian products for a stack of cotangents of shape (K, *out); returns (K, *S)."""
+    if cotangents.shape[0] == 1:
+        return vjp_fn(cotangents[0])[0].unsqueeze(0)
+    return vmap(lambda c: vjp_fn(c)[0])(cotangents)
+
+
+def reverse_rows(
+    fn: Callable[[Tensor], Tensor],
+    primal: Tensor,
+    n: int,
+    seeds: Seeds,
+    place: Place,
+    chunk_size: int,
+    rng: RngReplay | None = None,
+) -> None:
+    """Pull ``n`` cotangent directions back through ``fn`` in chunks of ``chunk_size``.
+
+    One forward pass records the tape; every chunk reuses it, so random layers draw one mask
+    (``rng`` is accepted for symmetry with the forward engine).
+    """
+    _, vjp_fn = vjp(fn, primal)
+    for start in range(0, n, chunk_size):
+        stop = min(n, start + chunk_size)
+        place(start, stop, pullback(vjp_fn, seeds(start, stop)))
+
+
+def per_sample_rows(
+    fn: Callable[[Tensor, Tensor], Tensor],
+    primal: Tensor,
+    data: Tensor,
+    n_out: int,
+    place: Callable[[int, int, int, int, Tensor], None],
+    sample_chunk: int,
+    direction_chunk: int,
+    rng: RngReplay | None = None,
+) -> None:
+    """Per-sample reverse Jacobians of ``fn(primal, sample)`` with a shared ``primal``.
+
+    Args:
+        fn: ``(primal, one sample without batch dim) -> output`` of ``n_out`` elements.
+        primal: shared point (the flat parameters), shape (P,).
+        data: the samples, shape (B, *in).
+        n_out: Y, the number of output elements per sample.
+        place: ``place(b0, b1, y0, y1, block)`` with block of shape (b1-b0, y1-y0, P).
+        sample_chunk: samples per vectorised pass.
+        direction_chunk: output directions per vectorised pass.
+        rng: when given, reset before each chunk of directions of the same samples, so that
+            random layers draw one mask per sample, shared by all its output directions.
+    """
+    eye = torch.eye(n_out, dtype=primal.dtype, device=primal.device)
+
+    def rows(sample: Tensor, cotangents: Tensor) -> Tensor:
+        _, vjp_fn = vjp(lambda z: fn(z, sample).reshape(-1), primal)
+        return pullback(vjp_fn, cotangents)
+
+    batched_rows = vmap(rows, in_dims=(0, None), randomness="different")
+    for b0 in range(0, data.shape[0], sample_chunk):
+        b1 = min(data.shape[0], b0 + sample_chunk)
+        replay = RngReplay(primal.device) if rng is not None else None
+        for y0 in range(0, n_out, direction_chunk):
+            y1 = min(n_out, y0 + direction_chunk)
+            if replay is not None:
+                replay.reset()
+            place(b0, b1, y0, y1, batched_rows(data[b0:b1], eye[y0:y1]))

@@ -1,0 +1,92 @@
+"""Leave the user's model exactly as it was found.
+
+NOTE: [Model state during a call]
+jacmode differentiates the model functionally, so it never writes parameters or ``.grad``. Two
+things can still change a model during a call: BatchNorm layers in training mode update their
+running statistics on every forward pass (which also fails under ``vmap``), and a user's forward
+may raise halfway. ``preserved_state`` therefore
+
+* detaches the running statistics of BatchNorm layers in training mode for the duration of the
+  call (the layers then normalise with batch statistics, which is what training mode computes,
+  and write nothing) -- the approach of ``torch.func.replace_all_batch_norm_modules_``, undone on
+  exit;
+* records the training flags, ``requires_grad`` flags, ``.grad`` references and the version
+  counters of all buffers, restores the flags and gradients on exit, and restores any buffer that
+  a custom layer modified in place from a copy taken lazily only for modules in training mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+
+def _batchnorms_in_training(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def preserved_state(f: Any) -> Iterator[None]:
+    """Run a block and leave ``f`` (if it is an ``nn.Module``) exactly as found, even on error."""
+    if not isinstance(f, nn.Module):
+        yield
+        return
+    modules = list(f.modules())
+    training = [m.training for m in modules]
+    params = list(f.parameters())
+    flags = [p.requires_grad for p in params]
+    grads = [p.grad for p in params]
+    buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
+    copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
+    versions = [b._version for _, _, b in buffers]
+    patched = []
+    for bn in _batchnorms_in_training(f):
+        patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
+        bn.running_mean = None
+        bn.running_var = None
+        bn.track_running_stats = False
+    try:
+        yield
+    finally:
+        for bn, mean, var, count in patched:
+            bn.running_mean, bn.running_var, bn.num_batches_tracked = mean, var, count
+            bn.track_running_stats = True
+        for m, flag in zip(modules, training):
+            m.training = flag
+        for p, flag, g in zip(params, flags, grads):
+            if p.requires_grad != flag:
+                p.requires_grad_(flag)
+            if p.grad is not g:
+                p.grad = g
+        with torch.no_grad():
+            for (m, name, b), copy, version in zip(buffers, copies, versions):
+                if m._buffers.get(name) is not b:
+                    m._buffers[name] = b
+                if b._version != version and copy is not None:
+                    b.copy_(copy)
+
+
+class RngReplay:
+    """Capture the random state of a device so that each chunk of directions draws the same numbers.
+
+    Random layers (dropout in training mode) must draw one mask per sample, shared by all output
+    directions; a chunked computation runs the forward pass once per chunk, so the generator is
+    reset before each chunk.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def reset(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)

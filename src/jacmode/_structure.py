@@ -1,0 +1,204 @@
+"""Seeds and assembly for each strategy: what the directions are and where their products go.
+
+Every strategy writes a flat result: (B, Y, N) when batched, (Y, N) when not, (numel(x),) for the
+elementwise diagonal. Forward mode fills columns n, reverse mode fills rows y.
+
+* broadcast: independent samples; direction d is e_d on every sample at once, so D tangents
+  (or Y cotangents) give every diagonal block (see design.md, "structure is compression").
+* per-sample: vmap over samples of vmap over outputs of vjp (parameters, independent samples).
+* whole-batch: the batch is one point; directions are one-hot over (b, d) or (b, y) and only the
+  diagonal block of each product is kept. Exact with coupled samples. For parameters in forward
+  mode, each tangent is shared by all samples and gives a whole column at once.
+* full: unbatched; one-hot directions over all of x or all of f(x).
+* diagonal: elementwise f; one tangent (or cotangent) of ones gives the diagonal.
+
+NOTE: [Memory of chunked results]
+Blocks are written into one preallocated result (or the caller's ``out=``); a single chunk that
+covers everything is returned without the copy. Per-sample parameter blocks are kept to a few MB
+so that the allocator re-uses their memory from chunk to chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ._forward import forward_columns
+from ._plan import Plan
+from ._problem import Problem
+from ._reverse import per_sample_rows, reverse_rows
+from ._state import RngReplay
+
+
+def one_hot(start: int, stop: int, n: int, like: Tensor) -> Tensor:
+    """Rows start..stop-1 of the n x n identity, without building the identity."""
+    k = stop - start
+    out = torch.zeros(k, n, dtype=like.dtype, device=like.device)
+    out[torch.arange(k, device=like.device), torch.arange(start, stop, device=like.device)] = 1
+    return out
+
+
+class _Result:
+    """A result filled block by block; a block covering everything is kept as it is."""
+
+    def __init__(self, shape: tuple[int, ...], like: Tensor, out: Optional[Tensor]) -> None:
+        self.shape, self.like, self.out = shape, like, out
+        self.value: Optional[Tensor] = out
+
+    def target(self) -> Tensor:
+        if self.value is None:
+            self.value = self.like.new_zeros(self.shape)
+        return self.value
+
+    def whole(self, block: Tensor) -> bool:
+        """Keep ``block`` as the result if nothing was preallocated; True if kept."""
+        if self.value is None:
+            self.value = block
+            return True
+        return False
+
+    def get(self) -> Tensor:
+        return self.target()
+
+
+def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
+    """Run the plan's strategy and return the flat result (see module docstring)."""
+    rng = RngReplay(p.device) if p.random else None
+    B, N, Y, z = p.batch, p.n_in, p.n_out, p.z
+    forward = plan.mode == "forward"
+    step = plan.chunk_size
+    engine = forward_columns if forward else reverse_rows
+
+    if plan.strategy == "diagonal":
+        res = _Result(tuple(z.shape), z, None)
+        seeds = lambda s, e: torch.ones_like(z).unsqueeze(0)  # noqa: E731
+        engine(p.fn, z, 1, seeds, lambda s, e, blk: res.whole(blk[0]), 1, rng)
+        return res.get()
+
+    if plan.strategy == "per-sample":
+        res = _Result((B, Y, N), z, out)
+
+        def place_rows(b0: int, b1: int, y0: int, y1: int, blk: Tensor) -> None:
+            if not (b0 == 0 and b1 == B and y0 == 0 and y1 == Y and res.whole(blk)):
+                res.target()[b0:b1, y0:y1] = blk
+
+        assert p.sample_fn is not None and plan.sample_chunk is not None
+        per_sample_rows(p.sample_fn, z, p.x, Y, place_rows, plan.sample_chunk, step, rng)
+        return res.get()
+
+    shape = (B, Y, N) if p.batched else (Y, N)
+    res = _Result(shape, z, out)
+    seeds, place = _SEEDS[(plan.strategy, forward, p.kind == "params")](p, res, plan.directions)
+    engine(p.fn, z, plan.directions, seeds, place, step, rng)
+    return res.get()
+
+
+Layout = tuple[Callable[[int, int], Tensor], Callable[[int, int, Tensor], None]]
+
+
+def _broadcast_forward(p: Problem, res: _Result, n: int) -> Layout:
+    # tangents (k, B, D): e_d on every sample; products (k, B, Y) are columns d of every block.
+    def seeds(s: int, e: int) -> Tensor:
+        return one_hot(s, e, p.n_in, p.z).unsqueeze(1).expand(e - s, p.batch, p.n_in)
+
+    def place(s: int, e: int, blk: Tensor) -> None:
+        blk = blk.permute(1, 2, 0)
+        if not (s == 0 and e == n and res.whole(blk)):
+            res.target()[:, :, s:e] = blk
+
+    return seeds, place
+
+
+def _broadcast_reverse(p: Problem, res: _Result, n: int) -> Layout:
+    # cotangents (k, B, Y): e_y on every sample; products (k, B, D) are rows y of every block.
+    def seeds(s: int, e: int) -> Tensor:
+        return one_hot(s, e, p.n_out, p.z).unsqueeze(1).expand(e - s, p.batch, p.n_out)
+
+    def place(s: int, e: int, blk: Tensor) -> None:
+        blk = blk.transpose(0, 1)
+        if not (s == 0 and e == n and res.whole(blk)):
+            res.target()[:, s:e] = blk
+
+    return seeds, place
+
+
+def _whole_batch_forward(p: Problem, res: _Result, n: int) -> Layout:
+    # inputs: tangent j = e_(b, d) with b, d = divmod(j, D); keep row b of its product.
+    def seeds(s: int, e: int) -> Tensor:
+        return one_hot(s, e, n, p.z).view(e - s, p.batch, p.n_in)
+
+    def place(s: int, e: int, blk: Tensor) -> None:
+        j = torch.arange(s, e, device=blk.device)
+        b, d = j // p.n_in, j % p.n_in
+        res.target()[b, :, d] = blk[torch.arange(e - s, device=blk.device), b]
+
+    return seeds, place
+
+
+def _whole_batch_reverse(p: Problem, res: _Result, n: int) -> Layout:
+    # cotangent j = e_(b, y) with b, y = divmod(j, Y); inputs keep row b of the product.
+    def seeds(s: int, e: int) -> Tensor:
+        return one_hot(s, e, n, p.z).view(e - s, p.batch, p.n_out)
+
+    def place(s: int, e: int, blk: Tensor) -> None:
+        j = torch.arange(s, e, device=blk.device)
+        b, y = j // p.n_out, j % p.n_out
+        if p.kind == "params":  # parameters are shared: the product is the whole row
+            res.target().view(-1, p.n_in)[s:e] = blk
+        else:
+            res.target()[b, y] = blk[torch.arange(e - s, device=blk.device), b]
+
+    return seeds, place
+
+
+def _params_forward(p: Problem, res: _Result, n: int) -> Layout:
+    # tangent e_p on the shared parameters: its product (k, B, Y) is column p of every sample.
+    def seeds(s: int, e: int) -> Tensor:
+        return one_hot(s, e, p.n_in, p.z)
+
+    def place(s: int, e: int, blk: Tensor) -> None:
+        blk = blk.permute(1, 2, 0) if p.batched else blk.transpose(0, 1)
+        if not (s == 0 and e == n and res.whole(blk)):
+            res.target()[..., s:e] = blk
+
+    return seeds, place
+
+
+def _full_forward(p: Problem, res: _Result, n: int) -> Layout:
+    def seeds(s: int, e: int) -> Tensor:
+        return one_hot(s, e, p.n_in, p.z)
+
+    def place(s: int, e: int, blk: Tensor) -> None:
+        blk = blk.transpose(0, 1)
+        if not (s == 0 and e == n and res.whole(blk)):
+            res.target()[:, s:e] = blk
+
+    return seeds, place
+
+
+def _full_reverse(p: Problem, res: _Result, n: int) -> Layout:
+    def seeds(s: int, e: int) -> Tensor:
+        return one_hot(s, e, p.n_out, p.z)
+
+    def place(s: int, e: int, blk: Tensor) -> None:
+        if not (s == 0 and e == n and res.whole(blk)):
+            res.target()[s:e] = blk
+
+    return seeds, place
+
+
+# (strategy, forward?, parameters?) -> layout builder
+_SEEDS = {
+    ("broadcast", True, False): _broadcast_forward,
+    ("broadcast", False, False): _broadcast_reverse,
+    ("whole-batch", True, False): _whole_batch_forward,
+    ("whole-batch", False, False): _whole_batch_reverse,
+    ("whole-batch", True, True): _params_forward,
+    ("whole-batch", False, True): _whole_batch_reverse,
+    ("full", True, False): _full_forward,
+    ("full", False, False): _full_reverse,
+    ("full", True, True): _params_forward,
+    ("full", False, True): _full_reverse,
+}
