@@ -13,7 +13,7 @@ Example:
 """
 
 from ._coupling import clear_cache
-from ._derivatives import derivative
+from ._derivatives import derivative, divergence, hessian, laplacian, partial
 from ._errors import CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
 from ._plan import Plan
@@ -26,6 +26,10 @@ __all__ = [
     "Plan",
     "clear_cache",
     "derivative",
+    "divergence",
+    "hessian",
     "jacobian",
+    "laplacian",
+    "partial",
     "plan",
 ]

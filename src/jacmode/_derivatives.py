@@ -51,3 +51,23 @@ def derivative(
     jac = jacobian(f, t, mode="forward", structure=structure, chunk_size=chunk_size,
                    create_graph=create_graph)
     return jac.squeeze(-1) if t.dim() == 2 else jac
+
+
+def partial(f: Callable[[Tensor], Tensor], x: Tensor, dims: tuple[int, ...], **kw: object) -> Tensor:
+    """Per-sample mixed partial derivative along input coordinates ``dims`` (to be written)."""
+    raise NotImplementedError
+
+
+def hessian(f: Callable[[Tensor], Tensor], x: Tensor, **kw: object) -> Tensor:
+    """Per-sample Hessian, (B, *out, D, D) (to be written)."""
+    raise NotImplementedError
+
+
+def laplacian(f: Callable[[Tensor], Tensor], x: Tensor, **kw: object) -> Tensor:
+    """Per-sample Laplacian, (B, *out) (to be written)."""
+    raise NotImplementedError
+
+
+def divergence(f: Callable[[Tensor], Tensor], x: Tensor, **kw: object) -> Tensor:
+    """Per-sample divergence of f: (B, D) -> (B, D), shape (B,) (to be written)."""
+    raise NotImplementedError

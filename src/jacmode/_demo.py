@@ -1,0 +1,5 @@
+"""``python -m jacmode demo`` (to be written)."""
+
+
+def main() -> int:
+    raise SystemExit("demo: not written yet")
