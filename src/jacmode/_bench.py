@@ -128,17 +128,6 @@ def _child(send: Any, args: tuple) -> None:
         send.close()
 
 
-def _preload() -> None:
-    """Import what torch.func loads lazily (about 1 s), once here instead of in every process."""
-    import importlib
-
-    for name in ("torch._dynamo", "torch._decomp.decompositions_for_jvp"):
-        try:
-            importlib.import_module(name)
-        except ImportError:  # pragma: no cover - other torch versions
-            pass
-
-
 def _in_fresh_process(args: tuple) -> dict:
     ctx = multiprocessing.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
@@ -194,6 +183,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the cases, print the table, write the JSON and the plot if asked."""
     import torch
 
+    from ._baselines import preload
+
     from ._bench_report import add_ratios, check_plotting, plot, table
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -209,7 +200,7 @@ def main(args: argparse.Namespace) -> int:
     if args.tiny:  # tests: one thread, so that a busy machine cannot stall the parallel regions
         torch.set_num_threads(1)
     if fork:
-        _preload()
+        preload()
     rows = []
     for item in _progress(cases(args.quick, args.tiny)):
         call = (*item, args.device, budget, memory)
