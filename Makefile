@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench docs asv-check clean
+.PHONY: demo test bench bench-docs docs asv-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -26,6 +26,10 @@ $(VENV)/.extra-%: $(STAMP)
 BENCH_ARGS ?= --quick
 bench: $(VENV)/.extra-bench
 	$(BIN)/python -m jacmode bench $(BENCH_ARGS)
+
+# The table, plot and raw figures of docs/benchmarks.md (a few minutes; run on a quiet machine).
+bench-docs: $(VENV)/.extra-bench
+	$(BIN)/python -m jacmode bench --plot docs/img/bench.png --json docs/data/bench.json > docs/data/bench-table.md
 
 docs: $(VENV)/.extra-docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

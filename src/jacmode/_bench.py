@@ -184,7 +184,6 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from ._baselines import preload
-
     from ._bench_report import add_ratios, check_plotting, plot, table
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -199,8 +198,8 @@ def main(args: argparse.Namespace) -> int:
     budget = 0.02 if args.tiny else 0.25 if args.quick else 2.0
     if args.tiny:  # tests: one thread, so that a busy machine cannot stall the parallel regions
         torch.set_num_threads(1)
-    if fork:
-        preload()
+    preload()
+    load = [_load()]
     rows = []
     for item in _progress(cases(args.quick, args.tiny)):
         call = (*item, args.device, budget, memory)
@@ -209,15 +208,22 @@ def main(args: argparse.Namespace) -> int:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     add_ratios(rows)
-    report = {"machine": machine(args.device, args.quick), "memory": kind, "results": rows}
+    report = {"machine": {**machine(args.device, args.quick), "load_average": load + [_load()]},
+              "memory": kind, "results": rows}
+    m = report["machine"]
     print(table(rows, kind))
-    print(f"\n{report['machine']['device']}; torch {report['machine']['torch']}; {report['machine']['date']}")
+    print(f"\n{m['device']}; torch {m['torch']}; {m['date']}; 1-minute load average "
+          f"{m['load_average'][0]} before, {m['load_average'][1]} after (other processes slow the timings)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     if args.plot:
         plot(report, args.plot)
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _load() -> Optional[float]:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
 
 
 def _child_inline(call: tuple) -> dict:
