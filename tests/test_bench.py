@@ -100,7 +100,9 @@ def test_bench_plot(tiny_run: tuple, tmp_path: Path) -> None:
     assert (tmp_path / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_missing_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_missing_matplotlib_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert _bench_report.check_plotting() is False
     assert "pip install 'jacmode[plot]'" in capsys.readouterr().err
@@ -108,7 +110,9 @@ def test_missing_matplotlib_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, 
     assert _bench.main(args) == 2
 
 
-def test_missing_tqdm_gives_plain_progress_lines(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+def test_missing_tqdm_gives_plain_progress_lines(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     monkeypatch.setitem(sys.modules, "tqdm", None)
     items = list(_bench._progress([("dydt", 4, "jacmode"), ("dydt", 16, "jacmode")]))
     err = capsys.readouterr().err

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -72,8 +72,10 @@ class BenchProblem:
 
 
 PROBLEMS = {
-    "params": BenchProblem("(B, 10, 15910) parameter Jacobian of the MNIST MLP", mnist_mlp, (784,), (2, 64, 512), 64),
-    "dydt": BenchProblem("(B, 4) dy/dt of the 1-20-20-4 tanh MLP", time_mlp, (1,), (100, 1000, 100_000), 1000),
+    "params": BenchProblem("(B, 10, 15910) parameter Jacobian of the MNIST MLP", mnist_mlp,
+                           features=(784,), sizes=(2, 64, 512), small=64),
+    "dydt": BenchProblem("(B, 4) dy/dt of the 1-20-20-4 tanh MLP", time_mlp,
+                         features=(1,), sizes=(100, 1000, 100_000), small=1000),
 }
 
 
@@ -123,7 +125,7 @@ def params_autograd_jacobian(model: nn.Module, x: Tensor) -> Tensor:
 
 def _jacmode_params(mode: str) -> Method:
     def method(model: nn.Module, x: Tensor) -> Tensor:
-        return jm.jacobian(model, x, wrt="params", mode=mode)
+        return cast(Tensor, jm.jacobian(model, x, wrt="params", mode=mode))
 
     return method
 
@@ -177,7 +179,7 @@ METHODS: dict[str, dict[str, Method]] = {
         "autograd.grad with ones": dydt_grad_ones,
         "jvp with ones": dydt_jvp_ones,
         "jacmode": lambda net, t: jm.derivative(net, t),
-        "jacmode.jacobian": lambda net, t: jm.jacobian(net, t),
+        "jacmode.jacobian": lambda net, t: cast(Tensor, jm.jacobian(net, t)),
     },
 }
 # The idioms whose cost grows faster than the batch: timed only up to BenchProblem.small.

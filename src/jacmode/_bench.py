@@ -6,8 +6,8 @@ anything (CPU, Linux), so no method inherits another's allocator pages or warm c
 process a call on two samples first pays the one-time costs (lazy imports, vmap set-up, the
 coupling probe); then the first call on the whole batch is the measured-memory call: its peak
 resident memory above the set-up (Linux VmHWM after resetting it through /proc/self/clear_refs)
-is reported, result included. The following calls are timed with ``time.perf_counter`` until a time budget is spent; the median is
-reported. On CUDA everything runs in this process: peak memory is
+is reported, result included. The following calls are timed with ``time.perf_counter`` until a
+time budget is spent; the median is reported. On CUDA everything runs in this process: peak memory is
 ``torch.cuda.max_memory_allocated`` above the allocation before the first call, and each timed
 call ends with ``torch.cuda.synchronize``. Where neither is available the peak is the growth of
 ``ru_maxrss`` during the first call, a lower bound, and labelled so.
@@ -33,7 +33,8 @@ MemoryProbe = Callable[[], Callable[[], int]]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (default cpu)")
-    parser.add_argument("--quick", action="store_true", help="fewer methods, smaller loops, shorter timing (< 1 min)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer methods, smaller loops, shorter timing (< 1 min)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw time against B, log-log (needs matplotlib)")
     parser.add_argument("--json", metavar="FILE", help="write the raw figures and the machine as JSON")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: tiny sizes
@@ -149,7 +150,8 @@ def _progress(items: list) -> Iterable:
     try:
         from tqdm import tqdm
     except ImportError:
-        print("bench: tqdm is not installed (pip install 'jacmode[bench]'); plain progress lines.", file=stream)
+        print("bench: tqdm is not installed (pip install 'jacmode[bench]'); plain progress lines.",
+              file=stream)
         return _plain(items, stream)
     return tqdm(items, desc="bench", unit="case", file=stream)
 
@@ -187,7 +189,8 @@ def main(args: argparse.Namespace) -> int:
     from ._bench_report import add_ratios, check_plotting, plot, table
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench: --device cuda, but torch.cuda.is_available() is False; use --device cpu.", file=sys.stderr)
+        print("bench: --device cuda, but torch.cuda.is_available() is False; use --device cpu.",
+              file=sys.stderr)
         return 2
     if args.plot and not check_plotting():
         return 2
@@ -208,9 +211,8 @@ def main(args: argparse.Namespace) -> int:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     add_ratios(rows)
-    report = {"machine": {**machine(args.device, args.quick), "load_average": load + [_load()]},
-              "memory": kind, "results": rows}
-    m = report["machine"]
+    m: dict[str, Any] = {**machine(args.device, args.quick), "load_average": load + [_load()]}
+    report = {"machine": m, "memory": kind, "results": rows}
     print(table(rows, kind))
     print(f"\n{m['device']}; torch {m['torch']}; {m['date']}; 1-minute load average "
           f"{m['load_average'][0]} before, {m['load_average'][1]} after (other processes slow the timings)")

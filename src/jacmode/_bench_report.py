@@ -15,7 +15,8 @@ def add_ratios(rows: list[dict]) -> None:
         >>> add_ratios(rows); [r["ratio"] for r in rows]
         [1.0, 5.0]
     """
-    ref = {(r["problem"], r["B"]): r["median_ms"] for r in rows if r["method"] == "jacmode" and "median_ms" in r}
+    ref = {(r["problem"], r["B"]): r["median_ms"]
+           for r in rows if r["method"] == "jacmode" and "median_ms" in r}
     for r in rows:
         base = ref.get((r["problem"], r["B"]))
         r["ratio"] = r["median_ms"] / base if base and "median_ms" in r else None
@@ -37,14 +38,16 @@ def table(rows: list[dict], memory: str) -> str:
         <BLANKLINE>
         peak memory: peak RSS
     """
-    lines = ["| problem | B | method | median ms | time / jacmode | peak memory |", "|---|---:|---|---:|---:|---:|"]
+    lines = ["| problem | B | method | median ms | time / jacmode | peak memory |",
+             "|---|---:|---|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['problem']} | {r['B']} | {r['method']} | failed: {r['error']} | | |")
             continue
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}"
         ms = f"{r['median_ms']:.3g}" if r["median_ms"] < 1000 else f"{r['median_ms']:.0f}"
-        lines.append(f"| {r['problem']} | {r['B']} | {r['method']} | {ms} | {ratio} | {_mb(r.get('peak_bytes'))} |")
+        mem = _mb(r.get("peak_bytes"))
+        lines.append(f"| {r['problem']} | {r['B']} | {r['method']} | {ms} | {ratio} | {mem} |")
     return "\n".join(lines) + f"\n\npeak memory: {memory}"
 
 
@@ -53,7 +56,8 @@ def check_plotting() -> bool:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print("bench: --plot needs matplotlib: pip install 'jacmode[plot]' (or drop --plot).", file=sys.stderr)
+        print("bench: --plot needs matplotlib: pip install 'jacmode[plot]' (or drop --plot).",
+              file=sys.stderr)
         return False
     return True
 
@@ -69,12 +73,15 @@ def plot(report: dict, path: str) -> None:
 
     rows = [r for r in report["results"] if "median_ms" in r]
     problems = list(dict.fromkeys(r["problem"] for r in rows))
+    others = dict.fromkeys(r["method"] for r in rows if r["method"] != "jacmode")
+    colours = {m: f"C{i}" for i, m in enumerate(others)}
     fig, axes = plt.subplots(1, len(problems), figsize=(6.2 * len(problems), 4.6), squeeze=False)
     for ax, problem in zip(axes[0], problems):
         mine = [r for r in rows if r["problem"] == problem]
         for method in dict.fromkeys(r["method"] for r in mine):
             pts = sorted((r["B"], r["median_ms"]) for r in mine if r["method"] == method)
-            style = {"lw": 2.6, "color": "black"} if method == "jacmode" else {"lw": 1.4}
+            jm = method == "jacmode"
+            style = {"lw": 2.6 if jm else 1.4, "color": "black" if jm else colours[method]}
             ax.plot(*zip(*pts), marker="o", label=method, **style)
         ax.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="median time per call (ms)",
                title=PROBLEMS[problem].title if problem in PROBLEMS else problem)
