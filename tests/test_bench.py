@@ -75,6 +75,7 @@ def test_bench_json_has_every_case_and_the_machine(tiny_run: tuple) -> None:
     assert [(r["problem"], r["B"], r["method"]) for r in rows] == _bench.cases(quick=True, tiny=True)
     assert {"date", "device", "torch", "jacmode", "quick"} <= set(report["machine"])
     assert report["machine"]["torch"] == torch.__version__
+    assert report["machine"]["torch_threads"] == 1  # --tiny runs on one thread
     assert "VmHWM" in report["memory"] or "ru_maxrss" in report["memory"]
     for r in rows:
         assert "error" not in r, r
@@ -123,6 +124,11 @@ def test_missing_tqdm_gives_plain_progress_lines(
 def test_cuda_without_cuda_is_refused(capsys: pytest.CaptureFixture) -> None:
     assert _bench.main(_parse(["bench", "--device", "cuda", "--tiny"])) == 2
     assert "torch.cuda.is_available() is False" in capsys.readouterr().err
+
+
+def test_threads_must_be_positive(capsys: pytest.CaptureFixture) -> None:
+    assert _bench.main(_parse(["bench", "--threads", "0"])) == 2
+    assert "--threads expects a positive number, got 0" in capsys.readouterr().err
 
 
 def _parse(argv: list[str]):

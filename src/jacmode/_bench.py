@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fewer methods, smaller loops, shorter timing (< 1 min)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw time against B, log-log (needs matplotlib)")
     parser.add_argument("--json", metavar="FILE", help="write the raw figures and the machine as JSON")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="torch CPU threads (default: torch's own); 1 is steadier on a busy machine")
     parser.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: tiny sizes
 
 
@@ -199,8 +201,12 @@ def main(args: argparse.Namespace) -> int:
     kind = {_cuda_peak: "cuda max_memory_allocated", _rss_peak: "peak RSS above set-up (VmHWM)",
             _maxrss_growth: "ru_maxrss growth (lower bound)"}[memory]
     budget = 0.02 if args.tiny else 0.25 if args.quick else 2.0
-    if args.tiny:  # tests: one thread, so that a busy machine cannot stall the parallel regions
-        torch.set_num_threads(1)
+    threads = 1 if args.tiny else args.threads  # tests: one thread, steady on a busy machine
+    if threads is not None:
+        if threads < 1:
+            print(f"bench: --threads expects a positive number, got {threads}.", file=sys.stderr)
+            return 2
+        torch.set_num_threads(threads)
     preload()
     load = [_load()]
     rows = []
@@ -214,8 +220,9 @@ def main(args: argparse.Namespace) -> int:
     m: dict[str, Any] = {**machine(args.device, args.quick), "load_average": load + [_load()]}
     report = {"machine": m, "memory": kind, "results": rows}
     print(table(rows, kind))
-    print(f"\n{m['device']}; torch {m['torch']}; {m['date']}; 1-minute load average "
-          f"{m['load_average'][0]} before, {m['load_average'][1]} after (other processes slow the timings)")
+    print(f"\n{m['device']}; torch {m['torch']}, {m['torch_threads']} threads; {m['date']}; "
+          f"1-minute load average {m['load_average'][0]} before, {m['load_average'][1]} after "
+          "(other processes slow the timings)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
