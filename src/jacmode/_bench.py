@@ -220,7 +220,8 @@ def main(args: argparse.Namespace) -> int:
     m: dict[str, Any] = {**machine(args.device, args.quick), "load_average": load + [_load()]}
     report = {"machine": m, "memory": kind, "results": rows}
     print(table(rows, kind))
-    print(f"\n{m['device']}; torch {m['torch']}, {m['torch_threads']} threads; {m['date']}; "
+    n_threads = f"{m['torch_threads']} thread" + ("s" if m["torch_threads"] != 1 else "")
+    print(f"\n{m['device']}; torch {m['torch']}, {n_threads}; {m['date']}; "
           f"1-minute load average {m['load_average'][0]} before, {m['load_average'][1]} after "
           "(other processes slow the timings)")
     if args.json:
