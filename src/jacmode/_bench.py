@@ -7,10 +7,11 @@ process a call on two samples first pays the one-time costs (lazy imports, vmap 
 coupling probe); then the first call on the whole batch is the measured-memory call: its peak
 resident memory above the set-up (Linux VmHWM after resetting it through /proc/self/clear_refs)
 is reported, result included. The following calls are timed with ``time.perf_counter`` until a
-time budget is spent; the median is reported. On CUDA everything runs in this process: peak memory is
-``torch.cuda.max_memory_allocated`` above the allocation before the first call, and each timed
-call ends with ``torch.cuda.synchronize``. Where neither is available the peak is the growth of
-``ru_maxrss`` during the first call, a lower bound, and labelled so.
+time budget is spent; the median is reported. The parent only imports (it never enters an OpenMP
+parallel region, which would not survive the fork). On CUDA everything runs in this process: peak
+memory is ``torch.cuda.max_memory_allocated`` above the allocation before the first call, and
+each timed call ends with ``torch.cuda.synchronize``. Where neither is available the peak is the
+growth of ``ru_maxrss`` during the first call, a lower bound, and labelled so.
 """
 
 from __future__ import annotations
