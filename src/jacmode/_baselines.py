@@ -92,15 +92,16 @@ def _concat(blocks: "list[Tensor] | tuple[Tensor, ...]") -> Tensor:
 
 
 def params_loop(model: nn.Module, x: Tensor) -> Tensor:
-    """The users' loop: per sample and output, a forward pass and ``autograd.grad``; B*Y passes."""
+    """The users' loop as they wrote it: per sample and output, a forward pass of that sample and
+    ``autograd.grad`` of that output; B*Y forward and backward passes."""
     params = list(model.parameters())
+    n_out = model(x[:1]).shape[1]
     rows = []
     for b in range(x.shape[0]):
-        out = model(x[b : b + 1])[0]
-        for y in range(out.shape[0]):
-            grads = torch.autograd.grad(out[y], params, retain_graph=True)
+        for y in range(n_out):
+            grads = torch.autograd.grad(model(x[b : b + 1])[0, y], params)
             rows.append(torch.cat([g.reshape(-1) for g in grads]))
-    return torch.stack(rows).reshape(x.shape[0], -1, rows[0].numel())
+    return torch.stack(rows).reshape(x.shape[0], n_out, -1)
 
 
 def params_vmap_jacrev(model: nn.Module, x: Tensor) -> Tensor:
@@ -134,13 +135,15 @@ def _jacmode_params(mode: str) -> Method:
 
 
 def dydt_loop(net: nn.Module, t: Tensor) -> Tensor:
-    """The users' loop: per time step a forward pass, per output ``autograd.grad``; B*4 passes."""
-    rows = []
+    """The users' loop, like the parameter loop: per time step and output, a forward pass of that
+    step and ``autograd.grad`` of that output; B*4 forward and backward passes."""
+    n_out = net(t[:1]).shape[1]
+    out = torch.empty(t.shape[0], n_out, dtype=t.dtype, device=t.device)
     for b in range(t.shape[0]):
-        tb = t[b : b + 1].detach().requires_grad_(True)
-        out = net(tb)[0]
-        rows.append(torch.stack([torch.autograd.grad(o, tb, retain_graph=True)[0][0, 0] for o in out]))
-    return torch.stack(rows)
+        for i in range(n_out):
+            tb = t[b : b + 1].detach().requires_grad_(True)
+            out[b, i] = torch.autograd.grad(net(tb)[0, i], tb)[0][0, 0]
+    return out
 
 
 def dydt_full_diagonal(net: nn.Module, t: Tensor) -> Tensor:

@@ -201,7 +201,7 @@ def main(args: argparse.Namespace) -> int:
     memory: MemoryProbe = _cuda_peak if args.device == "cuda" else (_rss_peak if fork else _maxrss_growth)
     kind = {_cuda_peak: "cuda max_memory_allocated", _rss_peak: "peak RSS above set-up (VmHWM)",
             _maxrss_growth: "ru_maxrss growth (lower bound)"}[memory]
-    budget = 0.02 if args.tiny else 0.25 if args.quick else 2.0
+    budget = 0.02 if args.tiny else 0.25 if args.quick else 1.0
     threads = 1 if args.tiny else args.threads  # tests: one thread, steady on a busy machine
     if threads is not None:
         if threads < 1:

@@ -88,7 +88,8 @@ def plot(report: dict, path: str) -> None:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     m = report["machine"]
-    fig.suptitle(f"{m['device']}, torch {m['torch']}, {m['date']}", fontsize=9)
+    threads = m.get("torch_threads", "?")
+    fig.suptitle(f"{m['device']}, torch {m['torch']} ({threads} threads), {m['date']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
