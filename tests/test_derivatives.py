@@ -370,3 +370,20 @@ def test_negative_dims_count_from_the_end() -> None:
     x = torch.randn(2, 3, dtype=DT)
     torch.testing.assert_close(jm.partial(net, x, (-1, 0)), jm.partial(net, x, (2, 0)))
     torch.testing.assert_close(jm.partial(net, x, 1), jm.partial(net, x, (1,)))
+
+
+def test_worked_example_trains() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "pinn_oscillator.py"
+    spec = importlib.util.spec_from_file_location("pinn_oscillator", path)
+    example = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(example)  # type: ignore[union-attr]
+    t = torch.linspace(0, 1, 16).unsqueeze(1)
+
+    def loss(steps: int) -> float:
+        pde, ic = example.losses(example.train(steps)[0], t, torch.zeros(1, 1))
+        return (pde + 10 * ic).item()
+
+    assert loss(30) < 0.1 * loss(0)

@@ -4,6 +4,9 @@ Each operator validates its arguments (``_checks``), describes the problem (``_p
 which runs the coupling probe of ``_coupling``), then differentiates with one of two engines that
 have the same functions and shapes: ``_taylor`` (Taylor mode, for an ``nn.Sequential`` of
 ``nn.Linear`` and known activations) or ``_nested`` (nested forward mode, for any callable).
+Such a stack treats every sample on its own and has no state, so the fast path skips the probe
+and the state guard (a PINN calls these operators thousands of times on small batches, where that
+overhead would show).
 
 NOTE: [Chunks of the derivative operators]
 ``chunk_size`` bounds the width of one vectorised pass, as in :func:`jacmode.jacobian`. laplacian
@@ -100,14 +103,20 @@ def _validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, creat
 @contextlib.contextmanager
 def _target(f: Fn, x: Tensor, opts: Options) -> Iterator[_Target]:
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
+    in_shape = tuple(x.shape[1:])
+    layers = _taylor.layers_of(f, in_shape)
+    if layers is not None:  # independent samples and no state by construction: no probe needed
+        with grad_mode:
+            z = x if opts.create_graph else x.detach()
+            yield _Target(key=f, fn=f, z=z, in_shape=in_shape, layers=layers, coupled=False, rng=None,
+                          out_shape=(_taylor.out_features(layers, in_shape[0]),))
+        return
     with preserved_state(f), grad_mode:
         p = describe(f, x, opts)
-        in_shape, n_out = p.in_shape, p.n_out
+        n_out = p.n_out
         fn = lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)  # noqa: E731
-        layers = _taylor.layers_of(f, in_shape)
-        yield _Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, layers=layers,
-                      coupled=p.structure == "coupled" and layers is None,
-                      rng=RngReplay(p.device) if p.random else None)
+        yield _Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, layers=None,
+                      coupled=p.structure == "coupled", rng=RngReplay(p.device) if p.random else None)
 
 
 def _direction_chunks(t: _Target, n: int, chunk_size: Optional[int]) -> tuple[list[range], Optional[int]]:

@@ -156,9 +156,13 @@ def partial(layers: Sequence[nn.Module], z: Tensor, dims: Key) -> Tensor:
     return out.expand(z.shape[0], out.shape[-1]) if out.shape[0] != z.shape[0] else out
 
 
+def out_features(layers: Sequence[nn.Module], d: int) -> int:
+    """Y, the output width of the stack for inputs of width d."""
+    return next((m.out_features for m in reversed(layers) if type(m) is nn.Linear), d)
+
+
 def _zeros(layers: Sequence[nn.Module], z: Tensor) -> Tensor:
-    width = next((m.out_features for m in reversed(layers) if type(m) is nn.Linear), z.shape[1])
-    return z.new_zeros(z.shape[0], width)
+    return z.new_zeros(z.shape[0], out_features(layers, z.shape[1]))
 
 
 def _linear(t: Optional[Tensor], layer: nn.Module) -> Optional[Tensor]:
