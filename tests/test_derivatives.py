@@ -387,3 +387,17 @@ def test_worked_example_trains() -> None:
         return (pde + 10 * ic).item()
 
     assert loss(30) < 0.1 * loss(0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("generic", [False, True], ids=["module", "lambda"])
+def test_cuda_matches_cpu(generic: bool) -> None:
+    import copy
+
+    net = mlp(3, 2)
+    f_cpu, f_gpu = as_generic(net, generic), as_generic(copy.deepcopy(net).cuda(), generic)
+    x = torch.randn(6, 3, dtype=DT)
+    for op in (lambda f, x: jm.partial(f, x, (0, 1, 1)), jm.hessian, jm.laplacian):
+        gpu = op(f_gpu, x.cuda())
+        assert gpu.device.type == "cuda"
+        torch.testing.assert_close(gpu.cpu(), op(f_cpu, x))
