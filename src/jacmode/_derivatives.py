@@ -193,7 +193,7 @@ def derivative(
     if isinstance(order, bool) or not isinstance(order, int):
         raise TypeError(f"order: expected a positive int, got {type(order).__name__} ({order!r}).")
     if order < 1:
-        raise ValueError(f"order: expected a positive int (1 for dy/dt, 2 for d2y/dt2, ...), got {order}.")
+        raise ValueError(f"order: expected a positive int, got {order}. Use 1 for dy/dt, 2 for d2y/dt2, ...")
     return _partial(f, t, (0,) * order, opts)
 
 
