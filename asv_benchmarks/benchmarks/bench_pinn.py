@@ -232,20 +232,23 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of {repeats}, ms")
 
     print(f"\nu_t and u_xx, tanh MLP 2-64-64-1, B={B_FIRST_SECOND}, create_graph=True")
-    print("| operator | jacmode | jacmode generic | grad with ones | loop (scaled) | idiom / jacmode | loop / jacmode | step: jacmode | step: grad ones |")
+    print("| operator | jacmode | jacmode generic | grad with ones | loop (scaled) | idiom / jacmode "
+          "| loop / jacmode | step: jacmode | step: grad ones |")
     print("|---|---|---|---|---|---|---|---|---|")
     for op in DIMS:
         benches = {m: PinnFirstSecond() for m in PARTIAL}
         for m, b in benches.items():
             b.setup(op, m)
         calls = {m: (lambda b=b: b.time_call(op, "")) for m, b in benches.items() if m != "loop"}
-        steps = {m: (lambda b=b: b.time_train_step(op, "")) for m, b in benches.items() if m in ("jacmode", "grad_ones")}
+        steps = {m: (lambda b=b: b.time_train_step(op, "")) for m, b in benches.items()
+                 if m in ("jacmode", "grad_ones")}
         t = _median_ms(calls, repeats)
         s = _median_ms(steps, repeats)
         lp = _median_ms({"loop": lambda: benches["loop"].time_call(op, "")}, max(1, repeats // 5))["loop"]
         lp *= B_FIRST_SECOND / LOOP_SAMPLES
         print(f"| {op} | {t['jacmode']:.2f} | {t['jacmode_generic']:.2f} | {t['grad_ones']:.2f} | {lp:.0f} | "
-              f"{t['grad_ones'] / t['jacmode']:.2f}x | {lp / t['jacmode']:.0f}x | {s['jacmode']:.2f} | {s['grad_ones']:.2f} |")
+              f"{t['grad_ones'] / t['jacmode']:.2f}x | {lp / t['jacmode']:.0f}x | {s['jacmode']:.2f} | "
+              f"{s['grad_ones']:.2f} |")
 
     print(f"\nLaplacian, tanh MLP 10-64-64-1, B={B_LAPLACIAN}, create_graph=True")
     benches = {m: PinnLaplacian() for m in LAPLACIAN}

@@ -111,7 +111,7 @@ def _sigmoid_derivs(h: Tensor, n: int) -> list[Tensor]:
 
 
 def _softplus(layer: nn.Module, h: Tensor, n: int) -> Jet:
-    beta, threshold = float(layer.beta), float(layer.threshold)
+    beta, threshold = float(getattr(layer, "beta")), float(getattr(layer, "threshold"))
     linear = h * beta > threshold
     s = _sigmoid_derivs(h * beta, max(0, n - 1))
     derivs: list[Optional[Tensor]] = [torch.where(linear, torch.ones_like(h), s[0])]
@@ -148,8 +148,9 @@ def _relu(layer: nn.Module, h: Tensor, n: int) -> Jet:
 
 
 def _leaky_relu(layer: nn.Module, h: Tensor, n: int) -> Jet:
-    slope = float(layer.negative_slope)
-    return _piecewise_linear(F.leaky_relu(h, slope), torch.where(h > 0, torch.ones_like(h), torch.full_like(h, slope)), n)
+    slope = float(getattr(layer, "negative_slope"))
+    slopes = torch.where(h > 0, torch.ones_like(h), torch.full_like(h, slope))
+    return _piecewise_linear(F.leaky_relu(h, slope), slopes, n)
 
 
 def _identity(layer: nn.Module, h: Tensor, n: int) -> Jet:

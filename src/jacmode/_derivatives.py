@@ -1,152 +1,22 @@
 """Derivative operators for physics-informed training, per sample and differentiable.
 
-Each operator validates its arguments (``_checks``), describes the problem (``_problem.describe``,
-which runs the coupling probe of ``_coupling``), then differentiates with one of two engines that
-have the same functions and shapes: ``_taylor`` (Taylor mode, for an ``nn.Sequential`` of
-``nn.Linear`` and known activations) or ``_nested`` (nested forward mode, for any callable).
-Such a stack treats every sample on its own and has no state, so the fast path skips the probe
-and the state guard (a PINN calls these operators thousands of times on small batches, where that
-overhead would show).
-
-NOTE: [Chunks of the derivative operators]
-``chunk_size`` bounds the width of one vectorised pass, as in :func:`jacmode.jacobian`. laplacian
-and divergence vectorise the D coordinate directions, hessian the D (D + 1) / 2 pairs of them, so
-there it counts directions (pairs); derivative and partial push a single direction shared by all
-samples, so there it counts samples. With ``structure="coupled"`` every sample needs tangents of its
-own (vmapped over samples, B times the work), and chunk_size counts samples x directions.
+Each operator validates its arguments, builds the :class:`~jacmode._operands.Target` (which picks
+Taylor mode for a known ``nn.Sequential`` and nested forward mode otherwise, see ``_operands.py``)
+and assembles the user-facing shape.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-import operator
-import weakref
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
-from torch.func import vmap
+from torch import Tensor
 
-from . import _checks, _nested, _taylor
 from ._checks import Options
-from ._jacobian import _options
-from ._problem import describe
-from ._state import RngReplay, preserved_state
-from ._structure import one_hot
+from ._operands import check_dims, direction_chunks, target, validated
 
 Fn = Callable[[Tensor], Tensor]
-_NO_FORWARD_AD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions that need reverse mode
-@dataclass
-class _Target:
-    """The function to differentiate in flat form, and the engine that will do it."""
-
-    key: Any  # the user's f: remembers that it needs reverse mode
-    fn: Fn  # z (b, N) -> (b, Y), for any number b of samples
-    z: Tensor  # (B, N)
-    in_shape: tuple[int, ...]
-    out_shape: tuple[int, ...]
-    layers: Optional[list[nn.Module]]  # the Taylor fast path applies when not None
-    coupled: bool
-    rng: Optional[RngReplay]
-
-    def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
-        if self.layers is not None:
-            return getattr(_taylor, name)(self.layers, z, *args)
-        engine = getattr(_nested, name)
-        if self.key not in _NO_FORWARD_AD:
-            try:
-                return engine(self.fn, z, *args, scale)
-            except NotImplementedError as err:  # an op without a forward-mode rule: see _nested
-                if "forward" not in str(err).lower() and "jvp" not in str(err).lower():
-                    raise
-                with contextlib.suppress(TypeError):
-                    _NO_FORWARD_AD.add(self.key)
-        return engine(self.fn, z, *args, scale, reverse=True)
-
-    def over_samples(self, width: Optional[int], lead: tuple[int, ...],
-                     compute: Callable[[Tensor, Optional[Tensor]], Tensor]) -> Tensor:
-        """``compute(z, scale) -> (*lead, b, Y)`` for all samples, ``width`` samples at a time."""
-        batch, n_out = self.z.shape[0], math.prod(self.out_shape)
-        if batch == 0 or n_out == 0:
-            return self.z.new_zeros(*lead, batch, n_out)
-        width = batch if width is None else width
-        if self.rng is not None:
-            self.rng.reset()
-        if not self.coupled:
-            if width >= batch:
-                return compute(self.z, None)
-            return torch.cat([compute(self.z[s : s + width], None) for s in range(0, batch, width)], -2)
-        blocks = []
-        for s in range(0, batch, width):
-            e = min(batch, s + width)
-            out = vmap(lambda m: compute(self.z, m), randomness="same")(one_hot(s, e, batch, self.z)[..., None])
-            k = torch.arange(e - s, device=out.device)
-            blocks.append(out.movedim(-2, 1)[k, s + k].movedim(0, -2))  # (*lead, e - s, Y)
-        return torch.cat(blocks, -2)
-
-
-def _validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create_graph: Any) -> Options:
-    _checks.check_input(x, wrt="inputs", batched=True, name=name)
-    opts = _options(f, x, wrt="inputs", mode="forward", batched=True, structure=structure,
-                    chunk_size=chunk_size, create_graph=create_graph, flatten=True)
-    if opts.structure == "diagonal":
-        raise ValueError(
-            "structure: 'diagonal' does not apply to the derivative operators. Use 'auto' (the "
-            "default), 'independent' or 'coupled'; for elementwise f pass x of shape (B,) "
-            "and use jacmode.derivative."
-        )
-    return opts
-
-
-@contextlib.contextmanager
-def _target(f: Fn, x: Tensor, opts: Options) -> Iterator[_Target]:
-    grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
-    in_shape = tuple(x.shape[1:])
-    layers = _taylor.layers_of(f, in_shape)
-    if layers is not None:  # independent samples and no state by construction: no probe needed
-        with grad_mode:
-            z = x if opts.create_graph else x.detach()
-            yield _Target(key=f, fn=f, z=z, in_shape=in_shape, layers=layers, coupled=False, rng=None,
-                          out_shape=(_taylor.out_features(layers, in_shape[0]),))
-        return
-    with preserved_state(f), grad_mode:
-        p = describe(f, x, opts)
-        n_out = p.n_out
-        fn = lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)  # noqa: E731
-        yield _Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, layers=None,
-                      coupled=p.structure == "coupled", rng=RngReplay(p.device) if p.random else None)
-
-
-def _direction_chunks(t: _Target, n: int, chunk_size: Optional[int]) -> tuple[list[range], Optional[int]]:
-    """Chunks of the n directions, and samples per pass (see the note on chunks)."""
-    if t.coupled:
-        return [range(n)], None if chunk_size is None else max(1, chunk_size // max(n, 1))
-    step = max(1, chunk_size or n)
-    return [range(s, min(n, s + step)) for s in range(0, n, step)], None
-
-
-def _check_dims(dims: Any, n: int) -> tuple[int, ...]:
-    items = (dims,) if isinstance(dims, int) and not isinstance(dims, bool) else dims
-    try:
-        if isinstance(items, (str, bytes)) or any(isinstance(d, bool) for d in items):
-            raise TypeError
-        items = tuple(operator.index(d) for d in items)
-    except TypeError:
-        raise TypeError(
-            f"dims: expected a tuple of input coordinates, e.g. (0,) for u_t or (1, 1) for u_xx, "
-            f"got {type(dims).__name__} ({dims!r})."
-        ) from None
-    if not items:
-        raise ValueError("dims: expected at least one coordinate to differentiate along, got ().")
-    bad = [d for d in items if not -n <= d < n]
-    if bad:
-        raise ValueError(
-            f"dims: coordinate {bad[0]} is out of range: each sample of x has D = {n} "
-            f"coordinate(s), so dims must lie in 0..{n - 1} (or -{n}..-1)."
-        )
-    return tuple(d % n for d in items)
 
 
 def derivative(
@@ -170,7 +40,7 @@ def derivative(
         order: k >= 1, the order of the derivative.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
-        chunk_size: width of one vectorised pass (see the note in ``_derivatives.py``).
+        chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
         create_graph: keep the result differentiable with respect to parameters and input.
 
     Returns:
@@ -184,7 +54,7 @@ def derivative(
         >>> jm.derivative(lambda t: t ** 3, t, order=2)     # 6 t
         tensor([0.0000, 1.5000, 3.0000, 4.5000, 6.0000])
     """
-    opts = _validated(f, t, "t", structure, chunk_size, create_graph)
+    opts = validated(f, t, "t", structure, chunk_size, create_graph)
     if not (t.dim() == 1 or (t.dim() == 2 and t.shape[1] == 1)):
         raise ValueError(
             f"t: expected one scalar per sample, shape (B,) or (B, 1), got {tuple(t.shape)}. "
@@ -218,7 +88,7 @@ def partial(
             from the end).
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
-        chunk_size: width of one vectorised pass (see the note in ``_derivatives.py``).
+        chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
         create_graph: keep the result differentiable with respect to parameters and input.
 
     Returns:
@@ -232,12 +102,12 @@ def partial(
         tensor([[24.],
                 [18.]])
     """
-    opts = _validated(f, x, "x", structure, chunk_size, create_graph)
-    return _partial(f, x, _check_dims(dims, math.prod(x.shape[1:])), opts)
+    opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    return _partial(f, x, check_dims(dims, math.prod(x.shape[1:])), opts)
 
 
 def _partial(f: Fn, x: Tensor, dims: tuple[int, ...], opts: Options) -> Tensor:
-    with _target(f, x, opts) as t:
+    with target(f, x, opts) as t:
         flat = t.over_samples(opts.chunk_size, (), lambda z, s: t.run("partial", z, dims, scale=s))
     return flat.reshape(x.shape[0], *t.out_shape)
 
@@ -260,7 +130,7 @@ def hessian(
         x: the batch of points.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
-        chunk_size: width of one vectorised pass (see the note in ``_derivatives.py``).
+        chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
         create_graph: keep the result differentiable with respect to parameters and input.
 
     Returns:
@@ -273,15 +143,15 @@ def hessian(
         tensor([[[[4., 2.],
                   [2., 0.]]]])
     """
-    opts = _validated(f, x, "x", structure, chunk_size, create_graph)
-    with _target(f, x, opts) as t:
+    opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    with target(f, x, opts) as t:
         n = math.prod(t.in_shape)
         ii, jj = torch.triu_indices(n, n).tolist()
-        chunks, width = _direction_chunks(t, len(ii), opts.chunk_size)
-        vals = torch.cat([
-            t.over_samples(width, (len(c),), lambda z, s: t.run("pairs", z, ii[c.start : c.stop], jj[c.start : c.stop], scale=s))
-            for c in chunks
-        ]) if ii else t.z.new_zeros(0, x.shape[0], math.prod(t.out_shape))
+        chunks, width = direction_chunks(t, len(ii), opts.chunk_size)
+        pairs = [(ii[c.start : c.stop], jj[c.start : c.stop]) for c in chunks]
+        blocks = [t.over_samples(width, (len(a),), lambda z, s: t.run("pairs", z, a, b, scale=s))
+                  for a, b in pairs]
+        vals = torch.cat(blocks) if blocks else t.z.new_zeros(0, x.shape[0], math.prod(t.out_shape))
         where = torch.zeros(n, n, dtype=torch.long, device=vals.device)
         where[ii, jj] = where[jj, ii] = torch.arange(len(ii), device=vals.device)
         full = vals[where].permute(2, 3, 0, 1)  # (B, Y, N, N)
@@ -307,7 +177,7 @@ def laplacian(
         x: the batch of points.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
-        chunk_size: width of one vectorised pass (see the note in ``_derivatives.py``).
+        chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
         create_graph: keep the result differentiable with respect to parameters and input.
 
     Returns:
@@ -319,9 +189,9 @@ def laplacian(
         >>> jm.laplacian(lambda x: (x ** 3).sum(1), x)     # 6 (x0 + x1 + x2)
         tensor([36.])
     """
-    opts = _validated(f, x, "x", structure, chunk_size, create_graph)
-    with _target(f, x, opts) as t:
-        chunks, width = _direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
+    opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    with target(f, x, opts) as t:
+        chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
         parts = [t.over_samples(width, (), lambda z, s: t.run("laplacian", z, c, scale=s)) for c in chunks]
         total = sum(parts[1:], parts[0]) if parts else t.z.new_zeros(x.shape[0], math.prod(t.out_shape))
     return total.reshape(x.shape[0], *t.out_shape)
@@ -342,7 +212,7 @@ def divergence(
         x: the batch of points.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
-        chunk_size: width of one vectorised pass (see the note in ``_derivatives.py``).
+        chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
         create_graph: keep the result differentiable with respect to parameters and input.
 
     Returns:
@@ -354,19 +224,18 @@ def divergence(
         >>> jm.divergence(lambda x: x ** 2, x)      # 2 (x0 + x1)
         tensor([ 6., 14.])
     """
-    opts = _validated(f, x, "x", structure, chunk_size, create_graph)
-    with _target(f, x, opts) as t:
+    opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    with target(f, x, opts) as t:
         if t.out_shape != t.in_shape:
             raise ValueError(
                 f"f: divergence needs a vector field whose output has the shape of its input, but "
                 f"each sample maps {t.in_shape} to {t.out_shape}. Return one component per input "
                 "coordinate, or use jacmode.jacobian for other shapes."
             )
-        chunks, width = _direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
-        total = x.new_zeros(x.shape[0]) if not chunks else None
+        chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
+        parts = []
         for c in chunks:
             jac = t.over_samples(width, (len(c),), lambda z, s: t.run("first", z, c, scale=s))
             k = torch.arange(len(c), device=jac.device)
-            part = jac[k, :, torch.as_tensor(c, device=jac.device)].sum(0)  # (B,)
-            total = part if total is None else total + part
-    return total
+            parts.append(jac[k, :, torch.as_tensor(c, device=jac.device)].sum(0))  # (B,)
+    return sum(parts[1:], parts[0]) if parts else x.new_zeros(x.shape[0])

@@ -13,8 +13,9 @@ Several directions (the D coordinates of a Laplacian, the pairs of a Hessian) ar
 ``vmap``. Some operations have no forward-mode rule for their derivative (``silu_backward``,
 custom autograd Functions without ``jvp``); for those, ``reverse=True`` nests reverse mode
 instead, as the hand-written ``torch.autograd.grad`` idiom does: each level pulls back one
-cotangent e_y per output, shared by all samples, and keeps column d. For coupled samples, ``scale`` (B, 1) restricts every tangent to one sample (a one-hot
-column, vmapped over samples by the caller), which gives the exact diagonal blocks.
+cotangent e_y per output, shared by all samples, and keeps column d. For coupled samples,
+``scale`` (B, 1) restricts every tangent to one sample (a one-hot column, vmapped over samples by
+the caller), which gives the exact diagonal blocks.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _along(g: Fn, d: int, scale: Optional[Tensor]) -> Fn:
 
 def _pulled(g: Fn, d: int, scale: Optional[Tensor]) -> Fn:
     def h(y: Tensor) -> Tensor:
-        out, pull = vjp(g, y)
+        out, pull = vjp(g, y)[:2]
         cot = tangents(out, range(out.shape[-1]), scale)  # (Y, B, Y): e_y on every sample
         return vmap(lambda c: pull(c)[0][:, d])(cot).transpose(0, 1)
 

@@ -29,9 +29,8 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, cast
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -130,11 +129,7 @@ def partial(layers: Sequence[nn.Module], z: Tensor, dims: Key) -> Tensor:
     for index, layer in enumerate(layers):
         wanted = (target,) if index == len(layers) - 1 else keys
         if type(layer) is nn.Linear:
-            coef = {
-                k: F.linear(v, layer.weight, layer.bias if k == () else None)
-                for k, v in coef.items()
-                if k in wanted
-            }
+            coef = {k: _affine(layer, v, bias=k == ()) for k, v in coef.items() if k in wanted}
             continue
         act = jet(layer, coef[()], max(len(k) for k in wanted))
         new: dict[Key, Tensor] = {(): act.value} if () in wanted else {}
@@ -165,8 +160,14 @@ def _zeros(layers: Sequence[nn.Module], z: Tensor) -> Tensor:
     return z.new_zeros(z.shape[0], out_features(layers, z.shape[1]))
 
 
+def _affine(layer: nn.Module, t: Tensor, bias: bool = False) -> Tensor:
+    """W t (+ b) for an nn.Linear layer."""
+    lin = cast(nn.Linear, layer)
+    return F.linear(t, lin.weight, lin.bias if bias else None)
+
+
 def _linear(t: Optional[Tensor], layer: nn.Module) -> Optional[Tensor]:
-    return None if t is None else F.linear(t, layer.weight)
+    return None if t is None else _affine(layer, t)
 
 
 def first(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int]) -> Tensor:
@@ -174,27 +175,28 @@ def first(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int]) -> Tensor
     value, grad = z, seeds(z, dims)  # grad (k, 1|B, H)
     for index, layer in enumerate(layers):
         if type(layer) is nn.Linear:
-            grad = F.linear(grad, layer.weight)
+            grad = _affine(layer, grad)
             if index < len(layers) - 1:
-                value = F.linear(value, layer.weight, layer.bias)
+                value = _affine(layer, value, bias=True)
             continue
         act = jet(layer, value, 1)
         value, grad = act.value, act.first(grad)
     return grad.expand(len(dims), z.shape[0], grad.shape[-1])
 
 
-def pairs(layers: Sequence[nn.Module], z: Tensor, ii: Tensor, jj: Tensor) -> Tensor:
+def pairs(layers: Sequence[nn.Module], z: Tensor, ii: Sequence[int], jj: Sequence[int]) -> Tensor:
     """Second derivatives d^2 f / dx_i dx_j for the pairs (ii[p], jj[p]): z (B, D) -> (P, B, Y)."""
-    value, grad, second = z, seeds(z, range(z.shape[1])), None  # grad (D, 1|B, H)
+    value, grad = z, seeds(z, range(z.shape[1]))  # grad (D, 1|B, H)
+    second: Optional[Tensor] = None  # (P, B, H)
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
         if type(layer) is nn.Linear:
             second = _linear(second, layer)
             if not last:
-                value, grad = F.linear(value, layer.weight, layer.bias), F.linear(grad, layer.weight)
+                value, grad = _affine(layer, value, bias=True), _affine(layer, grad)
             continue
         act = jet(layer, value, 2)
-        second = combine(act, second, [(2, grad[ii] * grad[jj])])
+        second = combine(act, second, [(2, grad[list(ii)] * grad[list(jj)])])
         value, grad = act.value, act.first(grad)
     if second is None:
         return _zeros(layers, z).expand(len(ii), -1, -1)
@@ -203,13 +205,14 @@ def pairs(layers: Sequence[nn.Module], z: Tensor, ii: Tensor, jj: Tensor) -> Ten
 
 def laplacian(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int]) -> Tensor:
     """Sum over d in dims of d^2 f / dx_d^2 (the forward Laplacian): z (B, D) -> (B, Y)."""
-    value, grad, lap = z, seeds(z, dims), None  # grad (k, 1|B, H), lap (B, H)
+    value, grad = z, seeds(z, dims)  # grad (k, 1|B, H)
+    lap: Optional[Tensor] = None  # (B, H)
     for index, layer in enumerate(layers):
         last = index == len(layers) - 1
         if type(layer) is nn.Linear:
             lap = _linear(lap, layer)
             if not last:
-                value, grad = F.linear(value, layer.weight, layer.bias), F.linear(grad, layer.weight)
+                value, grad = _affine(layer, value, bias=True), _affine(layer, grad)
             continue
         act = jet(layer, value, 2)
         lap = combine(act, lap, [(2, (grad * grad).sum(0))])
