@@ -402,3 +402,17 @@ def test_cuda_matches_cpu(generic: bool) -> None:
         gpu = op(f_gpu, x.cuda())
         assert gpu.device.type == "cuda"
         torch.testing.assert_close(gpu.cpu(), op(f_cpu, x))
+
+
+def test_default_passes_stay_within_the_memory_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jacmode import _operands
+
+    net = mlp(4, 1, width=8)
+    x = torch.randn(16, 4, dtype=DT)
+    expected = jm.hessian(net, x)
+    calls = []
+    original = _taylor.pairs
+    monkeypatch.setattr(_taylor, "pairs", lambda *a: calls.append(len(a[2])) or original(*a))
+    monkeypatch.setattr(_operands, "DEFAULT_PASS_BYTES", 3 * 16 * 8 * 8)  # three pairs of width 8
+    torch.testing.assert_close(jm.hessian(net, x), expected)
+    assert calls == [3, 3, 3, 1]

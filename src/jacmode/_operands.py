@@ -15,6 +15,8 @@ and divergence vectorise the D coordinate directions, hessian the D (D + 1) / 2 
 there it counts directions (pairs); derivative and partial push a single direction shared by all
 samples, so there it counts samples. With ``structure="coupled"`` every sample needs tangents of its
 own (vmapped over samples, B times the work), and chunk_size counts samples x directions.
+By default a pass carries as many directions as keep its widest tensor under
+``DEFAULT_PASS_BYTES``, so that the Hessian of a wide input never holds all D^2 / 2 pairs at once.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ._state import RngReplay, preserved_state
 from ._structure import one_hot
 
 Fn = Callable[[Tensor], Tensor]
+DEFAULT_PASS_BYTES = 256 * 2**20
 _NO_FORWARD_AD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions that need reverse mode
 
 
@@ -127,7 +130,12 @@ def direction_chunks(t: Target, n: int, chunk_size: Optional[int]) -> tuple[list
     """Chunks of the n directions, and samples per pass (see the note on chunks)."""
     if t.coupled:
         return [range(n)], None if chunk_size is None else max(1, chunk_size // max(n, 1))
-    step = max(1, chunk_size or n)
+    if chunk_size is None:  # as many directions as fit the default budget
+        widths = [m.out_features for m in t.layers or [] if isinstance(m, nn.Linear)]
+        width = max([*widths, math.prod(t.in_shape), math.prod(t.out_shape)])
+        per_direction = t.z.shape[0] * width * t.z.element_size()
+        chunk_size = max(1, DEFAULT_PASS_BYTES // max(per_direction, 1))
+    step = max(1, min(n, chunk_size))
     return [range(s, min(n, s + step)) for s in range(0, n, step)], None
 
 
