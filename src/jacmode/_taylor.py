@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections import Counter
-from typing import Iterator, Optional, Sequence, cast
+from typing import Callable, Iterator, Optional, Sequence, cast
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -184,20 +184,30 @@ def first(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int]) -> Tensor
     return grad.expand(len(dims), z.shape[0], grad.shape[-1])
 
 
-def pairs(layers: Sequence[nn.Module], z: Tensor, ii: Sequence[int], jj: Sequence[int]) -> Tensor:
-    """Second derivatives d^2 f / dx_i dx_j for the pairs (ii[p], jj[p]): z (B, D) -> (P, B, Y)."""
-    value, grad = z, seeds(z, range(z.shape[1]))  # grad (D, 1|B, H)
-    second: Optional[Tensor] = None  # (P, B, H)
+def _second(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int],
+            cross: Callable[[Tensor], Tensor]) -> Optional[Tensor]:
+    """Second-order coefficients whose rule through an activation is s' h_2 + s'' cross(grads).
+
+    ``grad`` carries the first derivatives along ``dims``, (k, 1|B, H); ``cross(grad)`` says which
+    products of them the second-order coefficients need. None when they are zero.
+    """
+    value, grad = z, seeds(z, dims)
+    second: Optional[Tensor] = None
     for index, layer in enumerate(layers):
-        last = index == len(layers) - 1
         if type(layer) is nn.Linear:
             second = _linear(second, layer)
-            if not last:
+            if index < len(layers) - 1:
                 value, grad = _affine(layer, value, bias=True), _affine(layer, grad)
             continue
         act = jet(layer, value, 2)
-        second = combine(act, second, [(2, grad[list(ii)] * grad[list(jj)])])
+        second = combine(act, second, [(2, cross(grad))])
         value, grad = act.value, act.first(grad)
+    return second
+
+
+def pairs(layers: Sequence[nn.Module], z: Tensor, ii: Sequence[int], jj: Sequence[int]) -> Tensor:
+    """Second derivatives d^2 f / dx_i dx_j for the pairs (ii[p], jj[p]): z (B, D) -> (P, B, Y)."""
+    second = _second(layers, z, range(z.shape[1]), lambda g: g[list(ii)] * g[list(jj)])
     if second is None:
         return _zeros(layers, z).expand(len(ii), -1, -1)
     return second.expand(len(ii), z.shape[0], second.shape[-1])
@@ -205,18 +215,7 @@ def pairs(layers: Sequence[nn.Module], z: Tensor, ii: Sequence[int], jj: Sequenc
 
 def laplacian(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int]) -> Tensor:
     """Sum over d in dims of d^2 f / dx_d^2 (the forward Laplacian): z (B, D) -> (B, Y)."""
-    value, grad = z, seeds(z, dims)  # grad (k, 1|B, H)
-    lap: Optional[Tensor] = None  # (B, H)
-    for index, layer in enumerate(layers):
-        last = index == len(layers) - 1
-        if type(layer) is nn.Linear:
-            lap = _linear(lap, layer)
-            if not last:
-                value, grad = _affine(layer, value, bias=True), _affine(layer, grad)
-            continue
-        act = jet(layer, value, 2)
-        lap = combine(act, lap, [(2, (grad * grad).sum(0))])
-        value, grad = act.value, act.first(grad)
+    lap = _second(layers, z, dims, lambda g: (g * g).sum(0))
     if lap is None:
         return _zeros(layers, z)
     return lap.expand(z.shape[0], lap.shape[-1])
