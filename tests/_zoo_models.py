@@ -381,14 +381,14 @@ ZOO: list[Case] = [
     Case("autograd.Function without jvp", _function(CubeNoJvp),
          expect=_every(["inputs/forward", "params/forward"], (NotImplementedError, r"implement the jvp")),
          gaps=_every(["inputs/auto"], (NotImplementedError, "auto picks forward mode; needs a fallback to reverse mode")),
-         note="forward mode has no rule (torch says so); auto must fall back to reverse mode"),
+         note="forward mode has no rule, and torch's error says so"),
     Case("autograd.Function, old style (no setup_context)", _function(CubeOldStyle),
          expect=_every(["inputs/forward", "params/forward"], (RuntimeError, r"must override the setup_context")),
          gaps=_every([lb for lb in LABELS if "forward" not in lb], (RuntimeError, _NO_FUNC)),
-         note="`forward(ctx, x)` without `setup_context`: torch.func transforms refuse it"),
+         note="`forward(ctx, x)` without `setup_context`; in forward mode torch's error names the fix"),
     Case("ReLU(inplace=True), in-place residual", _inplace),
     Case("`.item()` control flow", _item, gaps=_every(_PER_SAMPLE, (RuntimeError, _NO_ITEM)),
-         note="a Python branch on `.item()`; fine under jvp/vjp, not under vmap over samples"),
+         note="a Python branch on `.item()`: fine under jvp and vjp"),
     Case("Returns a dict", _dict_out, expect=_every("all", _PICK_ONE),
          note="the error names the fix: `lambda x: model(x)['logits']`"),
     Case("Returns a tuple (raw `nn.LSTM`)", _tuple_out, expect=_every("all", _PICK_ONE),
@@ -437,11 +437,25 @@ def diagonal_blocks(full: Tensor, batch: int, out_dims: int) -> Tensor:
     return flat[idx, :, idx].reshape(batch, *out_shape, *in_shape)
 
 
+_REFERENCES: dict[tuple, Tensor] = {}
+
+
 def reference(case: Case, label: str, model: nn.Module, x: Tensor) -> Tensor:
-    """The float64 autograd.grad loop for a cell, run on a copy of the model (it may be training)."""
+    """The float64 autograd.grad loop for a cell, run on a copy of the model (it may be training).
+
+    ``model`` and ``x`` must come from ``instantiate(case)`` (possibly moved to a device): the
+    loop is run once per case, wrt, batched and device, and shared by the cells that need it.
+    """
+    opts = dict(CALLS)[label]
+    key = (case.name, opts["wrt"], opts.get("batched", True), str(x.device))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference(case, label, copy.deepcopy(model), x)
+    return _REFERENCES[key]
+
+
+def _reference(case: Case, label: str, model: nn.Module, x: Tensor) -> Tensor:
     from conftest import ref_input_jacobian, ref_param_jacobian
 
-    model = copy.deepcopy(model)
     opts = dict(CALLS)[label]
     batched = opts.get("batched", True)
     coupled = case.structure == "coupled"

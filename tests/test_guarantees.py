@@ -188,7 +188,7 @@ def _inputs() -> dict[str, Tensor]:
 
 
 @pytest.mark.parametrize("kind", list(_inputs()))
-@pytest.mark.parametrize(("wrt", "mode"), WRT_MODES)
+@pytest.mark.parametrize(("wrt", "mode"), [wm for wm in WRT_MODES if wm[1] != "auto"])
 @pytest.mark.parametrize("create_graph", [False, True])
 def test_x_is_never_mutated(kind: str, wrt: str, mode: str, create_graph: bool) -> None:
     torch.manual_seed(0)
