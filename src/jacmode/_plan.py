@@ -36,6 +36,9 @@ TAPE = 1.0
 # Per-sample parameter blocks are written in chunks of at most this many bytes, which keeps the
 # workspace small and re-usable by the allocator (see the memory note in _structure.py).
 SAMPLE_BLOCK_BYTES = 16 * 2**20
+# Without a chunk size, the seeds and products of one vectorised pass are kept under this size;
+# e.g. forward mode over P = 15,910 parameters never builds the dense P x P identity.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -75,11 +78,12 @@ class Plan:
 
 
 def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
+    size = float(n)
+    for unit in ("B", "KB", "MB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GB"
 
 
 def candidates(p: Problem) -> dict[str, tuple[str, int, float]]:
@@ -127,7 +131,9 @@ def make_plan(p: Problem, mode: str, chunk_size: Optional[int]) -> Plan:
                 sample_chunk = max(1, p.batch)
         directions = p.n_out
     else:
-        chunk = max(1, min(directions, chunk_size if chunk_size is not None else directions))
+        if chunk_size is None:
+            chunk_size = max(1, DEFAULT_CHUNK_BYTES // (itemsize * _per_direction_elements(p)))
+        chunk = max(1, min(directions, chunk_size))
     return Plan(
         mode=mode,
         strategy=strategy,
@@ -138,6 +144,13 @@ def make_plan(p: Problem, mode: str, chunk_size: Optional[int]) -> Plan:
         result_bytes=result_bytes,
         reason=reason,
     )
+
+
+def _per_direction_elements(p: Problem) -> int:
+    """Elements of one direction's seed plus its product (the inputs and outputs of one jvp/vjp)."""
+    batch_in = p.batch * p.n_in if p.kind == "inputs" else p.n_in
+    batch_out = p.batch * p.n_out
+    return max(1, batch_in + batch_out)
 
 
 def _reason(p: Problem, mode: str, other: str, options: dict[str, tuple[str, int, float]]) -> str:
