@@ -17,7 +17,7 @@ from conftest import ref_input_jacobian, ref_param_jacobian
 from torch import Tensor, nn
 
 import jacmode as jm
-from _zoo_models import ZOO, call, check_result, instantiate
+from _zoo_models import ZOO, call, check_result, instantiate, one_intra_op_thread  # noqa: F401 -- autouse fixture
 
 # max |J - J_ref| <= TOLERANCE * max |J_ref| (and elementwise within rtol = TOLERANCE).
 # Measured worst cases over the models below: float64 3.7e-16, float32 2.9e-7 (random narrow MLPs

@@ -20,6 +20,7 @@ from conftest import assert_unchanged, mlp_1_4, ref_input_jacobian, ref_param_ja
 from torch import Tensor, nn
 
 import jacmode as jm
+from _zoo_models import one_intra_op_thread  # noqa: F401 -- autouse fixture
 
 WRT_MODES = list(itertools.product(["inputs", "params"], ["forward", "reverse", "auto"]))
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import jacmode as jm
+from _zoo_models import one_intra_op_thread  # noqa: F401 -- autouse fixture
 
 # max |J - J_ref| <= TOLERANCE * max |J_ref|, elementwise within rtol = TOLERANCE: the criterion
 # and the values of tests/test_dtypes.py and docs/coverage.md.

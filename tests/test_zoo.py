@@ -15,7 +15,9 @@ import torch
 from conftest import assert_unchanged, snapshot
 
 import jacmode as jm
-from _zoo_models import CALLS, DOC, LABELS, NA, ZOO, Case, call, check_result, instantiate, table, table_in_doc
+from _zoo_models import (  # noqa: F401 -- one_intra_op_thread is an autouse fixture
+    CALLS, DOC, LABELS, NA, ZOO, Case, call, check_result, instantiate, one_intra_op_thread, table, table_in_doc,
+)
 
 # Fallbacks may announce themselves with a JacmodeWarning; the zoo checks values and errors only.
 pytestmark = pytest.mark.filterwarnings("ignore::jacmode.JacmodeWarning")
