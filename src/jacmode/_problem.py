@@ -71,7 +71,7 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
         out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate)
     else:
         with torch.no_grad():
-            out_shape = tuple(validate(f(x), 1).shape)
+            out_shape = tuple(validate(f(x.clone()), 1).shape)
     if opts.structure == "diagonal" and out_shape != tuple(x.shape):
         raise ValueError(
             f"structure: 'diagonal' needs an elementwise f whose output has the shape of x, but "
@@ -83,17 +83,18 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
     random = _has_random_layers(f)
 
     if opts.wrt == "inputs":
+        xin = keep(x).clone()  # f may modify its input in place (ReLU(inplace=True) first): never x
         if structure == "diagonal":
-            z = keep(x)
+            z = xin
             return Problem(kind="inputs", fn=f, z=z, batch=1, n_in=n_out, n_out=n_out,
                            in_shape=tuple(x.shape), out_shape=out_shape, batched=batched, structure=structure, x=x, random=random)
         in_shape = tuple(x.shape[1:]) if batched else tuple(x.shape)
         n_in = math.prod(in_shape)
         if batched:
-            z = keep(x).reshape(batch, n_in)
+            z = xin.reshape(batch, n_in)
             fn = lambda z: f(z.reshape(batch, *in_shape)).reshape(batch, n_out)  # noqa: E731
         else:
-            z = keep(x).reshape(n_in)
+            z = xin.reshape(n_in)
             fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
         return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
                        in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random)
