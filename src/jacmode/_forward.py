@@ -25,9 +25,10 @@ from typing import Callable
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import jvp, vmap
 
+from . import _taylor
 from ._state import RngReplay
 
 Seeds = Callable[[int, int], Tensor]
@@ -78,3 +79,18 @@ def forward_columns(
         if rng is not None:
             rng.reset()
         place(start, stop, pushforward(fn, primal, seeds(start, stop)))
+
+
+def layerwise_columns(
+    layers: list[nn.Module], primal: Tensor, n: int, place: Place, chunk_size: int
+) -> None:
+    """Forward mode for an ``nn.Sequential`` of ``nn.Linear`` and known activations.
+
+    The tangents e_d, shared by all samples, are pushed layer by layer with plain torch operations
+    (``_taylor.first``): no dual tensors, no vmap, and the first layer's product W e_d stays one
+    row broadcast over the batch. Same contract as ``forward_columns`` with broadcast seeds, for
+    ``primal`` of shape (B, D); the products placed have shape (k, B, Y).
+    """
+    for start in range(0, n, chunk_size):
+        stop = min(n, start + chunk_size)
+        place(start, stop, _taylor.first(layers, primal, range(start, stop)))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import _checks
+from . import _checks, _taylor
 from ._checks import Options
 from ._coupling import probe
 
@@ -40,6 +40,7 @@ class Problem:
     sample_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None  # params: (z, x_b) -> (Y,)
     params: list[tuple[str, torch.Size]] = field(default_factory=list)
     random: bool = False  # random layers in training mode (dropout)
+    layers: Optional[list[nn.Module]] = None  # Linear/activation stack: layer-wise forward mode
 
     @property
     def dtype(self) -> torch.dtype:
@@ -96,8 +97,10 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
         else:
             z = xin.reshape(n_in)
             fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
+        layers = _taylor.layers_of(f, in_shape) if batched and structure == "independent" else None
         return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
-                       in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random)
+                       in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random,
+                       layers=layers)
 
     model = f
     assert isinstance(model, nn.Module)  # checked by check_param_selection
