@@ -10,18 +10,29 @@ may raise halfway. ``preserved_state`` therefore
   call (the layers then normalise with batch statistics, which is what training mode computes,
   and write nothing) -- the approach of ``torch.func.replace_all_batch_norm_modules_``, undone on
   exit;
-* records the training flags, ``requires_grad`` flags, ``.grad`` references and the version
+* records the parameter objects of every module (``torch.func.functional_call`` leaves a
+  transformed tensor behind in a module registered twice), the training flags, ``requires_grad``
+  flags, ``.grad`` references and the version
   counters of all buffers, restores the flags and gradients on exit, and restores any buffer that
   a custom layer modified in place from a copy taken lazily only for modules in training mode.
+
+It also changes one process-wide setting for the duration of the call (``_transformable_kernels``):
+it switches off the inference fast path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoder``
+and restricts ``scaled_dot_product_attention`` to its math backend, because the fused kernels
+(``_transformer_encoder_layer_fwd``, flash attention) have no forward-AD rule and no vmap rule
+(vmap falls back to a slow loop over the batch). The flags are global, so entries are counted
+across threads and the last one out restores them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def _batchnorms_in_training(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -32,15 +43,47 @@ def _batchnorms_in_training(model: nn.Module) -> list[nn.modules.batchnorm._Batc
     ]
 
 
+_KERNELS_LOCK = threading.Lock()
+_KERNELS: dict[str, Any] = {"users": 0, "fastpath": True, "sdpa": None}
+
+
+@contextlib.contextmanager
+def _transformable_kernels() -> Iterator[None]:
+    """Use only attention kernels that jvp and vmap can transform (see the note above)."""
+    with _KERNELS_LOCK:
+        if _KERNELS["users"] == 0:
+            _KERNELS["fastpath"] = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+            _KERNELS["sdpa"] = contextlib.ExitStack()
+            _KERNELS["sdpa"].enter_context(sdpa_kernel([SDPBackend.MATH]))
+        _KERNELS["users"] += 1
+    try:
+        yield
+    finally:
+        with _KERNELS_LOCK:
+            _KERNELS["users"] -= 1
+            if _KERNELS["users"] == 0:
+                _KERNELS["sdpa"].close()
+                torch.backends.mha.set_fastpath_enabled(_KERNELS["fastpath"])
+
+
 @contextlib.contextmanager
 def preserved_state(f: Any) -> Iterator[None]:
     """Run a block and leave ``f`` (if it is an ``nn.Module``) exactly as found, even on error."""
-    if not isinstance(f, nn.Module):
-        yield
-        return
+    with _transformable_kernels():
+        if not isinstance(f, nn.Module):
+            yield
+        else:
+            with _module_state(f):
+                yield
+
+
+@contextlib.contextmanager
+def _module_state(f: nn.Module) -> Iterator[None]:
     modules = list(f.modules())
     training = [m.training for m in modules]
     params = list(f.parameters())
+    slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
     flags = [p.requires_grad for p in params]
     grads = [p.grad for p in params]
     buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
@@ -60,6 +103,9 @@ def preserved_state(f: Any) -> Iterator[None]:
             bn.track_running_stats = True
         for m, flag in zip(modules, training):
             m.training = flag
+        for m, name, p in slots:  # functional_call fails to restore a module registered twice
+            if m._parameters.get(name) is not p:
+                m._parameters[name] = p
         for p, flag, g in zip(params, flags, grads):
             if p.requires_grad != flag:
                 p.requires_grad_(flag)
