@@ -22,7 +22,7 @@ $(VENV)/.extra-%: $(STAMP)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[$*]"
 	@touch $@
 
-# make bench BENCH_ARGS="--plot docs/img/bench.png --json docs/bench.json" for the full run.
+# make bench BENCH_ARGS="--plot bench.png --json bench.json" for the full run (see also bench-docs).
 BENCH_ARGS ?= --quick
 bench: $(VENV)/.extra-bench
 	$(BIN)/python -m jacmode bench $(BENCH_ARGS)
