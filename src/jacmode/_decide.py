@@ -64,7 +64,8 @@ def decide(f: Any, p: Problem, opts: Options, out_given: bool, timing: bool = Tr
             "computed. Ask for fewer samples per call (split x), a parameter subset (wrt=[...]), "
             "or pass a preallocated out= (e.g. a memory-mapped tensor)."
         )
-    budget = _memory.default_budget(p.device, 0 if out_given else result_bytes, opts.max_memory)
+    budget = opts.max_memory if opts.max_memory is not None else max(
+        0, int(_memory.DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
     return Decision(_plan(f, key, p, opts, fp, caps, budget, timing), key, fp, caps, budget)
 
 

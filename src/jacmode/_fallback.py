@@ -87,11 +87,11 @@ def classify(exc: BaseException) -> Optional[tuple[str, str]]:
         what = f"aten::{m.group(1)}" if m else f"custom autograd.Function {fn or '?'} without jvp"
         return "forward", f"{what}{_where(exc)}"
     if "vmap" in msg or "Batching rule not implemented" in msg:
-        m = re.search(r"vmap over (\w+)", msg) or re.search(r"(aten::\w+)", msg)
-        if m:
-            what = m.group(1) if m.group(1).startswith("aten::") else f"custom autograd.Function {m.group(1)} without a vmap rule"
-        elif ".item()" in msg:
+        m = re.search(r"vmap over (\w+), but", msg) or re.search(r"(aten::[\w.]+)", msg)
+        if ".item()" in msg:
             what = ".item() or Python control flow on tensor values"
+        elif m:
+            what = m.group(1) if m.group(1).startswith("aten::") else f"custom autograd.Function {m.group(1)} without a vmap rule"
         else:
             what = "an operation vmap cannot batch"
         return "vmap", f"{what}{_where(exc)}"
@@ -183,7 +183,7 @@ def warn_once(caps: Caps, what: str, message: str) -> None:
     """A ``JacmodeWarning`` given once per function, key and gap."""
     if what not in caps.warned:
         caps.warned.add(what)
-        warnings.warn(message, JacmodeWarning, stacklevel=4)
+        warnings.warn(message, JacmodeWarning, stacklevel=5)
 
 
 _PERF = re.compile(r"performance drop because we have not yet implemented the batching rule for (\S+?)\.?\s")
@@ -206,5 +206,5 @@ def translated_warnings() -> Iterator[None]:
                 "at a time inside the vectorised pass: the result is right, only slower. "
                 "mode='autotune' measures whether the other mode is faster for this f.",
                 JacmodeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )

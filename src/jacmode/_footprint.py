@@ -1,9 +1,9 @@
 """Measure what one forward pass of ``f`` costs: aten calls, flops and activation bytes.
 
 NOTE: [Footprint]
-The cost model and the memory planner need three numbers per sample that the shapes alone do not
-give: the floating-point work of one forward pass (``flops``, counted by
-``torch.utils.flop_counter`` for matmuls and convolutions), the bytes of every tensor the pass
+The cost model and the memory planner need numbers per sample that the shapes alone do not
+give: the floating-point work of one forward pass (counted by ``torch.utils.flop_counter``:
+``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate), the bytes of every tensor the pass
 produces (``act``: an upper bound of the tape that reverse mode keeps) and of the largest one
 (``peak``: what forward mode keeps alive at a time), and the number of aten calls (``ops``: the
 fixed per-pass overhead that dominates small problems). They are counted with a dispatch mode on
@@ -32,6 +32,7 @@ class Footprint:
     flops: float
     act: float
     peak: float
+    conv_flops: float = 0.0
 
 
 class _Counter(TorchDispatchMode):
@@ -61,8 +62,10 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:
     with torch.no_grad(), flops, counter:
         fn(x)
     k = max(1, samples)
-    return Footprint(ops=counter.ops, flops=flops.get_total_flops() / k, act=counter.bytes / k,
-                     peak=counter.peak / k)
+    per_op = flops.get_flop_counts().get("Global", {})
+    conv = sum(n for op, n in per_op.items() if "conv" in str(op))
+    return Footprint(ops=counter.ops, flops=(flops.get_total_flops() - conv) / k, act=counter.bytes / k,
+                     peak=counter.peak / k, conv_flops=conv / k)
 
 
 def footprint(ident: Any, key: tuple, fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:

@@ -41,19 +41,28 @@ def plan(
 ) -> Plan:
     """Say what :func:`jacobian` would do for these arguments, and why, without doing it.
 
-    Takes the same arguments as :func:`jacobian`. Runs ``f`` on a few samples to learn the output
-    shape (and to check that samples are independent), but differentiates nothing.
+    Takes the same arguments as :func:`jacmode.jacobian`, which runs exactly this plan. Runs
+    ``f`` on a few samples to learn the output shape, to check that samples are independent, to
+    measure its footprint (flops, bytes, aten calls) and to find operations an engine cannot run
+    (see docs/modes.md); the first call per function and shape also tries one jvp and one vjp on
+    one sample. Differentiates nothing else; with ``mode="autotune"`` it reports the cached
+    winner, or the cost model's choice if nothing was timed yet.
 
     Returns:
-        A :class:`Plan` with the mode, strategy, directions, chunk sizes, estimated costs and a
-        one-line reason (its ``repr``).
+        A :class:`Plan` with the mode, strategy, directions, chunk sizes, estimated time of each
+        candidate, estimated memory (result, workspace, budget) and a one-line reason (its
+        ``repr``).
 
     Example:
         >>> import torch, jacmode as jm
-        >>> net = torch.nn.Sequential(torch.nn.Linear(1, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
-        >>> p = jm.plan(net, torch.randn(1000, 1))
+        >>> net = torch.nn.Sequential(torch.nn.Linear(784, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10))
+        >>> p = jm.plan(net, torch.randn(64, 784), wrt="params", max_memory="20MB")
         >>> p.mode, p.strategy, p.directions
-        ('forward', 'broadcast', 1)
+        ('reverse', 'per-sample', 10)
+        >>> p.costs["forward"] > 10 * p.costs["reverse"]   # 15,910 tangents vs 10 cotangents
+        True
+        >>> p.sample_chunk < 64 and p.workspace_bytes <= 20 * 10**6   # chunked to fit the budget
+        True
     """
     opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
                     chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,

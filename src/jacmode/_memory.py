@@ -106,10 +106,3 @@ def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
-
-
-def default_budget(device: torch.device, result_bytes: int, given: Optional[int]) -> int:
-    """The workspace budget: ``max_memory`` if given, else a share of what is free, less the result."""
-    if given is not None:
-        return given
-    return max(0, int(DEFAULT_FRACTION * available_bytes(device)) - result_bytes)

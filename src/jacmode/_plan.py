@@ -3,12 +3,14 @@
 NOTE: [Cost model]
 A call is a sequence of vectorised passes. Forward mode pushes ``k`` tangents per pass and re-runs
 the primal computation in every pass; reverse mode records the tape once and pulls ``k``
-cotangents per pass. With the footprint of ``f`` per sample (aten calls ``ops``, ``flops``, bytes
-produced ``act``; see ``_footprint.py``) and S samples per direction, the estimated time is
+cotangents per pass. With the footprint of ``f`` per sample (aten calls ``ops``, matmul ``flops``,
+convolution ``conv`` flops, bytes produced ``act``; see ``_footprint.py``) and S samples per
+direction, the estimated time is
 
     t = call + ops * (pass_ops * passes + vmap_ops * vmapped passes)
-        + S * (pass_flops * flops + pass_bytes * act) * primal passes
-        + S * (dir_flops * flops + dir_bytes * act) * directions + result * B*Y*N
+        + S * (pass_flops * flops + pass_conv * conv + pass_bytes * act) * primal passes
+        + S * (dir_flops * flops + dir_conv * conv + dir_bytes * act) * directions
+        + result * B*Y*N
 
 with one set of constants per mode, fitted to timings over a grid of MLPs and CNNs (wrt inputs
 and parameters, N/Y from 1/100 to 100/1, B from 1 to 1024) by ``python -m jacmode.calibrate``;
@@ -139,8 +141,10 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
         "pass_ops": fp.ops * passes,
         "vmap_ops": fp.ops * vmapped,
         "pass_flops": S * fp.flops * primal,
+        "pass_conv": S * fp.conv_flops * primal,
         "pass_bytes": S * fp.act * primal,
         "dir_flops": S * fp.flops * directions,
+        "dir_conv": S * fp.conv_flops * directions,
         "dir_bytes": S * fp.act * directions,
         "result": float(p.batch * p.n_out * p.n_in),
     }
@@ -148,7 +152,7 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
 
 def estimate(mode: str, terms: dict[str, float]) -> float:
     """Seconds: the calibrated constants of ``mode`` times the terms."""
-    return sum(COST[mode][k] * v for k, v in terms.items())
+    return sum(COST[mode].get(k, 0.0) * v for k, v in terms.items())
 
 
 def _workspace(p: Problem, fp: Footprint, mode: str, strategy: str, k: int, s: int) -> float:
@@ -240,6 +244,9 @@ def make_plan(
         reason = f"mode={mode!r} was requested"
     else:
         reason = _reason(p, chosen, sized)
+    if chunk < directions or (samples is not None and samples < p.batch):
+        per = f"{chunk} directions" + (f" x {samples} samples" if samples is not None else "")
+        reason += f"; {per} per pass to stay inside the memory budget ({fmt_bytes(budget)})"
     if why:
         reason += f"; {why}"
     result_bytes = p.z.element_size() * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
@@ -274,6 +281,4 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple]) -> str:
         extra = "; parameters are shared, so samples are vectorised with vmap"
     elif strategy == "whole-batch" and p.structure == "coupled":
         extra = "; samples are coupled, so the whole batch is differentiated as one point"
-    if chunk < n:
-        extra += f"; {chunk} directions per pass to stay inside the memory budget"
     return f"{axes}: {versus}{extra}"

@@ -1,0 +1,350 @@
+"""Calibrate the cost and memory models on this machine: ``python -m jacmode.calibrate``.
+
+Times ``jacobian(mode="forward")`` and ``mode="reverse"`` (interleaved, medians) over a grid of
+MLPs and a small CNN -- wrt inputs and parameters, N/Y from 1/100 to 100/1, B from 1 to 1024 --
+fits the constants of the cost model (see the note in ``_plan.py``) by least squares on the
+relative error with non-negative coefficients, measures the workspace multipliers of the memory
+model from the peak resident memory of subprocesses, writes ``_calibrated.py``, and draws the
+forward/reverse crossover plot (matplotlib). ``--regret`` checks ``mode="auto"`` against the
+faster explicit mode on a second grid that was not used for fitting.
+
+Commands:
+    python -m jacmode.calibrate [--write] [--plot FILE.png] [--json FILE]
+    python -m jacmode.calibrate --regret [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
+             "dir_bytes", "result")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One point of a grid: a model, a batch, what to differentiate."""
+
+    family: str  # "mlp", "ew" (elementwise-heavy: little matmul work, much memory traffic) or "cnn"
+    d: int  # input features (mlp) or image side (cnn, 1 channel)
+    y: int  # outputs
+    b: int  # batch
+    wrt: Any = "inputs"  # "inputs", "params" or a list of names
+    h: int = 32  # hidden width
+    h0: Optional[int] = None  # first hidden width (mlp), h if None
+
+    def build(self) -> tuple[nn.Module, torch.Tensor]:
+        torch.manual_seed(0)
+        if self.family == "ew":
+            model = nn.Sequential(nn.Linear(self.d, 4), nn.Tanh(), nn.Linear(4, self.y), nn.Tanh(), nn.Sigmoid())
+            return model, torch.randn(self.b, self.d)
+        if self.family == "mlp":
+            h0 = self.h0 or self.h
+            model = nn.Sequential(nn.Linear(self.d, h0), nn.Tanh(), nn.Linear(h0, self.h), nn.Tanh(),
+                                  nn.Linear(self.h, self.y))
+            return model, torch.randn(self.b, self.d)
+        model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
+                              nn.ReLU(), nn.Flatten(), nn.Linear(4 * self.d * self.d, self.y))
+        return model, torch.randn(self.b, 1, self.d, self.d)
+
+    @property
+    def label(self) -> str:
+        wrt = self.wrt if isinstance(self.wrt, str) else "+".join(self.wrt)
+        return f"{self.family} d={self.d} y={self.y} h={self.h}{'' if self.h0 is None else f'/{self.h0}'} B={self.b} wrt={wrt}"
+
+
+def _axes(case: Case) -> tuple[int, int]:
+    """(N, Y) of a case."""
+    import jacmode as jm
+
+    model, x = case.build()
+    p = jm.plan(model, x[:1], wrt=case.wrt, mode="forward")
+    return (p.directions, case.y)
+
+
+def fit_grid() -> list[Case]:
+    """The grid the constants are fitted on."""
+    cases = []
+    for b in (1, 16, 128, 1024):
+        for d, y in ((1, 1), (1, 100), (10, 100), (100, 100), (100, 10), (100, 1), (3, 30), (30, 3)):
+            cases.append(Case("mlp", d, y, b))
+        for side, y in ((4, 1), (4, 16), (4, 256), (10, 1), (10, 100)):
+            if b <= 128:
+                cases.append(Case("cnn", side, y, b))
+        for y, wrt, h0 in ((100, ["0.bias"], 1), (300, ["0.bias"], 3), (100, ["2.bias"], None),
+                           (10, ["4.bias"], None), (10, "params", None), (1, "params", None), (3, ["2.bias"], None)):
+            if b * y <= 32768:
+                cases.append(Case("mlp", 4, y, b, wrt=wrt, h=16, h0=h0))
+        for y, wrt in ((1, "params"), (30, ["0.weight", "0.bias"]), (300, ["0.bias"])):
+            if b <= 128:
+                cases.append(Case("cnn", 6, y, b, wrt=wrt))
+        for d, y in ((1, 300), (1, 1000), (300, 1), (1000, 1), (30, 30), (100, 300)):
+            if b * max(d, y) ** 2 <= 3 * 10**7:
+                cases.append(Case("ew", d, y, b))
+        if b <= 128:
+            cases.append(Case("ew", 4, 300, b, wrt=["2.bias"]))
+    return cases
+
+
+def regret_grid() -> list[Case]:
+    """The grid ``mode="auto"`` is judged on: other widths and sizes than the fit grid."""
+    cases = []
+    for b in (1, 8, 64, 512, 1024):
+        for d, y in ((2, 200), (20, 60), (60, 20), (200, 2), (50, 50)):
+            cases.append(Case("mlp", d, y, b, h=48))
+        for d, y in ((2, 500), (500, 2)):
+            if b <= 64:
+                cases.append(Case("ew", d, y, b))
+        if b <= 512:
+            for y, wrt, h0 in ((200, ["0.bias"], 2), (20, ["2.bias"], None), (2, "params", None)):
+                cases.append(Case("mlp", 6, y, b, wrt=wrt, h=24, h0=h0))
+        if b <= 64:
+            for side, y, wrt in ((6, 2, "inputs"), (6, 200, "inputs"), (8, 5, "params"), (8, 150, ["0.bias"])):
+                cases.append(Case("cnn", side, y, b, wrt=wrt))
+    return cases
+
+
+def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float = 2.0) -> dict[str, float]:
+    """Median seconds per call of ``jacobian`` in each mode, the modes interleaved."""
+    import jacmode as jm
+
+    model, x = case.build()
+    calls = {m: (lambda m=m: jm.jacobian(model, x, wrt=case.wrt, mode=m)) for m in modes}
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    start = time.perf_counter()
+    for r in range(reps):
+        for m in (modes if r % 2 == 0 else list(reversed(modes))):
+            t0 = time.perf_counter()
+            calls[m]()
+            times[m].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def terms(case: Case, mode: str) -> dict[str, float]:
+    """The cost-model terms of a case in ``mode``, for the chunk sizes jacobian would use."""
+    import jacmode as jm
+    from jacmode import _plan
+    from jacmode._checks import check_options
+    from jacmode._decide import decide
+    from jacmode._problem import describe
+
+    model, x = case.build()
+    opts = check_options(wrt=case.wrt, mode=mode, batched=True, structure="auto", chunk_size=None,
+                         create_graph=False, flatten=True)
+    with torch.no_grad():
+        p = describe(model, x, opts)
+        d = decide(model, p, opts, out_given=False)
+    q = d.plan
+    del jm
+    return _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
+
+
+def nnls_relative(rows: list[dict[str, float]], seconds: list[float]) -> dict[str, float]:
+    """Non-negative least squares on relative errors (active set: drop negative terms, refit)."""
+    import numpy as np
+
+    A = np.array([[r[t] for t in FIT_TERMS] for r in rows]) / np.array(seconds)[:, None]
+    scale = np.maximum(A.max(axis=0), 1e-30)
+    active = [i for i in range(len(FIT_TERMS)) if A[:, i].any()]
+    while True:
+        coef, *_ = np.linalg.lstsq(A[:, active] / scale[active], np.ones(len(seconds)), rcond=None)
+        if (coef >= 0).all() or not active:
+            break
+        active = [a for a, c in zip(active, coef) if c > 0]
+    out = {t: 0.0 for t in FIT_TERMS}
+    for a, c in zip(active, coef):
+        out[FIT_TERMS[a]] = float(c / scale[a])
+    return out
+
+
+def calibrate_costs(cases: list[Case], log: Any = print) -> tuple[dict[str, dict[str, float]], list[dict]]:
+    """Time the fit grid and fit the constants of each mode."""
+    records = []
+    for i, case in enumerate(cases):
+        t = time_modes(case, ("forward", "reverse"), reps=9)
+        rec = {"case": case.label, "seconds": t, "terms": {m: terms(case, m) for m in t}, "axes": _axes(case),
+               "b": case.b, "family": case.family, "kind": "inputs" if case.wrt == "inputs" else "params"}
+        records.append(rec)
+        log(f"[{i + 1}/{len(cases)}] {case.label}: forward {t['forward'] * 1e3:.3g} ms, reverse {t['reverse'] * 1e3:.3g} ms")
+    for i, (case, rec) in enumerate(zip(cases, records)):  # a second sweep, later: keep the quieter median
+        t = time_modes(case, ("forward", "reverse"), reps=9)
+        rec["seconds"] = {m: min(t[m], rec["seconds"][m]) for m in t}
+        log(f"[sweep 2: {i + 1}/{len(cases)}] {case.label}: forward {rec['seconds']['forward'] * 1e3:.3g} ms, "
+            f"reverse {rec['seconds']['reverse'] * 1e3:.3g} ms")
+    costs = {m: nnls_relative([r["terms"][m] for r in records], [r["seconds"][m] for r in records])
+             for m in ("forward", "reverse")}
+    return costs, records
+
+
+_MEMORY_SCRIPT = r"""
+import json, resource, sys, torch, psutil
+torch.set_num_threads(cfg_threads := 1)
+import jacmode as jm
+from jacmode.calibrate import Case
+cfg = json.loads(sys.argv[1])
+case = Case(**cfg["case"])
+model, x = case.build()
+jm.jacobian(model, x[:2], wrt=case.wrt, mode=cfg["mode"])
+before = psutil.Process().memory_info().rss
+p = jm.plan(model, x, wrt=case.wrt, mode=cfg["mode"], chunk_size=cfg["chunk"])
+jm.jacobian(model, x, wrt=case.wrt, mode=cfg["mode"], chunk_size=cfg["chunk"])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"workspace": peak - before - p.result_bytes, "unit": p.workspace_bytes}))
+"""
+
+
+def measure_workspace(case: Case, mode: str, chunk: Optional[int]) -> dict[str, float]:
+    """Peak resident memory of one call in a fresh subprocess, less the result (bytes)."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    cfg = json.dumps({"case": dataclasses.asdict(case), "mode": mode, "chunk": chunk})
+    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, cfg], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def calibrate_memory(log: Any = print) -> dict[str, float]:
+    """Scale each workspace multiplier by measured / estimated peak on a case where it dominates."""
+    from jacmode import _calibrated
+
+    memory = dict(_calibrated.MEMORY)
+    probes = [  # (multiplier, case, mode, chunk)
+        ("jvp_live", Case("mlp", 256, 8, 512, h=2048), "forward", 64),
+        ("vjp_tape", Case("mlp", 8, 2, 4096, h=4096), "reverse", 1),
+        ("vjp_live", Case("mlp", 256, 64, 512, h=2048), "reverse", 64),
+        ("param_copies", Case("mlp", 64, 10, 32, wrt="params", h=512), "reverse", 40),
+    ]
+    for name, case, mode, chunk in probes:
+        m = measure_workspace(case, mode, chunk)
+        ratio = max(m["workspace"], 0) / max(m["unit"], 1)
+        log(f"{name}: measured {m['workspace'] / 2**20:.1f} MiB vs estimated {m['unit'] / 2**20:.1f} MiB -> x{ratio:.2f}")
+        memory[name] = round(max(0.5, memory[name] * ratio * 1.15), 2)
+    return memory
+
+
+def write_constants(costs: dict[str, dict[str, float]], memory: dict[str, float], path: Optional[str] = None) -> str:
+    """Write ``_calibrated.py`` next to this module; return its path."""
+    import os
+    import platform
+
+    path = path or os.path.join(os.path.dirname(__file__), "_calibrated.py")
+    machine = f"{platform.machine()} {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    lines = [
+        '"""Constants of the cost and memory models, written by ``python -m jacmode.calibrate``."""',
+        "",
+        f"MACHINE = {machine!r}",
+        "COST = {",
+        *[f"    {m!r}: {{{', '.join(f'{k!r}: {v:.4g}' for k, v in c.items())}}}," for m, c in costs.items()],
+        "}",
+        f"MEMORY = {memory!r}",
+        "",
+    ]
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines))
+    return path
+
+
+def plot_crossover(records: list[dict], costs: dict[str, dict[str, float]], path: str) -> None:
+    """forward/reverse time ratio against N/Y, measured (points) and modelled (crosses)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, kind in zip(axes, ("inputs", "params")):
+        for b, colour in zip((1, 16, 128, 1024), ("C0", "C1", "C2", "C3")):
+            rs = [r for r in records if r["kind"] == kind and r["b"] == b]
+            if not rs:
+                continue
+            ratio = [r["axes"][0] / r["axes"][1] for r in rs]
+            measured = [r["seconds"]["forward"] / r["seconds"]["reverse"] for r in rs]
+            model = [_est(costs, r, "forward") / _est(costs, r, "reverse") for r in rs]
+            ax.scatter(ratio, measured, color=colour, label=f"B={b} measured", s=22)
+            ax.scatter(ratio, model, color=colour, marker="x", s=22, alpha=0.6)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("N / Y (input directions / output directions)")
+        ax.set_title(f"wrt={kind!r}: forward time / reverse time")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("t_forward / t_reverse  (< 1: forward wins)")
+    axes[0].legend(fontsize=8, title="dots measured, x cost model", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _est(costs: dict[str, dict[str, float]], rec: dict, mode: str) -> float:
+    return sum(costs[mode][k] * v for k, v in rec["terms"][mode].items())
+
+
+def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[dict]:
+    """Time auto, forward and reverse on each case; re-run doubtful points once, longer."""
+    import jacmode as jm
+
+    out = []
+    for i, case in enumerate(cases):
+        t = time_modes(case, ("auto", "forward", "reverse"))
+        r = t["auto"] / min(t["forward"], t["reverse"])
+        if r > recheck:  # a noisy machine: look again before believing it
+            t = time_modes(case, ("auto", "forward", "reverse"), reps=15, budget_s=6.0)
+            r = t["auto"] / min(t["forward"], t["reverse"])
+        model, x = case.build()
+        chosen = jm.plan(model, x, wrt=case.wrt).mode
+        out.append({"case": case.label, "seconds": t, "regret": r, "auto_mode": chosen, "axes": _axes(case)})
+        log(f"[{i + 1}/{len(cases)}] {case.label}: auto={chosen} {t['auto'] * 1e3:.3g} ms, forward "
+            f"{t['forward'] * 1e3:.3g}, reverse {t['reverse'] * 1e3:.3g} -> regret {r:.3f}")
+    rs = sorted(x["regret"] for x in out)
+    log(f"{len(rs)} cases: median regret {statistics.median(rs):.3f}, 90th percentile "
+        f"{rs[math.ceil(0.9 * len(rs)) - 1]:.3f}, max {rs[-1]:.3f}, within 1.15x: "
+        f"{sum(r <= 1.15 for r in rs)}/{len(rs)}, above 2x: {sum(r > 2 for r in rs)}")
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jacmode.calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--regret", action="store_true", help="judge mode='auto' on the regret grid")
+    parser.add_argument("--write", action="store_true", help="write the fitted constants to _calibrated.py")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory multipliers")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the crossover plot")
+    parser.add_argument("--json", metavar="FILE", help="save the measurements")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (default 1: on a shared machine, OpenMP kernels with more "
+                             "threads than free cores stall for tens of milliseconds)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.regret:
+        records = regret(regret_grid())
+    else:
+        costs, records = calibrate_costs(fit_grid())
+        from jacmode import _calibrated
+
+        memory = dict(_calibrated.MEMORY) if args.no_memory else calibrate_memory()
+        print(json.dumps({"COST": costs, "MEMORY": memory}, indent=1))
+        if args.write:
+            print("wrote", write_constants(costs, memory))
+        if args.plot:
+            plot_crossover(records, costs, args.plot)
+            print("plot:", args.plot)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
