@@ -68,13 +68,13 @@ def tuned(f: Any, key: tuple, p: Problem, opts: Options, plan: Plan,
                                f"cost model: {chosen.reason}", costs=dict(hit.seconds))
 
 
-def _best(call: Callable[[], Any], repeats: int) -> float:
+def _best(call: Callable[[], Any], repeats: int, device: torch.device) -> float:
     best = math.inf
     for _ in range(repeats):
         t0 = time.perf_counter()
         call()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -84,7 +84,7 @@ def _time(p: Problem, plan: Plan) -> tuple[float, str]:
     predicted = plan.costs.get(plan.mode, math.inf)
     if predicted <= WHOLE_S:
         run(p, plan)  # warm-up
-        return _best(lambda: run(p, plan), 3 if predicted < WHOLE_S / 3 else 1), "whole runs"
+        return _best(lambda: run(p, plan), 3 if predicted < WHOLE_S / 3 else 1, p.device), "whole runs"
     share = min(1.0, PASS_S / predicted)
     if plan.strategy == "per-sample":
         s = max(1, min(p.batch, int(p.batch * share)))
@@ -92,7 +92,7 @@ def _time(p: Problem, plan: Plan) -> tuple[float, str]:
         call = lambda: per_sample_rows(p.sample_fn, p.z, p.x[:s], p.n_out, noop5,  # type: ignore[arg-type]
                                        s, plan.chunk_size)
         call()
-        return _best(call, 2) * p.batch / s, f"extrapolated from {s} of {p.batch} samples"
+        return _best(call, 2, p.device) * p.batch / s, f"extrapolated from {s} of {p.batch} samples"
     n, chunk = plan.directions, plan.chunk_size
     k = max(1, min(chunk, int(n * share)))
     engine = forward_columns if plan.mode == "forward" else reverse_rows
@@ -102,7 +102,7 @@ def _time(p: Problem, plan: Plan) -> tuple[float, str]:
     def one_pass(width: int) -> float:
         call = lambda: engine(p.fn, p.z, width, seeds, noop, width)  # noqa: E731
         call()
-        return _best(call, 2)
+        return _best(call, 2, p.device)
 
     t_k = one_pass(k)
     if k < 2:

@@ -16,7 +16,7 @@ with one set of constants per mode, fitted to timings over a grid of MLPs and CN
 and parameters, N/Y from 1/100 to 100/1, B from 1 to 1024) by ``python -m jacmode.calibrate``;
 they live in ``_calibrated.py``. Small problems are dominated by the per-pass terms (which is why a
 single direction skips ``vmap``), large ones by the per-direction work, so the crossover sits near
-N = Y with a shift that the fit measures. The strategy fixes how many directions there are:
+N = Y with a shift that the fit measures (reverse mode wins ties on this machine: see docs/modes.md). The strategy fixes how many directions there are:
 
 =============  =====================  ==========================
 strategy       forward directions     reverse directions
@@ -92,7 +92,7 @@ class Plan:
 
     def __repr__(self) -> str:
         costs = ", ".join(f"{m}={c * 1e3:.3g} ms" for m, c in self.costs.items())
-        chunks = f"{self.chunk_size} directions"
+        chunks = _dirs(self.chunk_size)
         if self.sample_chunk is not None:
             chunks += f" x {self.sample_chunk} samples"
         loop = f", loop={self.loop!r}" if self.loop else ""
@@ -102,6 +102,10 @@ class Plan:
             f"memory={fmt_bytes(self.result_bytes)} result + {fmt_bytes(self.workspace_bytes)} "
             f"workspace (budget {fmt_bytes(self.budget_bytes)}))\n  why: {self.reason}"
         )
+
+
+def _dirs(n: int) -> str:
+    return f"{n} direction{'' if n == 1 else 's'}"
 
 
 def strategies(p: Problem) -> dict[str, tuple[str, int]]:
@@ -227,7 +231,7 @@ def make_plan(
     options = strategies(p)
     loops = loops or {}
     sized = {}
-    for m in (allowed if mode == "auto" else (mode,)):
+    for m in (allowed if mode == "auto" or mode in allowed else (*allowed, mode)):
         strategy, directions = options[m]
         cap = 1 if loops.get(m) == "samples" else None
         fit = _chunks(p, fp, m, strategy, directions, chunk_size, budget, cap)
@@ -235,17 +239,20 @@ def make_plan(
             chunk, samples, ws = fit
             cost = estimate(m, features(p, fp, m, strategy, directions, chunk, samples))
             sized[m] = (strategy, directions, chunk, samples, ws, cost)
-    if not sized:
+    if not sized or (mode != "auto" and mode not in sized):
         return None
     costs = {m: v[5] for m, v in sized.items()}
     chosen = min(costs, key=lambda m: costs[m]) if mode == "auto" else mode
     strategy, directions, chunk, samples, ws, _ = sized[chosen]
     if mode != "auto":
         reason = f"mode={mode!r} was requested"
+        best = min(costs, key=lambda m: costs[m])
+        if best != mode:
+            reason += f" (the cost model expects {best} to be {costs[mode] / costs[best]:.1f}x faster)"
     else:
-        reason = _reason(p, chosen, sized)
+        reason = _reason(p, chosen, sized, allowed)
     if chunk < directions or (samples is not None and samples < p.batch):
-        per = f"{chunk} directions" + (f" x {samples} samples" if samples is not None else "")
+        per = _dirs(chunk) + (f" x {samples} samples" if samples is not None else "")
         reason += f"; {per} per pass to stay inside the memory budget ({fmt_bytes(budget)})"
     if why:
         reason += f"; {why}"
@@ -261,7 +268,7 @@ def with_reason(plan: Plan, reason: str, costs: Optional[dict[str, float]] = Non
     return replace(plan, reason=reason, costs=costs if costs is not None else plan.costs)
 
 
-def _reason(p: Problem, mode: str, sized: dict[str, tuple]) -> str:
+def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, ...]) -> str:
     strategy, n, chunk, _, _, cost = sized[mode]
     what = {"inputs": "input features D", "params": "parameters P"}[p.kind]
     if strategy == "diagonal":
@@ -271,9 +278,11 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple]) -> str:
     if others:
         other = others[0]
         ratio = sized[other][5] / cost if cost > 0 else math.inf
-        versus = f"{mode} needs {n} directions vs {sized[other][1]} ({ratio:.1f}x faster by the cost model)"
+        versus = f"{mode} needs {_dirs(n)} vs {sized[other][1]} ({ratio:.1f}x faster by the cost model)"
+    elif len(allowed) > 1:
+        versus = f"{mode} ({_dirs(n)}) is the only mode whose smallest pass fits the memory budget"
     else:
-        versus = f"{mode} ({n} directions) is the only mode that applies"
+        versus = f"{mode} ({_dirs(n)}) is the only mode f supports"
     extra = ""
     if strategy == "broadcast":
         extra = "; samples are independent, so each seed is shared by all B samples"

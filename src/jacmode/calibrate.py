@@ -11,6 +11,7 @@ faster explicit mode on a second grid that was not used for fitting.
 Commands:
     python -m jacmode.calibrate [--write] [--plot FILE.png] [--json FILE]
     python -m jacmode.calibrate --regret [--json FILE]
+    python -m jacmode.calibrate --memory-check [--json FILE]
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_by
              "dir_bytes", "result")
 
 
+class _MeanTokens(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.mean(dim=-2)
+
+
 @dataclass(frozen=True)
 class Case:
     """One point of a grid: a model, a batch, what to differentiate."""
 
-    family: str  # "mlp", "ew" (elementwise-heavy: little matmul work, much memory traffic) or "cnn"
+    family: str  # "mlp", "ew" (elementwise-heavy), "cnn", or "seq" (an MLP over 64 tokens, then a mean)
     d: int  # input features (mlp) or image side (cnn, 1 channel)
     y: int  # outputs
     b: int  # batch
@@ -44,6 +50,9 @@ class Case:
 
     def build(self) -> tuple[nn.Module, torch.Tensor]:
         torch.manual_seed(0)
+        if self.family == "seq":
+            model = nn.Sequential(nn.Linear(self.d, self.h), nn.Tanh(), _MeanTokens(), nn.Linear(self.h, self.y))
+            return model, torch.randn(self.b, 64, self.d)
         if self.family == "ew":
             model = nn.Sequential(nn.Linear(self.d, 4), nn.Tanh(), nn.Linear(4, self.y), nn.Tanh(), nn.Sigmoid())
             return model, torch.randn(self.b, self.d)
@@ -77,6 +86,8 @@ def fit_grid() -> list[Case]:
     for b in (1, 16, 128, 1024):
         for d, y in ((1, 1), (1, 100), (10, 100), (100, 100), (100, 10), (100, 1), (3, 30), (30, 3)):
             cases.append(Case("mlp", d, y, b))
+        for d, y in ((10, 30), (30, 10)):
+            cases.append(Case("mlp", d, y, b, h=64))
         for side, y in ((4, 1), (4, 16), (4, 256), (10, 1), (10, 100)):
             if b <= 128:
                 cases.append(Case("cnn", side, y, b))
@@ -227,13 +238,90 @@ def calibrate_memory(log: Any = print) -> dict[str, float]:
         ("vjp_tape", Case("mlp", 8, 2, 4096, h=4096), "reverse", 1),
         ("vjp_live", Case("mlp", 256, 64, 512, h=2048), "reverse", 64),
         ("param_copies", Case("mlp", 64, 10, 32, wrt="params", h=512), "reverse", 40),
+        ("vjp_live", Case("seq", 32, 10, 64, wrt="params", h=1024), "reverse", 90),  # per-sample activations
     ]
+    seen: dict[str, float] = {}
     for name, case, mode, chunk in probes:
         m = measure_workspace(case, mode, chunk)
         ratio = max(m["workspace"], 0) / max(m["unit"], 1)
-        log(f"{name}: measured {m['workspace'] / 2**20:.1f} MiB vs estimated {m['unit'] / 2**20:.1f} MiB -> x{ratio:.2f}")
-        memory[name] = round(max(0.5, memory[name] * ratio * 1.15), 2)
+        log(f"{name}: measured {m['workspace'] / 2**20:.1f} MiB vs estimated {m['unit'] / 2**20:.1f} MiB "
+            f"({case.label}) -> x{ratio:.2f}")
+        value = round(max(0.5, memory[name] * ratio * 1.15), 2)
+        memory[name] = seen[name] = max(value, seen.get(name, 0.0))  # a second probe may only raise it
     return memory
+
+
+_BUDGET_SCRIPT = r"""
+import json, resource, sys, torch, psutil
+torch.set_num_threads(1)
+import jacmode as jm
+from torch.func import functional_call, jacrev, vmap
+from jacmode.calibrate import Case
+cfg = json.loads(sys.argv[1])
+case = Case(**cfg["case"])
+model, x = case.build()
+params = {k: v.detach() for k, v in model.named_parameters()}
+one = lambda p, xb: functional_call(model, p, (xb.unsqueeze(0),)).squeeze(0)
+if cfg["how"] == "jacmode":
+    jm.jacobian(model, x[:1], wrt="params", max_memory=cfg["budget"])
+    before = psutil.Process().memory_info().rss
+    plan = jm.plan(model, x, wrt="params", max_memory=cfg["budget"])
+    t0 = __import__("time").perf_counter()
+    J = jm.jacobian(model, x, wrt="params", max_memory=cfg["budget"])
+    seconds = __import__("time").perf_counter() - t0
+    extra = {"plan": repr(plan), "seconds": seconds}
+else:  # the users' idiom: vmap over samples of jacrev, unchunked
+    vmap(jacrev(one), in_dims=(None, 0))(params, x[:1])
+    before = psutil.Process().memory_info().rss
+    J = vmap(jacrev(one), in_dims=(None, 0))(params, x)
+    extra = {}
+result = sum(t.numel() * t.element_size() for t in (J.values() if isinstance(J, dict) else [J]))
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(json.dumps({"peak_over_baseline": peak - before, "result": result, **extra}))
+"""
+
+
+def memory_check(case: Optional[Case] = None, budget: str = "200MB", log: Any = print) -> dict[str, Any]:
+    """Peak resident memory of a large parameter Jacobian under ``max_memory``, in subprocesses.
+
+    Also measures the users' unchunked ``vmap(jacrev)`` on a quarter of the batch (its workspace
+    is linear in B) to show what the budget saved.
+    """
+    import dataclasses
+    import subprocess
+    import sys
+
+    from jacmode._checks import check_max_memory
+
+    case = case or Case("seq", 32, 10, 1024, wrt="params", h=1024)
+
+    def sub(c: Case, how: str) -> dict[str, Any]:
+        cfg = json.dumps({"case": dataclasses.asdict(c), "how": how, "budget": budget})
+        out = subprocess.run([sys.executable, "-c", _BUDGET_SCRIPT, cfg], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise RuntimeError(out.stderr[-2000:])
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    quarter = dataclasses.replace(case, b=max(1, case.b // 4))
+    naive = sub(quarter, "vmap(jacrev)")
+    ours = sub(case, "jacmode")
+    scale = case.b / quarter.b
+    report = {
+        "case": case.label, "budget": check_max_memory(budget), "result": ours["result"],
+        "jacmode_peak_over_baseline": ours["peak_over_baseline"], "jacmode_seconds": ours["seconds"],
+        "jacmode_plan": ours["plan"],
+        "vmap_jacrev_workspace_at_quarter_batch": naive["peak_over_baseline"] - naive["result"],
+        "vmap_jacrev_workspace_extrapolated": (naive["peak_over_baseline"] - naive["result"]) * scale,
+    }
+    report["within_budget_plus_result"] = report["jacmode_peak_over_baseline"] <= report["budget"] + report["result"]
+    mib = 2**20
+    log(f"{case.label}: result {report['result'] / mib:.0f} MiB; jacmode with max_memory={budget!r}: peak "
+        f"{report['jacmode_peak_over_baseline'] / mib:.0f} MiB over baseline (budget + result = "
+        f"{(report['budget'] + report['result']) / mib:.0f} MiB) in {report['jacmode_seconds']:.2f} s -> "
+        f"{'within' if report['within_budget_plus_result'] else 'OVER'}; unchunked vmap(jacrev) workspace "
+        f"{report['vmap_jacrev_workspace_at_quarter_batch'] / mib:.0f} MiB at B={quarter.b}, about "
+        f"{report['vmap_jacrev_workspace_extrapolated'] / mib:.0f} MiB at B={case.b}")
+    return report
 
 
 def write_constants(costs: dict[str, dict[str, float]], memory: dict[str, float], path: Optional[str] = None) -> str:
@@ -318,6 +406,8 @@ def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[d
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jacmode.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--regret", action="store_true", help="judge mode='auto' on the regret grid")
+    parser.add_argument("--memory-check", action="store_true",
+                        help="peak memory of a large parameter Jacobian under max_memory='200MB'")
     parser.add_argument("--write", action="store_true", help="write the fitted constants to _calibrated.py")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory multipliers")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the crossover plot")
@@ -327,7 +417,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                              "threads than free cores stall for tens of milliseconds)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    if args.regret:
+    if args.memory_check:
+        records = [memory_check()]
+    elif args.regret:
         records = regret(regret_grid())
     else:
         costs, records = calibrate_costs(fit_grid())
