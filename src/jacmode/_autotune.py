@@ -64,8 +64,9 @@ def tuned(f: Any, key: tuple, p: Problem, opts: Options, plan: Plan,
         _WINNERS.put(f, tkey, hit)
     chosen = plan_for(hit.mode) or plan
     times = ", ".join(f"{m} {s * 1e3:.3g} ms" for m, s in hit.seconds.items())
-    return with_reason(chosen, f"autotuned on these inputs ({hit.how}): {times}; "
-                               f"cost model: {chosen.reason}", costs=dict(hit.seconds))
+    model = ", ".join(f"{m} {s * 1e3:.3g} ms" for m, s in plan.costs.items())
+    return with_reason(chosen, f"autotuned on these inputs ({hit.how}): {times}; the cost model "
+                               f"estimated {model} and picks {plan.mode}", costs=dict(hit.seconds))
 
 
 def _best(call: Callable[[], Any], repeats: int, device: torch.device) -> float:
