@@ -6,7 +6,8 @@ alone. The probe evaluates ``f`` (without differentiating) on a few samples S sp
 and again on the first half of S: for independent samples the rows they share agree, while any
 coupling through the batch (BatchNorm in training mode, ``x - x.mean(0)``, attention across dim 0)
 changes them. It costs two forward passes over at most four samples, far less than one batched
-pass, and its verdict is cached per function, per-sample shape, dtype, device and training flags.
+pass. The verdict and the output shape are cached per function, per-sample shape, dtype, device
+and training flags, so later calls run nothing before differentiating.
 BatchNorm layers in training mode are reported by name without running anything. Dropout layers
 are switched to eval mode for the probe only (they never couple samples, but their random masks
 would differ between the two passes). NaNs compare equal to NaNs, so a NaN in one sample does not
@@ -25,7 +26,10 @@ from torch import Tensor, nn
 from ._errors import CoupledBatchError
 
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-_CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple, bool]]" = weakref.WeakKeyDictionary()
+# function -> {(per-sample shape, dtype, device, training flags): (output shape, verdict)}
+_CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple[int, ...], Optional[bool]]]]" = (
+    weakref.WeakKeyDictionary()
+)
 _WAYS_OUT = (
     "Ways out: call model.eval() if training-mode statistics are not what you want to "
     "differentiate; pass batched=False to get the full Jacobian of the whole batch as one point; "
@@ -102,31 +106,41 @@ def probe(
                 "mode, so each sample's output depends on the whole batch through the batch "
                 f"statistics and per-sample Jacobians are not defined. {_WAYS_OUT}"
             )
-    idx = probe_indices(batch).to(x.device) if batch > 0 else torch.zeros(0, dtype=torch.long)
-    with torch.no_grad(), _dropout_off(ident):
-        rows = validate(f(x[idx] if batch > 0 else x), len(idx))
-        if not check or len(idx) < 2:
-            return tuple(rows.shape[1:])
+    key = _cache_key(ident, x)
+    try:
+        entry = _CACHE.get(ident, {}).get(key)
+    except TypeError:  # not weak-referenceable: no cache
+        entry = None
+    if entry is None or (check and entry[1] is None):
+        entry = _run_probe(f, x, check=check and batch > 1, validate=validate, ident=ident)
         try:
-            cached = _CACHE.get(ident, {}).get(_cache_key(ident, x))
-        except TypeError:  # not weak-referenceable
-            cached = None
-        if cached is None:
-            half = len(idx) // 2
-            sub = validate(f(x[idx[:half]]), half)
-            cached = _agree(rows[:half], sub)
-            try:
-                _CACHE.setdefault(ident, {})[_cache_key(ident, x)] = cached
-            except TypeError:
-                pass
-    if not cached:
+            _CACHE.setdefault(ident, {})[key] = entry
+        except TypeError:
+            pass
+    shape, independent = entry
+    if check and independent is False:
         raise CoupledBatchError(
             "f: the samples of the batch are coupled: evaluating f on a subset of the samples "
             "changed the outputs of the samples it kept, so each sample's output depends on other "
             "samples (e.g. x - x.mean(0), batch statistics, attention across dim 0) and per-sample "
             f"Jacobians are not defined. {_WAYS_OUT}"
         )
-    return tuple(rows.shape[1:])
+    return shape
+
+
+def _run_probe(
+    f: Callable[[Tensor], Tensor], x: Tensor, *, check: bool, validate: Callable[[Any, int], Tensor], ident: Any
+) -> tuple[tuple[int, ...], Optional[bool]]:
+    """(per-sample output shape, verdict: True independent, False coupled, None not checked)."""
+    batch = x.shape[0]
+    idx = probe_indices(batch).to(x.device) if batch > 0 else None
+    with torch.no_grad(), _dropout_off(ident):
+        rows = validate(f(x[idx] if idx is not None else x), len(idx) if idx is not None else 0)
+        if not check or idx is None or len(idx) < 2:
+            return tuple(rows.shape[1:]), None
+        half = len(idx) // 2
+        sub = validate(f(x[idx[:half]]), half)
+    return tuple(rows.shape[1:]), _agree(rows[:half], sub)
 
 
 def _agree(a: Tensor, b: Tensor) -> bool:

@@ -50,6 +50,10 @@ from ._problem import Problem
 # Per-sample parameter blocks are written in chunks of at most this many bytes, which keeps the
 # workspace small and re-usable by the allocator (see the memory note in _structure.py).
 SAMPLE_BLOCK_BYTES = 16 * 2**20
+# Without a chunk size, the seeds and products of one vectorised pass are kept under this size
+# whatever the budget; e.g. forward mode over P = 15,910 parameters never builds the dense P x P
+# identity.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
 MODES = ("forward", "reverse")
 
 
@@ -193,11 +197,19 @@ def _chunks(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int
         if c == 0:
             return None
         return c, s_fit, _workspace(p, fp, mode, strategy, c, s_fit)
-    upper = max(1, min(directions, chunk_size or directions))
+    if chunk_size is None:
+        chunk_size = max(1, DEFAULT_CHUNK_BYTES // (p.z.element_size() * _per_direction_elements(p)))
+    upper = max(1, min(directions, chunk_size))
     c = _memory.largest_fitting(lambda k: _workspace(p, fp, mode, strategy, k, 0) <= budget, upper)
     if c == 0:
         return None
     return c, None, _workspace(p, fp, mode, strategy, c, 0)
+
+
+def _per_direction_elements(p: Problem) -> int:
+    """Elements of one direction's seed plus its product (the inputs and outputs of one jvp/vjp)."""
+    batch_in = p.batch * p.n_in if p.kind == "inputs" else p.n_in
+    return max(1, batch_in + p.batch * p.n_out)
 
 
 def minimum_workspace(p: Problem, fp: Footprint, mode: str) -> float:

@@ -80,13 +80,13 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
     batch = x.shape[0] if batched else 1
     n_out = math.prod(out_shape)
     keep = (lambda t: t) if opts.create_graph else (lambda t: t.detach())
-    common = dict(batched=batched, structure=structure, x=x, random=_has_random_layers(f))
+    random = _has_random_layers(f)
 
     if opts.wrt == "inputs":
         if structure == "diagonal":
             z = keep(x)
             return Problem(kind="inputs", fn=f, z=z, batch=1, n_in=n_out, n_out=n_out,
-                           in_shape=tuple(x.shape), out_shape=out_shape, **common)
+                           in_shape=tuple(x.shape), out_shape=out_shape, batched=batched, structure=structure, x=x, random=random)
         in_shape = tuple(x.shape[1:]) if batched else tuple(x.shape)
         n_in = math.prod(in_shape)
         if batched:
@@ -96,8 +96,10 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
             z = keep(x).reshape(n_in)
             fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
         return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
-                       in_shape=in_shape, out_shape=out_shape, **common)
+                       in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random)
 
+    model = f
+    assert isinstance(model, nn.Module)  # checked by check_param_selection
     names = [n for n, _ in selected]
     shapes = [p.shape for _, p in selected]
     sizes = [p.numel() for _, p in selected]
@@ -107,10 +109,10 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
         return {n: t.view(s) for n, t, s in zip(names, z.split(sizes), shapes)}
 
     if batched:
-        fn = lambda z: functional_call(f, unflatten(z), (x,)).reshape(batch, n_out)  # noqa: E731
+        fn = lambda z: functional_call(model, unflatten(z), (x,)).reshape(batch, n_out)  # noqa: E731
     else:
-        fn = lambda z: functional_call(f, unflatten(z), (x,)).reshape(n_out)  # noqa: E731
-    sample_fn = lambda z, xb: functional_call(f, unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
+        fn = lambda z: functional_call(model, unflatten(z), (x,)).reshape(n_out)  # noqa: E731
+    sample_fn = lambda z, xb: functional_call(model, unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
     return Problem(kind="params", fn=fn, z=z, batch=batch, n_in=z.numel(), n_out=n_out,
                    in_shape=(z.numel(),), out_shape=out_shape, sample_fn=sample_fn,
-                   params=list(zip(names, shapes)), **common)
+                   params=list(zip(names, shapes)), batched=batched, structure=structure, x=x, random=random)

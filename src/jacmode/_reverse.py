@@ -40,7 +40,7 @@ def reverse_rows(
     One forward pass records the tape; every chunk reuses it, so random layers draw one mask
     (``rng`` is accepted for symmetry with the forward engine).
     """
-    _, vjp_fn = vjp(fn, primal)
+    vjp_fn = vjp(fn, primal)[1]
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
         place(start, stop, pullback(vjp_fn, seeds(start, stop)))
@@ -72,7 +72,7 @@ def per_sample_rows(
     eye = torch.eye(n_out, dtype=primal.dtype, device=primal.device)
 
     def rows(sample: Tensor, cotangents: Tensor) -> Tensor:
-        _, vjp_fn = vjp(lambda z: fn(z, sample).reshape(-1), primal)
+        vjp_fn = vjp(lambda z: fn(z, sample).reshape(-1), primal)[1]
         return pullback(vjp_fn, cotangents)
 
     batched_rows = vmap(rows, in_dims=(0, None), randomness="different")

@@ -49,7 +49,7 @@ class _Result:
 
     def target(self) -> Tensor:
         if self.value is None:
-            self.value = self.like.new_zeros(self.shape)
+            self.value = self.like.new_empty(self.shape)  # every entry is written
         return self.value
 
     def whole(self, block: Tensor) -> bool:
@@ -59,8 +59,8 @@ class _Result:
             return True
         return False
 
-    def get(self) -> Tensor:
-        return self.target()
+    def keep(self, block: Tensor) -> None:
+        self.value = block
 
 
 def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
@@ -74,8 +74,8 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
     if plan.strategy == "diagonal":
         res = _Result(tuple(z.shape), z, None)
         seeds = lambda s, e: torch.ones_like(z).unsqueeze(0)  # noqa: E731
-        engine(p.fn, z, 1, seeds, lambda s, e, blk: res.whole(blk[0]), 1, rng)
-        return res.get()
+        engine(p.fn, z, 1, seeds, lambda s, e, blk: res.keep(blk[0]), 1, rng)
+        return res.target()
 
     if plan.strategy == "per-sample":
         res = _Result((B, Y, N), z, out)
@@ -86,13 +86,13 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
 
         assert p.sample_fn is not None and plan.sample_chunk is not None
         per_sample_rows(p.sample_fn, z, p.x, Y, place_rows, plan.sample_chunk, step, rng)
-        return res.get()
+        return res.target()
 
     shape = (B, Y, N) if p.batched else (Y, N)
     res = _Result(shape, z, out)
     seeds, place = _SEEDS[(plan.strategy, forward, p.kind == "params")](p, res, plan.directions)
     engine(p.fn, z, plan.directions, seeds, place, step, rng)
-    return res.get()
+    return res.target()
 
 
 Layout = tuple[Callable[[int, int], Tensor], Callable[[int, int, Tensor], None]]
