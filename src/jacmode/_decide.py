@@ -35,15 +35,20 @@ class Decision:
 
 
 def _measure(f: Any, key: tuple, p: Problem) -> Footprint:
-    if p.batched and p.batch > 0:
-        k = min(p.batch, 2)
-        fn, x = f, p.x[:k]
-    else:
-        fn, x, k = (p.fn, p.z, 1) if p.kind == "params" else (f, p.x, 1)
     if p.batch == 0:
         return Footprint(ops=0, flops=0.0, act=0.0, peak=0.0)
+    if p.batched:  # one sample (the coupling probe already ran f on a few); coupled f needs more
+        fn, x, k = f, p.x[: (min(p.batch, 4) if p.structure == "coupled" else 1)], 0
+        k = x.shape[0]
+    else:
+        fn, x, k = (p.fn, p.z, 1) if p.kind == "params" else (f, p.x, 1)
     with rng_kept(p.device):
-        return _footprint.footprint(f, key, fn, x.detach() if fn is f else x, k)
+        try:
+            return _footprint.footprint(f, key, fn, x.detach() if fn is f else x, k)
+        except Exception:  # noqa: BLE001 - f may need more samples (e.g. batch statistics)
+            if not p.batched or k == p.batch:
+                raise
+            return _footprint.footprint(f, key, f, p.x.detach(), p.batch)
 
 
 def decide(f: Any, p: Problem, opts: Options, out_given: bool, timing: bool = True) -> Decision:

@@ -118,6 +118,10 @@ def _try(call: Any) -> Optional[tuple[str, str]]:
     return None
 
 
+def _pull_ones(out: Tensor, pull: Any) -> Any:
+    return pull(torch.ones_like(out))
+
+
 def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
     """Probe once (per function ``f`` and key) which engines can run ``f``; see the note."""
     caps = _CAPS.get(f, key)
@@ -128,7 +132,7 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
         g, pt = _one_sample(f, p)
         with rng_kept(p.device), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gap = _try(lambda: vjp(g, pt)[1](torch.ones_like(g(pt))))
+            gap = _try(lambda: _pull_ones(*vjp(g, pt)))
             if gap is not None and gap[0] == "functorch":
                 caps.functorch = gap[1]
             else:
@@ -136,7 +140,7 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
                 if gap is not None:
                     caps.forward = gap[1]
                 if p.kind == "params" and p.batched and p.structure == "independent" and p.sample_fn:
-                    gap = _try(lambda: vmap(p.sample_fn, in_dims=(None, 0))(p.z, p.x[:2]))
+                    gap = _try(lambda: vmap(p.sample_fn, in_dims=(None, 0), randomness="different")(p.z, p.x[:2]))
                     if gap is not None and gap[0] == "vmap":
                         caps.vmap_samples = gap[1]
     _CAPS.put(f, key, caps)

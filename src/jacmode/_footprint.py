@@ -7,13 +7,12 @@ give: the floating-point work of one forward pass (counted by ``torch.utils.flop
 produces (``act``: an upper bound of the tape that reverse mode keeps) and of the largest one
 (``peak``: what forward mode keeps alive at a time), and the number of aten calls (``ops``: the
 fixed per-pass overhead that dominates small problems). They are counted with a dispatch mode on
-one forward pass over at most two samples, without differentiating, and cached per function
+one forward pass over one sample, without differentiating, and cached per function
 (weakly), per-sample shape, dtype, device and parameter selection.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,6 +21,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
+
+from ._cache import WeakCache
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,7 @@ class _Counter(TorchDispatchMode):
         return out
 
 
-_CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple, Footprint]]" = weakref.WeakKeyDictionary()
+_CACHE = WeakCache("footprints")
 
 
 def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:
@@ -70,20 +71,8 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:
 
 def footprint(ident: Any, key: tuple, fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:
     """:func:`measure`, cached under ``ident`` (weakly) and ``key``."""
-    try:
-        hit = _CACHE.get(ident, {}).get(key)
-    except TypeError:  # not weak-referenceable
-        hit = None
-    if hit is not None:
-        return hit
-    fp = measure(fn, x, samples)
-    try:
-        _CACHE.setdefault(ident, {})[key] = fp
-    except TypeError:
-        pass
-    return fp
-
-
-def clear() -> None:
-    """Forget every measured footprint."""
-    _CACHE.clear()
+    hit = _CACHE.get(ident, key)
+    if hit is None:
+        hit = measure(fn, x, samples)
+        _CACHE.put(ident, key, hit)
+    return hit
