@@ -76,15 +76,20 @@ def _no_warnings(call):
         return call()
 
 
-def test_no_jvp_function_auto_falls_back_to_reverse_and_warns_once():
+def _falls_back_once(f, x, match, ref, **kw):
+    """auto warns once (match), is right (ref), stays quiet on the next call; returns its plan."""
     jm.clear_cache()
+    with pytest.warns(JacmodeWarning, match=match):
+        J = jm.jacobian(f, x, **kw)
+    torch.testing.assert_close(J, ref)
+    torch.testing.assert_close(_no_warnings(lambda: jm.jacobian(f, x, **kw)), J)
+    return _no_warnings(lambda: jm.plan(f, x, **kw))
+
+
+def test_no_jvp_function_auto_falls_back_to_reverse_and_warns_once():
     model, x = Wide(NoJvpExp.apply), torch.randn(8, 1, dtype=torch.float64)
-    with pytest.warns(JacmodeWarning, match=r"no forward-AD formula for custom autograd.Function NoJvpExp"):
-        J = jm.jacobian(model, x)
-    torch.testing.assert_close(J, ref_input_jacobian(model, x))
-    again = _no_warnings(lambda: jm.jacobian(model, x))
-    torch.testing.assert_close(again, J)
-    plan = _no_warnings(lambda: jm.plan(model, x))
+    plan = _falls_back_once(model, x, r"no forward-AD formula for custom autograd.Function NoJvpExp",
+                            ref_input_jacobian(model, x))
     assert plan.mode == "reverse" and "NoJvpExp" in plan.reason
 
 
@@ -99,27 +104,20 @@ def test_no_jvp_function_explicit_forward_raises():
 
 
 def test_aten_operation_without_forward_ad_is_named():
-    jm.clear_cache()
     anchors = torch.randn(300, 1, dtype=torch.float64)
     f = lambda x: torch.cdist(x, anchors)  # noqa: E731  (B, 1) -> (B, 300)
     x = torch.randn(8, 1, dtype=torch.float64)
-    with pytest.warns(JacmodeWarning, match=r"aten::(_cdist_forward|_euclidean_dist) \(called at test_fallback.py"):
-        J = jm.jacobian(f, x)
-    torch.testing.assert_close(J, ref_input_jacobian(f, x))
+    _falls_back_once(f, x, r"aten::(_cdist_forward|_euclidean_dist) \(called at test_fallback.py",
+                     ref_input_jacobian(f, x))
     with pytest.raises(ValueError, match=r"aten::(_cdist_forward|_euclidean_dist).*mode='reverse'"):
         jm.jacobian(f, x, mode="forward")
 
 
 def test_item_control_flow_auto_loops_over_samples_and_warns_once():
-    jm.clear_cache()
     model = Branchy()
     x = torch.randn(4, 3000, dtype=torch.float64)
-    with pytest.warns(JacmodeWarning, match=r"\.item\(\) or Python control flow"):
-        J = jm.jacobian(model, x, wrt="params")
-    torch.testing.assert_close(J, ref_param_jacobian(model, x))
-    again = _no_warnings(lambda: jm.jacobian(model, x, wrt="params"))
-    torch.testing.assert_close(again, J)
-    assert _no_warnings(lambda: jm.plan(model, x, wrt="params")).loop == "samples"
+    plan = _falls_back_once(model, x, r"\.item\(\) or Python control flow", ref_param_jacobian(model, x), wrt="params")
+    assert plan.loop == "samples"
 
 
 def test_item_control_flow_explicit_reverse_raises():
@@ -132,11 +130,9 @@ def test_item_control_flow_explicit_reverse_raises():
 
 
 def test_old_style_function_uses_autograd_loops():
-    jm.clear_cache()
     model, x = Wide(OldStyleExp.apply), torch.randn(3, 1, dtype=torch.float64)
-    with pytest.warns(JacmodeWarning, match=r"torch.autograd.grad loops.*OldStyleExp"):
-        J = jm.jacobian(model, x)
-    torch.testing.assert_close(J, ref_input_jacobian(model, x))
+    plan = _falls_back_once(model, x, r"torch.autograd.grad loops.*OldStyleExp", ref_input_jacobian(model, x))
+    assert plan.loop == "autograd"
     for mode in ("forward", "reverse"):
         with pytest.raises(ValueError, match=r"setup_context"):
             jm.jacobian(model, x, mode=mode)
