@@ -166,3 +166,27 @@ def test_classify_leaves_other_errors_alone():
     assert classify(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
     kind, what = classify(RuntimeError("Batching rule not implemented for aten::foo.bar; ..."))
     assert kind == "vmap" and "aten::foo" in what
+
+
+@pytest.fixture
+def blind_probe(monkeypatch):
+    """A capability probe that foresees nothing: gaps are found by the engines while running."""
+    from jacmode import _decide, _fallback
+
+    monkeypatch.setattr(_decide._fallback, "capabilities", lambda f, key, p: _fallback.Caps())
+    jm.clear_cache()
+
+
+def test_gaps_found_while_running_are_handled(blind_probe):
+    model, x = Wide(NoJvpExp.apply), torch.randn(8, 1, dtype=torch.float64)
+    with pytest.warns(JacmodeWarning, match="NoJvpExp"):
+        J = jm.jacobian(model, x)
+    torch.testing.assert_close(J, ref_input_jacobian(model, x))
+    with pytest.raises(ValueError, match=r"mode: 'forward' .*NoJvpExp.*mode='reverse'"):
+        jm.jacobian(model, x, mode="forward")
+    branchy, xb = Branchy(), torch.randn(4, 3000, dtype=torch.float64)
+    with pytest.warns(JacmodeWarning, match=r"loops over samples"):
+        Jp = jm.jacobian(branchy, xb, wrt="params")
+    torch.testing.assert_close(Jp, ref_param_jacobian(branchy, xb))
+    with pytest.raises(ValueError, match=r"vectorises over samples"):
+        jm.jacobian(branchy, xb, wrt="params", mode="reverse")

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 
 from . import _autotune, _fallback, _footprint, _loops, _memory
@@ -38,7 +37,7 @@ def _measure(f: Any, key: tuple, p: Problem) -> Footprint:
     if p.batch == 0:
         return Footprint(ops=0, flops=0.0, act=0.0, peak=0.0)
     if p.batched:  # one sample (the coupling probe already ran f on a few); coupled f needs more
-        fn, x, k = f, p.x[: (min(p.batch, 4) if p.structure == "coupled" else 1)], 0
+        fn, x = f, p.x[: (min(p.batch, 4) if p.structure == "coupled" else 1)]
         k = x.shape[0]
     else:
         fn, x, k = (p.fn, p.z, 1) if p.kind == "params" else (f, p.x, 1)
@@ -130,8 +129,8 @@ def _would_pick_forward(p: Problem, fp: Footprint, opts: Options, budget: float)
 
 
 def execute(f: Any, p: Problem, d: Decision, opts: Options, out: Optional[Tensor]) -> Tensor:
-    """Run the plan; under ``mode="auto"`` re-plan once around a gap found while running."""
-    for attempt in range(3):
+    """Run the plan; under ``mode="auto"`` re-plan around gaps found while running (at most twice)."""
+    for _ in range(3):
         plan = d.plan
         try:
             with _fallback.translated_warnings():

@@ -10,13 +10,16 @@ direction, the estimated time is
     t = call + ops * (pass_ops * passes + vmap_ops * vmapped passes)
         + S * (pass_flops * flops + pass_conv * conv + pass_bytes * act) * primal passes
         + S * (dir_flops * flops + dir_conv * conv + dir_bytes * act) * directions
+        + S * dir_spill * act * directions * max(0, log2(bytes of one pass / SPILL_BYTES))
         + result * B*Y*N
 
 with one set of constants per mode, fitted to timings over a grid of MLPs and CNNs (wrt inputs
 and parameters, N/Y from 1/100 to 100/1, B from 1 to 1024) by ``python -m jacmode.calibrate``;
 they live in ``_calibrated.py``. Small problems are dominated by the per-pass terms (which is why a
-single direction skips ``vmap``), large ones by the per-direction work, so the crossover sits near
-N = Y with a shift that the fit measures (reverse mode wins ties on this machine: see docs/modes.md). The strategy fixes how many directions there are:
+single direction skips ``vmap``), large ones by the per-direction work, which costs more per byte
+as the activations of one pass outgrow the caches (the ``dir_spill`` term: logarithmic in the
+pass size above ``SPILL_BYTES``); so the crossover sits near N = Y with a shift that the fit
+measures (reverse mode wins ties on this machine: see docs/modes.md). The strategy fixes how many directions there are:
 
 =============  =====================  ==========================
 strategy       forward directions     reverse directions
@@ -42,7 +45,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from . import _memory
-from ._calibrated import COST
+from ._calibrated import COST, SPILL_BYTES
 from ._footprint import Footprint
 from ._memory import fmt_bytes
 from ._problem import Problem
@@ -137,6 +140,7 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
     """The terms of the cost model (see the note) for one candidate."""
     S = _samples(p, strategy)
     n_chunks = math.ceil(directions / chunk)
+    pass_bytes = chunk * (sample_chunk or S) * fp.act  # activations of one pass
     if strategy == "per-sample":
         n_samples = math.ceil(p.batch / (sample_chunk or p.batch))
         passes, vmapped, primal = n_samples * (1 + n_chunks), n_samples * (1 + n_chunks), 1
@@ -154,6 +158,7 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
         "dir_flops": S * fp.flops * directions,
         "dir_conv": S * fp.conv_flops * directions,
         "dir_bytes": S * fp.act * directions,
+        "dir_spill": S * fp.act * directions * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
         "result": float(p.batch * p.n_out * p.n_in),
     }
 

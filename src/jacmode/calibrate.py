@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
-             "dir_bytes", "result")
+             "dir_bytes", "dir_spill", "result")
 
 
 class _MeanTokens(nn.Module):
@@ -161,6 +161,15 @@ def terms(case: Case, mode: str) -> dict[str, float]:
     q = d.plan
     del jm
     return _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
+
+
+def refit(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Fit again on recorded timings, with the terms recomputed by the current cost model."""
+    cases = {c.label: c for c in fit_grid()}
+    for rec in records:
+        rec["terms"] = {m: terms(cases[rec["case"]], m) for m in ("forward", "reverse")}
+    return {m: nnls_relative([r["terms"][m] for r in records], [r["seconds"][m] for r in records])
+            for m in ("forward", "reverse")}
 
 
 def nnls_relative(rows: list[dict[str, float]], seconds: list[float]) -> dict[str, float]:
@@ -329,12 +338,15 @@ def write_constants(costs: dict[str, dict[str, float]], memory: dict[str, float]
     import os
     import platform
 
+    from jacmode._calibrated import SPILL_BYTES
+
     path = path or os.path.join(os.path.dirname(__file__), "_calibrated.py")
     machine = f"{platform.machine()} {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
     lines = [
         '"""Constants of the cost and memory models, written by ``python -m jacmode.calibrate``."""',
         "",
         f"MACHINE = {machine!r}",
+        f"SPILL_BYTES = {SPILL_BYTES}  # activations of one pass beyond which bytes cost more (1/4 of L3)",
         "COST = {",
         *[f"    {m!r}: {{{', '.join(f'{k!r}: {v:.4g}' for k, v in c.items())}}}," for m, c in costs.items()],
         "}",
@@ -410,6 +422,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="peak memory of a large parameter Jacobian under max_memory='200MB'")
     parser.add_argument("--write", action="store_true", help="write the fitted constants to _calibrated.py")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory multipliers")
+    parser.add_argument("--refit", metavar="FIT.json",
+                        help="fit again on the timings of an earlier --json run (terms recomputed)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the crossover plot")
     parser.add_argument("--json", metavar="FILE", help="save the measurements")
     parser.add_argument("--threads", type=int, default=1,
@@ -422,7 +436,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.regret:
         records = regret(regret_grid())
     else:
-        costs, records = calibrate_costs(fit_grid())
+        if args.refit:
+            with open(args.refit) as fh:
+                records = json.load(fh)
+            costs = refit(records)
+        else:
+            costs, records = calibrate_costs(fit_grid())
         from jacmode import _calibrated
 
         memory = dict(_calibrated.MEMORY) if args.no_memory else calibrate_memory()
