@@ -102,9 +102,9 @@ def test_repr_gives_costs_memory_and_reason():
 
 
 def test_costs_grow_with_the_directions_of_each_mode():
-    small = jm.plan(nn.Linear(10, 10), torch.randn(8, 10))
-    wide_in = jm.plan(nn.Linear(400, 10), torch.randn(8, 400))
-    wide_out = jm.plan(nn.Linear(10, 400), torch.randn(8, 10))
+    small = jm.plan(nn.Linear(10, 10), torch.randn(256, 10))
+    wide_in = jm.plan(nn.Linear(400, 10), torch.randn(256, 400))
+    wide_out = jm.plan(nn.Linear(10, 400), torch.randn(256, 10))
     assert wide_in.costs["forward"] > small.costs["forward"]
     assert wide_out.costs["reverse"] > small.costs["reverse"]
     assert wide_in.mode == "reverse" and wide_out.mode == "forward"
