@@ -113,7 +113,18 @@ def test_default_budget_is_half_the_free_memory_less_the_result(monkeypatch):
 
 def test_available_memory_without_psutil(monkeypatch):
     monkeypatch.setitem(sys.modules, "psutil", None)
-    assert _memory.available_bytes(torch.device("cpu")) > 0
+    assert _memory._read_available(torch.device("cpu")) > 0
+
+
+def test_available_memory_is_reread_after_a_while(monkeypatch):
+    reads = []
+    monkeypatch.setattr(_memory, "_read_available", lambda device: reads.append(1) or 123)
+    monkeypatch.setattr(_memory, "_RECENT", {})
+    assert _memory.available_bytes(torch.device("cpu")) == 123
+    assert _memory.available_bytes(torch.device("cpu")) == 123 and len(reads) == 1
+    monkeypatch.setattr(_memory, "RECENT_S", 0.0)
+    _memory.available_bytes(torch.device("cpu"))
+    assert len(reads) == 2
 
 
 def test_workspace_estimate_grows_with_directions_and_samples():
@@ -124,3 +135,15 @@ def test_workspace_estimate_grows_with_directions_and_samples():
         assert _memory.workspace(mode, k=1, samples=40, **kw) > a
     assert _memory.largest_fitting(lambda k: k * k <= 50, 100) == 7
     assert _memory.largest_fitting(lambda k: False, 100) == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_budget_comes_from_free_device_memory():
+    net = mlp_1_4().cuda()
+    x = torch.randn(64, 1, device="cuda")
+    free, _ = torch.cuda.mem_get_info()
+    p = jm.plan(net, x, wrt="params")
+    assert 0 < p.budget_bytes <= free
+    J = jm.jacobian(net, x, wrt="params", max_memory="1MB")
+    assert J.device.type == "cuda"
+    torch.testing.assert_close(J.cpu(), jm.jacobian(net.cpu(), x.cpu(), wrt="params"), rtol=1e-4, atol=1e-5)

@@ -21,6 +21,7 @@ half of the memory available on the device (psutil, /proc/meminfo or sysconf on 
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Optional
 
 import torch
@@ -30,8 +31,22 @@ from ._calibrated import MEMORY
 DEFAULT_FRACTION = 0.5
 
 
+_RECENT: dict[str, tuple[float, int]] = {}  # device -> (time.monotonic(), free bytes)
+RECENT_S = 0.5
+
+
 def available_bytes(device: torch.device) -> int:
-    """Free memory on ``device``: RAM available to this process, or free CUDA memory."""
+    """Free memory on ``device`` (RAM, or free CUDA memory), re-read at most every ``RECENT_S``."""
+    now = time.monotonic()
+    hit = _RECENT.get(str(device))
+    if hit is not None and now - hit[0] < RECENT_S:
+        return hit[1]
+    free = _read_available(device)
+    _RECENT[str(device)] = (now, free)
+    return free
+
+
+def _read_available(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
