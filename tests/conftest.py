@@ -9,6 +9,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+# Tests compare numbers, not speed: one intra-op thread keeps them fast and steady on a busy
+# 2-core machine (and makes float reductions deterministic).
+torch.set_num_threads(1)
+
 
 def ref_input_jacobian(f: Callable[[Tensor], Tensor], x: Tensor, batched: bool = True) -> Tensor:
     """Per-sample (B, *out, *in) or full (*out, *x.shape) Jacobian, one autograd.grad per entry.

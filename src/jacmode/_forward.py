@@ -9,21 +9,32 @@ result. What the directions mean (broadcast over independent samples, one-hot ov
 a single vector of ones for elementwise maps) is decided in ``_structure.py``; the engines only
 differentiate. A chunk of one direction uses dual tensors directly, which skips ``vmap`` and is the
 fastest way to run a single jvp.
+
+NOTE: [Forward mode and threads]
+PyTorch keeps the forward-AD level (``torch.autograd.forward_ad``) and the jvp nesting depth of
+``torch.func.jvp`` in process-wide Python globals, so two threads running jvps at once fail
+("Nested forward mode AD is not supported", "invalid forward AD level"). ``pushforward``
+therefore holds a process-wide re-entrant lock: forward-mode passes of different threads take
+turns, reverse mode is unaffected.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Callable
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import jvp, vmap
 
+from . import _taylor
 from ._state import RngReplay
 
 Seeds = Callable[[int, int], Tensor]
 Place = Callable[[int, int, Tensor], None]
+
+_FORWARD_AD_LOCK = threading.RLock()  # see the note on threads above
 
 
 def pushforward(fn: Callable[[Tensor], Tensor], primal: Tensor, tangents: Tensor) -> Tensor:
@@ -37,14 +48,15 @@ def pushforward(fn: Callable[[Tensor], Tensor], primal: Tensor, tangents: Tensor
     Returns:
         Shape (K, *fn(primal).shape).
     """
-    if tangents.shape[0] == 1:
-        with fwAD.dual_level():
-            out = fn(fwAD.make_dual(primal, tangents[0]))
-            tangent = fwAD.unpack_dual(out).tangent
-        if tangent is None:  # the output does not depend on the input
-            tangent = torch.zeros_like(out)
-        return tangent.unsqueeze(0)
-    return vmap(lambda t: jvp(fn, (primal,), (t,))[1], randomness="same")(tangents)
+    with _FORWARD_AD_LOCK:
+        if tangents.shape[0] == 1:
+            with fwAD.dual_level():
+                out = fn(fwAD.make_dual(primal, tangents[0]))
+                tangent = fwAD.unpack_dual(out).tangent
+            if tangent is None:  # the output does not depend on the input
+                tangent = torch.zeros_like(out)
+            return tangent.unsqueeze(0)
+        return vmap(lambda t: jvp(fn, (primal,), (t,))[1], randomness="same")(tangents)
 
 
 def forward_columns(
@@ -67,3 +79,18 @@ def forward_columns(
         if rng is not None:
             rng.reset()
         place(start, stop, pushforward(fn, primal, seeds(start, stop)))
+
+
+def layerwise_columns(
+    layers: list[nn.Module], primal: Tensor, n: int, place: Place, chunk_size: int
+) -> None:
+    """Forward mode for an ``nn.Sequential`` of ``nn.Linear`` and known activations.
+
+    The tangents e_d, shared by all samples, are pushed layer by layer with plain torch operations
+    (``_taylor.first``): no dual tensors, no vmap, and the first layer's product W e_d stays one
+    row broadcast over the batch. Same contract as ``forward_columns`` with broadcast seeds, for
+    ``primal`` of shape (B, D); the products placed have shape (k, B, Y).
+    """
+    for start in range(0, n, chunk_size):
+        stop = min(n, start + chunk_size)
+        place(start, stop, _taylor.first(layers, primal, range(start, stop)))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import _checks
+from . import _checks, _taylor
 from ._checks import Options
 from ._coupling import probe
 
@@ -40,6 +40,7 @@ class Problem:
     sample_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None  # params: (z, x_b) -> (Y,)
     params: list[tuple[str, torch.Size]] = field(default_factory=list)
     random: bool = False  # random layers in training mode (dropout)
+    layers: Optional[list[nn.Module]] = None  # Linear/activation stack: layer-wise forward mode
 
     @property
     def dtype(self) -> torch.dtype:
@@ -71,7 +72,7 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
         out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate)
     else:
         with torch.no_grad():
-            out_shape = tuple(validate(f(x), 1).shape)
+            out_shape = tuple(validate(f(x.clone()), 1).shape)
     if opts.structure == "diagonal" and out_shape != tuple(x.shape):
         raise ValueError(
             f"structure: 'diagonal' needs an elementwise f whose output has the shape of x, but "
@@ -83,20 +84,23 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
     random = _has_random_layers(f)
 
     if opts.wrt == "inputs":
+        xin = keep(x).clone()  # f may modify its input in place (ReLU(inplace=True) first): never x
         if structure == "diagonal":
-            z = keep(x)
+            z = xin
             return Problem(kind="inputs", fn=f, z=z, batch=1, n_in=n_out, n_out=n_out,
                            in_shape=tuple(x.shape), out_shape=out_shape, batched=batched, structure=structure, x=x, random=random)
         in_shape = tuple(x.shape[1:]) if batched else tuple(x.shape)
         n_in = math.prod(in_shape)
         if batched:
-            z = keep(x).reshape(batch, n_in)
+            z = xin.reshape(batch, n_in)
             fn = lambda z: f(z.reshape(batch, *in_shape)).reshape(batch, n_out)  # noqa: E731
         else:
-            z = keep(x).reshape(n_in)
+            z = xin.reshape(n_in)
             fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
+        layers = _taylor.layers_of(f, in_shape) if batched and structure == "independent" else None
         return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
-                       in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random)
+                       in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random,
+                       layers=layers)
 
     model = f
     assert isinstance(model, nn.Module)  # checked by check_param_selection

@@ -13,15 +13,24 @@ may raise halfway. ``preserved_state`` therefore
 * records the training flags, ``requires_grad`` flags, ``.grad`` references and the version
   counters of all buffers, restores the flags and gradients on exit, and restores any buffer that
   a custom layer modified in place from a copy taken lazily only for modules in training mode.
+
+It also changes one process-wide setting for the duration of the call (``_transformable_kernels``):
+it switches off the inference fast path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoder``
+and restricts ``scaled_dot_product_attention`` to its math backend, because the fused kernels
+(``_transformer_encoder_layer_fwd``, flash attention) have no forward-AD rule and no vmap rule
+(vmap falls back to a slow loop over the batch). The flags are global, so entries are counted
+across threads and the last one out restores them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any, Iterator
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def _batchnorms_in_training(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
@@ -32,12 +41,43 @@ def _batchnorms_in_training(model: nn.Module) -> list[nn.modules.batchnorm._Batc
     ]
 
 
+_KERNELS_LOCK = threading.Lock()
+_KERNELS: dict[str, Any] = {"users": 0, "fastpath": True, "sdpa": None}
+
+
+@contextlib.contextmanager
+def _transformable_kernels() -> Iterator[None]:
+    """Use only attention kernels that jvp and vmap can transform (see the note above)."""
+    with _KERNELS_LOCK:
+        if _KERNELS["users"] == 0:
+            _KERNELS["fastpath"] = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+            _KERNELS["sdpa"] = contextlib.ExitStack()
+            _KERNELS["sdpa"].enter_context(sdpa_kernel([SDPBackend.MATH]))
+        _KERNELS["users"] += 1
+    try:
+        yield
+    finally:
+        with _KERNELS_LOCK:
+            _KERNELS["users"] -= 1
+            if _KERNELS["users"] == 0:
+                _KERNELS["sdpa"].close()
+                torch.backends.mha.set_fastpath_enabled(_KERNELS["fastpath"])
+
+
 @contextlib.contextmanager
 def preserved_state(f: Any) -> Iterator[None]:
     """Run a block and leave ``f`` (if it is an ``nn.Module``) exactly as found, even on error."""
-    if not isinstance(f, nn.Module):
-        yield
-        return
+    with _transformable_kernels():
+        if not isinstance(f, nn.Module):
+            yield
+        else:
+            with _module_state(f):
+                yield
+
+
+@contextlib.contextmanager
+def _module_state(f: nn.Module) -> Iterator[None]:
     modules = list(f.modules())
     training = [m.training for m in modules]
     params = list(f.parameters())

@@ -5,6 +5,8 @@ elementwise diagonal. Forward mode fills columns n, reverse mode fills rows y.
 
 * broadcast: independent samples; direction d is e_d on every sample at once, so D tangents
   (or Y cotangents) give every diagonal block (see design.md, "structure is compression").
+  For an ``nn.Sequential`` of Linear layers and known activations, forward mode pushes the
+  tangents layer by layer (``_forward.layerwise_columns``), the PINN networks' fast path.
 * per-sample: vmap over samples of vmap over outputs of vjp (parameters, independent samples).
 * whole-batch: the batch is one point; directions are one-hot over (b, d) or (b, y) and only the
   diagonal block of each product is kept. Exact with coupled samples. For parameters in forward
@@ -25,7 +27,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ._forward import forward_columns
+from ._forward import forward_columns, layerwise_columns
 from ._plan import Plan
 from ._problem import Problem
 from ._reverse import per_sample_rows, reverse_rows
@@ -91,7 +93,10 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
     shape = (B, Y, N) if p.batched else (Y, N)
     res = _Result(shape, z, out)
     seeds, place = _SEEDS[(plan.strategy, forward, p.kind == "params")](p, res, plan.directions)
-    engine(p.fn, z, plan.directions, seeds, place, step, rng)
+    if forward and plan.strategy == "broadcast" and p.layers is not None:
+        layerwise_columns(p.layers, z, plan.directions, place, step)
+    else:
+        engine(p.fn, z, plan.directions, seeds, place, step, rng)
     return res.target()
 
 

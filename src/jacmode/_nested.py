@@ -1,0 +1,90 @@
+"""Generic path: nested forward mode (``torch.func.jvp`` inside ``torch.func.jvp``) for any f.
+
+The mirror image of the Taylor fast path in ``_taylor.py``: the same functions (``partial``,
+``first``, ``pairs``, ``laplacian``) with the same shapes, for any callable ``fn`` mapping
+z (B, D) to (B, Y) instead of a known stack of layers.
+
+NOTE: [Nested forward mode]
+One jvp with the tangent e_d on every sample differentiates every sample along coordinate d at
+once (independent samples, see design.md), so the cost does not grow with B beyond the batched
+pass. Differentiating k times nests k jvps; each level carries a primal and a tangent of the level
+below, so order k costs about 2^k forward passes -- the price of knowing nothing about ``fn``.
+Several directions (the D coordinates of a Laplacian, the pairs of a Hessian) are vectorised with
+``vmap``. Some operations have no forward-mode rule for their derivative (``silu_backward``,
+custom autograd Functions without ``jvp``); for those, ``reverse=True`` nests reverse mode
+instead, as the hand-written ``torch.autograd.grad`` idiom does: each level pulls back one
+cotangent e_y per output, shared by all samples, and keeps column d. For coupled samples,
+``scale`` (B, 1) restricts every tangent to one sample (a one-hot column, vmapped over samples by
+the caller), which gives the exact diagonal blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+from torch.func import jvp, vjp, vmap
+
+Fn = Callable[[Tensor], Tensor]
+
+
+def seeds(z: Tensor, dims: Sequence[int]) -> Tensor:
+    """Rows e_d for d in dims, shape (k, 1, D), to broadcast over the samples of z (B, D)."""
+    seed = z.new_zeros(len(dims), 1, z.shape[-1])
+    seed[torch.arange(len(dims)), 0, torch.as_tensor(list(dims), dtype=torch.long)] = 1
+    return seed
+
+
+def tangents(z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = None) -> Tensor:
+    """e_d on every sample (or only where ``scale`` is 1), for d in dims: shape (k, B, D)."""
+    seed = seeds(z, dims).expand(len(dims), *z.shape)
+    return seed if scale is None else seed * scale
+
+
+def _along(g: Fn, d: int, scale: Optional[Tensor]) -> Fn:
+    return lambda y: jvp(g, (y,), (tangents(y, (d,), scale)[0],))[1]
+
+
+def _pulled(g: Fn, d: int, scale: Optional[Tensor]) -> Fn:
+    def h(y: Tensor) -> Tensor:
+        out, pull = vjp(g, y)[:2]
+        cot = tangents(out, range(out.shape[-1]), scale)  # (Y, B, Y): e_y on every sample
+        return vmap(lambda c: pull(c)[0][:, d])(cot).transpose(0, 1)
+
+    return h
+
+
+def partial(fn: Fn, z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = None,
+            reverse: bool = False) -> Tensor:
+    """Per-sample mixed partial along ``dims``, one nested jvp (or vjp) per entry: (B, Y)."""
+    g = fn
+    for d in dims:
+        g = _pulled(g, d, scale) if reverse else _along(g, d, scale)
+    return g(z)
+
+
+def first(fn: Fn, z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = None,
+          reverse: bool = False) -> Tensor:
+    """First derivatives along each d in ``dims``: (k, B, Y)."""
+    if reverse:
+        return torch.stack([partial(fn, z, (d,), scale, True) for d in dims])
+    return vmap(lambda u: jvp(fn, (z,), (u,))[1], randomness="same")(tangents(z, dims, scale))
+
+
+def pairs(fn: Fn, z: Tensor, ii: Sequence[int], jj: Sequence[int],
+          scale: Optional[Tensor] = None, reverse: bool = False) -> Tensor:
+    """Second derivatives d^2 f / dx_i dx_j for the pairs (ii[p], jj[p]): (P, B, Y)."""
+    if reverse:
+        return torch.stack([partial(fn, z, (i, j), scale, True) for i, j in zip(ii, jj)])
+
+    def second(u: Tensor, v: Tensor) -> Tensor:
+        return jvp(lambda y: jvp(fn, (y,), (v,))[1], (z,), (u,))[1]
+
+    return vmap(second, randomness="same")(tangents(z, ii, scale), tangents(z, jj, scale))
+
+
+def laplacian(fn: Fn, z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = None,
+              reverse: bool = False) -> Tensor:
+    """Sum over d in ``dims`` of d^2 f / dx_d^2: (B, Y)."""
+    return pairs(fn, z, dims, dims, scale, reverse).sum(0)

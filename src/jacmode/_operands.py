@@ -1,0 +1,161 @@
+"""What the derivative operators differentiate, with which engine, and in which passes.
+
+A :class:`Target` holds the user's function in flat form (z of shape (B, N) to (B, Y)) and picks
+the engine: ``_taylor`` (Taylor mode) for an ``nn.Sequential`` of ``nn.Linear`` and known
+activations, ``_nested`` (nested forward mode, or nested reverse mode for operations without a
+forward-mode rule) for any other callable. Both engines have the same functions and shapes.
+A Linear/activation stack treats every sample on its own and has no state, so the fast path skips
+the coupling probe and the state guard (a PINN calls the operators thousands of times on small
+batches, where that overhead would show); other functions go through ``_problem.describe``, which
+runs the probe of ``_coupling``, inside ``_state.preserved_state``.
+
+NOTE: [Chunks of the derivative operators]
+``chunk_size`` bounds the width of one vectorised pass, as in :func:`jacmode.jacobian`. laplacian
+and divergence vectorise the D coordinate directions, hessian the D (D + 1) / 2 pairs of them, so
+there it counts directions (pairs); derivative and partial push a single direction shared by all
+samples, so there it counts samples. With ``structure="coupled"`` every sample needs tangents of its
+own (vmapped over samples, B times the work), and chunk_size counts samples x directions.
+By default a pass carries as many directions as keep its widest tensor under
+``DEFAULT_PASS_BYTES``, so that the Hessian of a wide input never holds all D^2 / 2 pairs at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.func import vmap
+
+from . import _checks, _nested, _taylor
+from ._checks import Options
+from ._jacobian import _options
+from ._problem import describe
+from ._state import RngReplay, preserved_state
+from ._structure import one_hot
+
+Fn = Callable[[Tensor], Tensor]
+DEFAULT_PASS_BYTES = 256 * 2**20
+_NO_FORWARD_AD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions that need reverse mode
+
+
+@dataclass
+class Target:
+    """The function to differentiate in flat form, and the engine that will do it."""
+
+    key: Any  # the user's f: remembers that it needs reverse mode
+    fn: Fn  # z (b, N) -> (b, Y), for any number b of samples
+    z: Tensor  # (B, N)
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    layers: Optional[list[nn.Module]]  # the Taylor fast path applies when not None
+    coupled: bool
+    rng: Optional[RngReplay]
+
+    def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
+        if self.layers is not None:
+            return getattr(_taylor, name)(self.layers, z, *args)
+        engine = getattr(_nested, name)
+        if self.key not in _NO_FORWARD_AD:
+            try:
+                return engine(self.fn, z, *args, scale)
+            except NotImplementedError as err:  # an op without a forward-mode rule: see _nested
+                if "forward" not in str(err).lower() and "jvp" not in str(err).lower():
+                    raise
+                with contextlib.suppress(TypeError):
+                    _NO_FORWARD_AD.add(self.key)
+        return engine(self.fn, z, *args, scale, reverse=True)
+
+    def over_samples(self, width: Optional[int], lead: tuple[int, ...],
+                     compute: Callable[[Tensor, Optional[Tensor]], Tensor]) -> Tensor:
+        """``compute(z, scale) -> (*lead, b, Y)`` for all samples, ``width`` samples at a time."""
+        batch, n_out = self.z.shape[0], math.prod(self.out_shape)
+        if batch == 0 or n_out == 0:
+            return self.z.new_zeros(*lead, batch, n_out)
+        width = batch if width is None else width
+        if self.rng is not None:
+            self.rng.reset()
+        if not self.coupled:
+            if width >= batch:
+                return compute(self.z, None)
+            return torch.cat([compute(self.z[s : s + width], None) for s in range(0, batch, width)], -2)
+        blocks = []
+        for s in range(0, batch, width):
+            e = min(batch, s + width)
+            masks = one_hot(s, e, batch, self.z)[..., None]  # (e - s, B, 1): one sample each
+            out = vmap(lambda m: compute(self.z, m), randomness="same")(masks)
+            k = torch.arange(e - s, device=out.device)
+            blocks.append(out.movedim(-2, 1)[k, s + k].movedim(0, -2))  # (*lead, e - s, Y)
+        return torch.cat(blocks, -2)
+
+
+def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create_graph: Any) -> Options:
+    _checks.check_input(x, wrt="inputs", batched=True, name=name)
+    opts = _options(f, x, wrt="inputs", mode="forward", batched=True, structure=structure,
+                    chunk_size=chunk_size, create_graph=create_graph, flatten=True)
+    if opts.structure == "diagonal":
+        raise ValueError(
+            "structure: 'diagonal' does not apply to the derivative operators. Use 'auto' (the "
+            "default), 'independent' or 'coupled'; for elementwise f pass x of shape (B,) "
+            "and use jacmode.derivative."
+        )
+    return opts
+
+
+@contextlib.contextmanager
+def target(f: Fn, x: Tensor, opts: Options) -> Iterator[Target]:
+    grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
+    in_shape = tuple(x.shape[1:])
+    layers = _taylor.layers_of(f, in_shape)
+    if layers is not None:  # independent samples and no state by construction: no probe needed
+        with grad_mode:
+            z = x if opts.create_graph else x.detach()
+            yield Target(key=f, fn=f, z=z, in_shape=in_shape, layers=layers, coupled=False, rng=None,
+                          out_shape=(_taylor.out_features(layers, in_shape[0]),))
+        return
+    with preserved_state(f), grad_mode:
+        p = describe(f, x, opts)
+        n_out = p.n_out
+        fn = lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)  # noqa: E731
+        yield Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, layers=None,
+                      coupled=p.structure == "coupled", rng=RngReplay(p.device) if p.random else None)
+
+
+def direction_chunks(t: Target, n: int, chunk_size: Optional[int]) -> tuple[list[range], Optional[int]]:
+    """Chunks of the n directions, and samples per pass (see the note on chunks)."""
+    if t.coupled:
+        return [range(n)], None if chunk_size is None else max(1, chunk_size // max(n, 1))
+    if chunk_size is None:  # as many directions as fit the default budget
+        widths = [m.out_features for m in t.layers or [] if isinstance(m, nn.Linear)]
+        width = max([*widths, math.prod(t.in_shape), math.prod(t.out_shape)])
+        per_direction = t.z.shape[0] * width * t.z.element_size()
+        chunk_size = max(1, DEFAULT_PASS_BYTES // max(per_direction, 1))
+    step = max(1, min(n, chunk_size))
+    return [range(s, min(n, s + step)) for s in range(0, n, step)], None
+
+
+def check_dims(dims: Any, n: int) -> tuple[int, ...]:
+    items = (dims,) if isinstance(dims, int) and not isinstance(dims, bool) else dims
+    try:
+        if isinstance(items, (str, bytes)) or any(isinstance(d, bool) for d in items):
+            raise TypeError
+        items = tuple(operator.index(d) for d in items)
+    except TypeError:
+        raise TypeError(
+            f"dims: expected a tuple of input coordinates, e.g. (0,) for u_t or (1, 1) for u_xx, "
+            f"got {type(dims).__name__} ({dims!r})."
+        ) from None
+    if not items:
+        raise ValueError("dims: expected at least one coordinate to differentiate along, got ().")
+    bad = [d for d in items if not -n <= d < n]
+    if bad:
+        raise ValueError(
+            f"dims: coordinate {bad[0]} is out of range: each sample of x has D = {n} "
+            f"coordinate(s), so dims must lie in 0..{n - 1} (or -{n}..-1)."
+        )
+    return tuple(d % n for d in items)

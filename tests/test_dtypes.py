@@ -1,0 +1,132 @@
+"""Dtypes and devices: tolerances per dtype, results on x's device and dtype, clear device errors.
+
+Low-precision results are compared with the float64 loop run on a float64 copy of the same
+(rounded) weights and inputs, so the error measured is the rounding of the computation alone,
+relative to the largest Jacobian entry. The tolerances below are published in docs/coverage.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Callable
+
+import pytest
+import torch
+from conftest import ref_input_jacobian, ref_param_jacobian
+from torch import Tensor, nn
+
+import jacmode as jm
+from _zoo_models import ZOO, call, check_result, instantiate, one_intra_op_thread  # noqa: F401 -- autouse fixture
+
+# max |J - J_ref| <= TOLERANCE * max |J_ref| (and elementwise within rtol = TOLERANCE).
+# Measured worst cases over the models below: float64 3.7e-16, float32 2.9e-7 (random narrow MLPs
+# in test_properties.py: 2.7e-6, cancellation through width-1 layers), float16 2.1e-3, bfloat16
+# 8.5e-3 (about 4 and 2 units of roundoff); the tolerances leave a margin of 4x or more.
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _mlp() -> tuple[nn.Module, Tensor]:
+    net = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3))
+    return net, torch.randn(3, 4)
+
+
+def _zoo(name: str) -> Callable[[], tuple[nn.Module, Tensor]]:
+    return next(case.build for case in ZOO if case.name == name)
+
+
+MODELS = {
+    "mlp": _mlp,
+    "cnn": _zoo("CNN with pooling"),
+    "layernorm": _zoo("LayerNorm"),
+    "transformer": _zoo("TransformerEncoderLayer (eval)"),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_reference(name: str, dtype: torch.dtype, wrt: str) -> Tensor:
+    torch.manual_seed(0)
+    model, x = MODELS[name]()
+    return _reference(model.to(dtype), x.to(dtype), wrt)
+
+
+def _reference(model: nn.Module, x: Tensor, wrt: str) -> Tensor:
+    model64, x64 = copy.deepcopy(model).double(), x.double()
+    return ref_input_jacobian(model64, x64) if wrt == "inputs" else ref_param_jacobian(model64, x64)
+
+
+def _assert_within(got: Tensor, want: Tensor, dtype: torch.dtype) -> None:
+    tol = TOLERANCE[dtype]
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * scale)
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE), ids=str)
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("wrt", ["inputs", "params"])
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_every_dtype_within_its_tolerance(dtype: torch.dtype, name: str, wrt: str, mode: str) -> None:
+    torch.manual_seed(0)
+    model, x = MODELS[name]()
+    model, x = model.to(dtype), x.to(dtype)
+    got = jm.jacobian(model, x, wrt=wrt, mode=mode)
+    assert got.dtype == dtype and got.device == x.device
+    _assert_within(got, _cached_reference(name, dtype, wrt), dtype)
+
+
+def test_parameter_jacobian_takes_the_parameters_dtype_for_integer_inputs() -> None:
+    model, ids = instantiate(next(c for c in ZOO if c.name == "Embedding (integer ids)"))
+    got = jm.jacobian(model, ids, wrt="params")
+    assert got.dtype == torch.float64 and got.device == ids.device
+
+
+# -------------------------------------------------------------------------------------------
+# devices
+
+
+def test_model_and_input_on_different_devices_is_a_clear_error() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).to("meta")
+    x = torch.randn(5, 3)
+    for wrt in ("inputs", "params"):
+        with pytest.raises(ValueError, match=r"x: is on cpu but parameter '0\.weight' of the model is on meta.*\.to\("):
+            jm.jacobian(model, x, wrt=wrt)
+        with pytest.raises(ValueError, match=r"x: is on meta but parameter 'weight' of the model is on cpu"):
+            jm.jacobian(nn.Linear(3, 2), x.to("meta"), wrt=wrt)
+
+
+@CUDA
+@pytest.mark.parametrize("case", [c for c in ZOO if not c.gaps and not c.expect], ids=lambda c: c.name)
+@pytest.mark.parametrize("label", ["inputs/auto", "inputs/forward", "inputs/reverse", "params/auto", "params/forward", "params/reverse"])
+def test_zoo_on_cuda(case, label: str) -> None:
+    """Every zoo model that is correct on the CPU is correct on the GPU, result on the GPU."""
+    model, x = instantiate(case)
+    model, x = model.cuda(), x.cuda()
+    result = call(case, label, model, x)
+    assert result.is_cuda
+    check_result(case, label, model, x, result)
+
+
+@CUDA
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_low_precision_on_cuda(dtype: torch.dtype, name: str) -> None:
+    torch.manual_seed(0)
+    model, x = MODELS[name]()
+    model, x = model.to("cuda", dtype), x.to("cuda", dtype)
+    for wrt in ("inputs", "params"):
+        for mode in ("forward", "reverse"):
+            got = jm.jacobian(model, x, wrt=wrt, mode=mode)
+            assert got.dtype == dtype and got.is_cuda
+            # TF32 and fused kernels on the GPU round differently from the CPU; float32 gets
+            # the float16 tolerance there.
+            tol_dtype = torch.float16 if dtype == torch.float32 else dtype
+            _assert_within(got.cpu(), _reference(copy.deepcopy(model).cpu(), x.cpu(), wrt), tol_dtype)
+
+
+@CUDA
+def test_cuda_model_and_cpu_input_is_a_clear_error() -> None:
+    model = nn.Linear(3, 2).cuda()
+    with pytest.raises(ValueError, match=r"x: is on cpu but parameter 'weight' of the model is on cuda"):
+        jm.jacobian(model, torch.randn(4, 3))
