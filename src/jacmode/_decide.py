@@ -36,18 +36,17 @@ class Decision:
 def _measure(f: Any, key: tuple, p: Problem) -> Footprint:
     if p.batch == 0:
         return Footprint(ops=0, flops=0.0, act=0.0, peak=0.0)
-    if p.batched:  # one sample (the coupling probe already ran f on a few); coupled f needs more
-        fn, x = f, p.x[: (min(p.batch, 4) if p.structure == "coupled" else 1)]
-        k = x.shape[0]
-    else:
-        fn, x, k = (p.fn, p.z, 1) if p.kind == "params" else (f, p.x, 1)
+    # one sample (the coupling probe already ran f on a few), more if f couples them; always a
+    # copy, since f may modify its input in place
+    k = (min(p.batch, 4) if p.structure == "coupled" else 1) if p.batched else 1
+    x = (p.x[:k] if p.batched else p.x).detach().clone()
     with rng_kept(p.device):
         try:
-            return _footprint.footprint(f, key, fn, x.detach() if fn is f else x, k)
+            return _footprint.footprint(f, key, f, x, k)
         except Exception:  # noqa: BLE001 - f may need more samples (e.g. batch statistics)
             if not p.batched or k == p.batch:
                 raise
-            return _footprint.footprint(f, key, f, p.x.detach(), p.batch)
+            return _footprint.footprint(f, key, f, p.x.detach().clone(), p.batch)
 
 
 def decide(f: Any, p: Problem, opts: Options, out_given: bool, timing: bool = True) -> Decision:
@@ -135,7 +134,8 @@ def execute(f: Any, p: Problem, d: Decision, opts: Options, out: Optional[Tensor
         try:
             with _fallback.translated_warnings():
                 if plan.loop == "autograd":
-                    return _loops.autograd_rows(p, plan, out, opts.create_graph)
+                    safe = _fallback.params_fn(f, p, p.x.detach().clone()) if p.kind == "params" else p.fn
+                    return _loops.autograd_rows(p, plan, out, opts.create_graph, safe)
                 if plan.loop == "samples":
                     return _loops.sample_loop(p, plan, out)
                 return run(p, plan, out)

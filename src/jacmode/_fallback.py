@@ -22,16 +22,17 @@ names the operation (and where in ``f`` it is called) and says which mode to use
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
-from torch.func import jvp, vjp, vmap
+from torch.func import functional_call, jvp, vjp, vmap
 
 from ._cache import WeakCache, rng_kept
 from ._errors import JacmodeWarning
@@ -91,22 +92,33 @@ def classify(exc: BaseException) -> Optional[tuple[str, str]]:
         if ".item()" in msg:
             what = ".item() or Python control flow on tensor values"
         elif m:
-            what = m.group(1) if m.group(1).startswith("aten::") else f"custom autograd.Function {m.group(1)} without a vmap rule"
+            name = m.group(1).rstrip(".")
+            what = name if name.startswith("aten::") else f"custom autograd.Function {name} without a vmap rule"
         else:
             what = "an operation vmap cannot batch"
         return "vmap", f"{what}{_where(exc)}"
     return None
 
 
+def params_fn(f: Any, p: Problem, x: Tensor) -> Callable[[Tensor], Tensor]:
+    """z -> f(x), flat like ``p.fn``, with the selected parameters taken from z (x: a copy)."""
+    sizes = [math.prod(shape) for _, shape in p.params]
+
+    def fn(z: Tensor) -> Tensor:
+        named = {n: t.view(shape) for (n, shape), t in zip(p.params, z.split(sizes))}
+        out = functional_call(f, named, (x,))
+        return out.reshape(x.shape[0], -1) if p.batched else out.reshape(-1)  # as p.fn
+
+    return fn
+
+
 def _one_sample(f: Any, p: Problem) -> tuple[Any, Tensor]:
-    """A function of one sample and its point, for the probes."""
+    """A function of one sample and its point, for the probes; never on the user's x itself."""
+    x = (p.x[:1] if p.batched else p.x).detach().clone()  # f may modify its input in place
     if p.kind == "params":
-        if p.batched and p.sample_fn is not None:
-            xb = p.x[0]
-            return (lambda z: p.sample_fn(z, xb)), p.z  # type: ignore[misc]
-        return p.fn, p.z
+        return params_fn(f, p, x), p.z
     if p.batched:
-        return f, p.x[:1].detach()
+        return f, x
     return p.fn, p.z
 
 
@@ -140,7 +152,8 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
                 if gap is not None:
                     caps.forward = gap[1]
                 if p.kind == "params" and p.batched and p.structure == "independent" and p.sample_fn:
-                    gap = _try(lambda: vmap(p.sample_fn, in_dims=(None, 0), randomness="different")(p.z, p.x[:2]))
+                    xs = p.x[:2].detach().clone()
+                    gap = _try(lambda: vmap(p.sample_fn, in_dims=(None, 0), randomness="different")(p.z, xs))
                     if gap is not None and gap[0] == "vmap":
                         caps.vmap_samples = gap[1]
     _CAPS.put(f, key, caps)
@@ -176,10 +189,11 @@ def explicit_error(mode: str, kind: str, what: str) -> ValueError:
             "mode='auto' (it falls back to plain torch.autograd.grad loops, slower), or add a "
             "setup_context staticmethod to the Function (see torch's 'Extending torch.func')."
         )
+    rewrite = (", or rewrite the value-dependent code with torch.where / masks so that vmap can batch it"
+               if ".item()" in what else "")
     return ValueError(
         f"mode: {mode!r} vectorises over samples with vmap, which cannot run {what}. Use mode='auto' "
-        "(it falls back to a loop over samples, slower), mode='forward' if it applies, or "
-        "rewrite the value-dependent code with torch.where / masks so that vmap can batch it."
+        f"(it falls back to a loop over samples, slower) or mode='forward'{rewrite}."
     )
 
 

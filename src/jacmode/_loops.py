@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ def sample_loop(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
     res = out if out is not None else p.z.new_zeros(B, Y, p.n_in)
     eye = torch.eye(Y, dtype=p.z.dtype, device=p.z.device)
     for b in range(B):
-        xb = p.x[b]
+        xb = p.x[b].clone()  # f may modify its input in place
         _, vjp_fn = vjp(lambda z: p.sample_fn(z, xb), p.z)  # type: ignore[misc]
         for y0 in range(0, Y, plan.chunk_size):
             y1 = min(Y, y0 + plan.chunk_size)
@@ -35,8 +35,13 @@ def sample_loop(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
     return res
 
 
-def autograd_rows(p: Problem, plan: Plan, out: Optional[Tensor], create_graph: bool) -> Tensor:
-    """The flat result (see ``_structure``) from one ``torch.autograd.grad`` per output entry."""
+def autograd_rows(p: Problem, plan: Plan, out: Optional[Tensor], create_graph: bool,
+                  fn: Callable[[Tensor], Tensor]) -> Tensor:
+    """The flat result (see ``_structure``) from one ``torch.autograd.grad`` per output entry.
+
+    ``fn`` is ``p.fn`` or, for parameters, the same function on a copy of x (plain autograd runs
+    in-place operations of f for real, which must not reach the user's x).
+    """
     z = p.z if p.z.requires_grad else p.z.detach().requires_grad_(True)
     B, Y, N = p.batch, p.n_out, p.n_in
 
@@ -47,18 +52,18 @@ def autograd_rows(p: Problem, plan: Plan, out: Optional[Tensor], create_graph: b
 
     with torch.enable_grad():
         if plan.strategy == "diagonal":
-            return grad(p.fn(z).sum(), keep=False)
+            return grad(fn(z).sum(), keep=False)
         if not p.batched:
-            o = p.fn(z)
+            o = fn(z)
             return torch.stack([grad(o[y]) for y in range(Y)]).reshape(Y, N)
         res = out if out is not None else z.new_zeros(B, Y, N)
         if p.kind == "params" and plan.strategy == "per-sample":
             for b in range(B):
-                o = p.sample_fn(z, p.x[b])  # type: ignore[misc]
+                o = p.sample_fn(z, p.x[b].clone())  # type: ignore[misc]
                 for y in range(Y):
                     res[b, y] = grad(o[y])
             return res
-        o = p.fn(z)
+        o = fn(z)
         if plan.strategy == "broadcast":  # independent samples: row y of every block at once
             for y in range(Y):
                 res[:, y] = grad(o[:, y].sum())
