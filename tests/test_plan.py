@@ -34,7 +34,7 @@ def _bn_net() -> nn.Module:
 CASES = {
     "broadcast-forward": (lambda: nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 300)).double(), (8, 1), {},
                           ("forward", "broadcast")),
-    "broadcast-reverse": (lambda: nn.Sequential(nn.Linear(300, 8), nn.Tanh(), nn.Linear(8, 2)).double(), (16, 300), {},
+    "broadcast-reverse": (lambda: nn.Sequential(nn.Linear(300, 64), nn.Tanh(), nn.Linear(64, 2)).double(), (128, 300), {},
                           ("reverse", "broadcast")),
     "per-sample": (lambda: mlp_1_4().double(), (5, 1), {"wrt": "params"}, ("reverse", "per-sample")),
     "params-forward": (lambda: nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 400)).double(), (64, 2),

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ._cache import WeakCache, rng_kept
 from ._checks import Options
-from ._forward import forward_columns
+from ._forward import forward_columns, layerwise_columns
 from ._plan import MODES, Plan, with_reason
 from ._problem import Problem
 from ._reverse import per_sample_rows, reverse_rows
@@ -99,9 +99,13 @@ def _time(p: Problem, plan: Plan) -> tuple[float, str]:
     engine = forward_columns if plan.mode == "forward" else reverse_rows
     seeds, _ = _SEEDS[(plan.strategy, plan.mode == "forward", p.kind == "params")](p, None, n)  # type: ignore[arg-type]
     noop = lambda s, e, blk: None  # noqa: E731
+    layerwise = plan.mode == "forward" and plan.strategy == "broadcast" and p.layers is not None
 
     def one_pass(width: int) -> float:
-        call = lambda: engine(p.fn, p.z, width, seeds, noop, width)  # noqa: E731
+        if layerwise:  # the engine run() uses for this plan (see _structure.run)
+            call = lambda: layerwise_columns(p.layers, p.z, width, noop, width)  # noqa: E731
+        else:
+            call = lambda: engine(p.fn, p.z, width, seeds, noop, width)  # noqa: E731
         call()
         return _best(call, 2, p.device)
 

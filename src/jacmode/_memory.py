@@ -6,11 +6,12 @@ one vectorised pass, which grows with the directions (and, per-sample, the sampl
 the footprint of ``f`` (see ``_footprint.py``: bytes produced per sample ``act``, largest tensor
 ``peak``) the workspace of a pass of k directions over s samples is estimated as
 
-* forward:  ``JVP_LIVE * (k + 1) * s * peak`` (tangents of the live activations; no tape)
+* forward:  ``jvp_live * (k + 1) * s * peak`` (tangents of the live activations; no tape)
   plus the seeds and the block of products;
-* reverse:  ``VJP_TAPE * s * act`` (the tape, kept for all chunks) plus ``VJP_LIVE * k * s * peak``
-  (cotangents of the live activations) plus the seeds and the block of products, which for
-  per-sample parameter Jacobians is ``PARAM_COPIES`` copies of k * s * P gradient entries.
+* reverse:  ``vjp_tape * s * act`` (the tape, kept for all chunks) plus ``vjp_live * k * s * peak``
+  (cotangents of the live activations) plus the seeds and the block of products; per-sample
+  parameter Jacobians use ``sample_live`` instead of ``vjp_live`` (vmap over samples keeps more
+  alive) and add ``param_copies`` copies of k * s * P gradient entries.
 
 The multipliers are measured (peak resident memory of subprocesses, see ``jacmode.calibrate``);
 chunk sizes are the largest whose estimate fits the budget. Without ``max_memory`` the budget is
@@ -106,8 +107,11 @@ def workspace(
     io = k * (seed_bytes + block_bytes)
     if mode == "forward":
         return float(MEMORY["jvp_live"] * (k + 1) * samples * peak + io) if k else 0.0
-    ws = MEMORY["vjp_tape"] * samples * act + MEMORY["vjp_live"] * k * samples * peak
-    return float(ws + io + MEMORY["param_copies"] * k * samples * param_bytes)
+    if param_bytes:  # per-sample parameter Jacobians: vmap over samples of vmap over directions
+        live = MEMORY["sample_live"] * k * samples * peak + MEMORY["param_copies"] * k * samples * param_bytes
+    else:
+        live = MEMORY["vjp_live"] * k * samples * peak
+    return float(MEMORY["vjp_tape"] * samples * act + live + io)
 
 
 def largest_fitting(fits: Callable[[int], bool], upper: int) -> int:

@@ -13,13 +13,14 @@ direction, the estimated time is
         + S * dir_spill * act * directions * max(0, log2(bytes of one pass / SPILL_BYTES))
         + result * B*Y*N
 
-with one set of constants per mode, fitted to timings over a grid of MLPs and CNNs (wrt inputs
-and parameters, N/Y from 1/100 to 100/1, B from 1 to 1024) by ``python -m jacmode.calibrate``;
-they live in ``_calibrated.py``. Small problems are dominated by the per-pass terms (which is why a
-single direction skips ``vmap``), large ones by the per-direction work, which costs more per byte
-as the activations of one pass outgrow the caches (the ``dir_spill`` term: logarithmic in the
-pass size above ``SPILL_BYTES``); so the crossover sits near N = Y with a shift that the fit
-measures (reverse mode wins ties on this machine: see docs/modes.md). The strategy fixes how many directions there are:
+with one set of constants per engine (forward, forward layer by layer, reverse; see ``engine``),
+fitted to timings over a grid of MLPs, elementwise-heavy nets and a small CNN (wrt inputs and
+parameters, N/Y from 1/1000 to 1000/1, B from 1 to 1024) by ``python -m jacmode.calibrate``; they
+live in ``_calibrated.py``. Small problems are dominated by the fixed and per-pass terms, large
+ones by the per-direction work, which costs more per byte as the activations of one pass outgrow
+the caches (``dir_spill``: logarithmic in the pass size above ``SPILL_BYTES``). docs/modes.md
+shows the fitted constants, the crossover and the regret of the choice. The strategy fixes how
+many directions there are:
 
 =============  =====================  ==========================
 strategy       forward directions     reverse directions
@@ -163,9 +164,22 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
     }
 
 
-def estimate(mode: str, terms: dict[str, float]) -> float:
-    """Seconds: the calibrated constants of ``mode`` times the terms."""
-    return sum(COST[mode].get(k, 0.0) * v for k, v in terms.items())
+def engine(p: Problem, mode: str, strategy: str) -> str:
+    """Which calibrated engine runs a candidate: "forward", "forward-layerwise" or "reverse".
+
+    Forward mode over broadcast seeds through an ``nn.Sequential`` of Linear layers and known
+    activations pushes the tangents layer by layer without dual tensors or vmap (``_taylor``), at
+    its own measured cost.
+    """
+    if mode == "forward" and strategy == "broadcast" and getattr(p, "layers", None) is not None:
+        return "forward-layerwise"
+    return mode
+
+
+def estimate(engine_name: str, terms: dict[str, float]) -> float:
+    """Seconds: the calibrated constants of an engine (see :func:`engine`) times the terms."""
+    constants = COST.get(engine_name) or COST[engine_name.split("-")[0]]
+    return sum(constants.get(k, 0.0) * v for k, v in terms.items())
 
 
 def _workspace(p: Problem, fp: Footprint, mode: str, strategy: str, k: int, s: int) -> float:
@@ -254,7 +268,7 @@ def make_plan(
         fit = _chunks(p, fp, m, strategy, directions, chunk_size, budget, cap)
         if fit is not None:
             chunk, samples, ws = fit
-            cost = estimate(m, features(p, fp, m, strategy, directions, chunk, samples))
+            cost = estimate(engine(p, m, strategy), features(p, fp, m, strategy, directions, chunk, samples))
             sized[m] = (strategy, directions, chunk, samples, ws, cost)
     if not sized or (mode != "auto" and mode not in sized):
         return None

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+MARGIN = 1.3  # memory multipliers are set this much above the measured peaks (RSS varies by ~15%)
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
              "dir_bytes", "dir_spill", "result")
 
@@ -145,7 +146,10 @@ def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float 
 
 
 def terms(case: Case, mode: str) -> dict[str, float]:
-    """The cost-model terms of a case in ``mode``, for the chunk sizes jacobian would use."""
+    """The cost-model terms of a case in ``mode``, for the chunk sizes jacobian would use.
+
+    The key "engine" names the calibrated engine that runs it (see ``_plan.engine``).
+    """
     import jacmode as jm
     from jacmode import _plan
     from jacmode._checks import check_options
@@ -160,7 +164,9 @@ def terms(case: Case, mode: str) -> dict[str, float]:
         d = decide(model, p, opts, out_given=False)
     q = d.plan
     del jm
-    return _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
+    out: dict[str, Any] = _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
+    out["engine"] = _plan.engine(p, q.mode, q.strategy)
+    return out
 
 
 def refit(records: list[dict]) -> dict[str, dict[str, float]]:
@@ -168,15 +174,14 @@ def refit(records: list[dict]) -> dict[str, dict[str, float]]:
     cases = {c.label: c for c in fit_grid()}
     for rec in records:
         rec["terms"] = {m: terms(cases[rec["case"]], m) for m in ("forward", "reverse")}
-    return {m: nnls_relative([r["terms"][m] for r in records], [r["seconds"][m] for r in records])
-            for m in ("forward", "reverse")}
+    return fit_engines(records)
 
 
 def nnls_relative(rows: list[dict[str, float]], seconds: list[float]) -> dict[str, float]:
     """Non-negative least squares on relative errors (active set: drop negative terms, refit)."""
     import numpy as np
 
-    A = np.array([[r[t] for t in FIT_TERMS] for r in rows]) / np.array(seconds)[:, None]
+    A = np.array([[r.get(t, 0.0) for t in FIT_TERMS] for r in rows]) / np.array(seconds)[:, None]
     scale = np.maximum(A.max(axis=0), 1e-30)
     active = [i for i in range(len(FIT_TERMS)) if A[:, i].any()]
     while True:
@@ -204,9 +209,18 @@ def calibrate_costs(cases: list[Case], log: Any = print) -> tuple[dict[str, dict
         rec["seconds"] = {m: min(t[m], rec["seconds"][m]) for m in t}
         log(f"[sweep 2: {i + 1}/{len(cases)}] {case.label}: forward {rec['seconds']['forward'] * 1e3:.3g} ms, "
             f"reverse {rec['seconds']['reverse'] * 1e3:.3g} ms")
-    costs = {m: nnls_relative([r["terms"][m] for r in records], [r["seconds"][m] for r in records])
-             for m in ("forward", "reverse")}
-    return costs, records
+    return fit_engines(records), records
+
+
+def fit_engines(records: list[dict]) -> dict[str, dict[str, float]]:
+    """One set of constants per engine, each fitted on the records that engine ran."""
+    by_engine: dict[str, tuple[list, list]] = {}
+    for r in records:
+        for m in ("forward", "reverse"):
+            rows, secs = by_engine.setdefault(r["terms"][m].get("engine", m), ([], []))
+            rows.append(r["terms"][m])
+            secs.append(r["seconds"][m])
+    return {e: nnls_relative(rows, secs) for e, (rows, secs) in sorted(by_engine.items())}
 
 
 _MEMORY_SCRIPT = r"""
@@ -238,16 +252,17 @@ def measure_workspace(case: Case, mode: str, chunk: Optional[int]) -> dict[str, 
 
 
 def calibrate_memory(log: Any = print) -> dict[str, float]:
-    """Scale each workspace multiplier by measured / estimated peak on a case where it dominates."""
+    """Scale each workspace multiplier by measured / estimated peak on a case where it dominates (x MARGIN)."""
     from jacmode import _calibrated
 
     memory = dict(_calibrated.MEMORY)
     probes = [  # (multiplier, case, mode, chunk)
-        ("jvp_live", Case("mlp", 256, 8, 512, h=2048), "forward", 64),
+        ("jvp_live", Case("mlp", 256, 8, 512, h=2048), "forward", 64),  # layer by layer
+        ("jvp_live", Case("cnn", 16, 8, 256), "forward", 64),  # vmap over jvp
         ("vjp_tape", Case("mlp", 8, 2, 4096, h=4096), "reverse", 1),
         ("vjp_live", Case("mlp", 256, 64, 512, h=2048), "reverse", 64),
+        ("sample_live", Case("seq", 32, 10, 64, wrt="params", h=1024), "reverse", 90),  # per-sample activations
         ("param_copies", Case("mlp", 64, 10, 32, wrt="params", h=512), "reverse", 40),
-        ("vjp_live", Case("seq", 32, 10, 64, wrt="params", h=1024), "reverse", 90),  # per-sample activations
     ]
     seen: dict[str, float] = {}
     for name, case, mode, chunk in probes:
@@ -255,7 +270,7 @@ def calibrate_memory(log: Any = print) -> dict[str, float]:
         ratio = max(m["workspace"], 0) / max(m["unit"], 1)
         log(f"{name}: measured {m['workspace'] / 2**20:.1f} MiB vs estimated {m['unit'] / 2**20:.1f} MiB "
             f"({case.label}) -> x{ratio:.2f}")
-        value = round(max(0.5, memory[name] * ratio * 1.15), 2)
+        value = round(max(0.5, memory.get(name, 1.0) * ratio * MARGIN), 2)
         memory[name] = seen[name] = max(value, seen.get(name, 0.0))  # a second probe may only raise it
     return memory
 
@@ -389,7 +404,8 @@ def plot_crossover(records: list[dict], costs: dict[str, dict[str, float]], path
 
 
 def _est(costs: dict[str, dict[str, float]], rec: dict, mode: str) -> float:
-    return sum(costs[mode][k] * v for k, v in rec["terms"][mode].items())
+    t = rec["terms"][mode]
+    return sum(costs[t.get("engine", mode)].get(k, 0.0) * v for k, v in t.items() if k != "engine")
 
 
 def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[dict]:
