@@ -198,8 +198,8 @@ def _workspace(p: Problem, fp: Footprint, mode: str, strategy: str, k: int, s: i
 
 def _chunks(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int,
             chunk_size: Optional[int], budget: float,
-            sample_cap: Optional[int] = None) -> Optional[tuple[int, Optional[int], float]]:
-    """(directions per pass, samples per pass, workspace) inside the budget; None if none fits."""
+            sample_cap: Optional[int] = None) -> Optional[tuple[int, Optional[int], float, bool]]:
+    """(directions per pass, samples per pass, workspace, cut by the budget?); None if none fits."""
     if strategy == "per-sample":
         Y, B = p.n_out, max(1, min(p.batch, sample_cap or p.batch))
         if chunk_size is not None:
@@ -215,14 +215,14 @@ def _chunks(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int
             s_fit = 1
         if c == 0:
             return None
-        return c, s_fit, _workspace(p, fp, mode, strategy, c, s_fit)
+        return c, s_fit, _workspace(p, fp, mode, strategy, c, s_fit), s_fit < s or c < min(Y, chunk_size or Y)
     if chunk_size is None:
         chunk_size = max(1, DEFAULT_CHUNK_BYTES // (p.z.element_size() * _per_direction_elements(p)))
     upper = max(1, min(directions, chunk_size))
     c = _memory.largest_fitting(lambda k: _workspace(p, fp, mode, strategy, k, 0) <= budget, upper)
     if c == 0:
         return None
-    return c, None, _workspace(p, fp, mode, strategy, c, 0)
+    return c, None, _workspace(p, fp, mode, strategy, c, 0), c < upper
 
 
 def _per_direction_elements(p: Problem) -> int:
@@ -267,14 +267,14 @@ def make_plan(
         cap = 1 if loops.get(m) == "samples" else None
         fit = _chunks(p, fp, m, strategy, directions, chunk_size, budget, cap)
         if fit is not None:
-            chunk, samples, ws = fit
+            chunk, samples, ws, cut = fit
             cost = estimate(engine(p, m, strategy), features(p, fp, m, strategy, directions, chunk, samples))
-            sized[m] = (strategy, directions, chunk, samples, ws, cost)
+            sized[m] = (strategy, directions, chunk, samples, ws, cost, cut)
     if not sized or (mode != "auto" and mode not in sized):
         return None
     costs = {m: v[5] for m, v in sized.items()}
     chosen = min(costs, key=lambda m: costs[m]) if mode == "auto" else mode
-    strategy, directions, chunk, samples, ws, _ = sized[chosen]
+    strategy, directions, chunk, samples, ws, _, cut = sized[chosen]
     if mode != "auto":
         reason = f"mode={mode!r} was requested"
         best = min(costs, key=lambda m: costs[m])
@@ -284,7 +284,9 @@ def make_plan(
         reason = _reason(p, chosen, sized, allowed)
     if chunk < directions or (samples is not None and samples < p.batch):
         per = _dirs(chunk) + (f" x {samples} samples" if samples is not None else "")
-        reason += f"; {per} per pass to stay inside the memory budget ({fmt_bytes(budget)})"
+        why_chunked = (f"to stay inside the memory budget ({fmt_bytes(budget)})" if cut
+                       else "as chunk_size asks" if chunk_size else "to keep each pass's blocks small")
+        reason += f"; {per} per pass {why_chunked}"
     if why:
         reason += f"; {why}"
     result_bytes = p.z.element_size() * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
@@ -300,7 +302,7 @@ def with_reason(plan: Plan, reason: str, costs: Optional[dict[str, float]] = Non
 
 
 def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, ...]) -> str:
-    strategy, n, chunk, _, _, cost = sized[mode]
+    strategy, n, chunk, _, _, cost, _ = sized[mode]
     what = {"inputs": "input features D", "params": "parameters P"}[p.kind]
     if strategy == "diagonal":
         return "elementwise f: one forward-mode pass with a tangent of ones gives the whole diagonal"
