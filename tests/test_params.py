@@ -204,3 +204,44 @@ def test_errors() -> None:
         jm.jacobian(net, x, out=torch.empty(2, 10, 784))
     with pytest.raises(TypeError, match="out: expected a torch.Tensor or None"):
         jm.jacobian(net, x, wrt="params", out=[1])
+
+
+class Wrapped(nn.Module):
+    """The same stack behind a custom forward: forces the generic vmap(vjp) path."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("act", [nn.Tanh, nn.ReLU, nn.Sigmoid, nn.SiLU, nn.Softplus, nn.GELU])
+@pytest.mark.parametrize("last_activation", [False, True])
+def test_layerwise_fast_path_equals_generic_path(act: type, last_activation: bool) -> None:
+    layers = [nn.Linear(3, 6), act(), nn.Linear(6, 5), act(), nn.Linear(5, 2)]
+    net = nn.Sequential(*layers, *([act()] if last_activation else [])).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    fast = jm.jacobian(net, x, wrt="params", mode="reverse")
+    generic = jm.jacobian(Wrapped(net), x, wrt="params", mode="reverse")
+    torch.testing.assert_close(fast, generic)
+    sub = jm.jacobian(net, x, wrt=["2.weight"], mode="reverse", out=torch.empty(4, 2, 30, dtype=torch.float64))
+    torch.testing.assert_close(sub, generic[:, :, 24:54])  # after 0.weight (18) and 0.bias (6)
+    Jf = jm.jacobian(net, x, wrt="params", mode="reverse", create_graph=True)
+    Jg = jm.jacobian(Wrapped(net), x, wrt="params", mode="reverse", create_graph=True)
+    params = list(net.parameters())
+    gf = torch.autograd.grad(Jf.sin().sum(), params, allow_unused=True, materialize_grads=True)
+    gg = torch.autograd.grad(Jg.sin().sum(), params, allow_unused=True, materialize_grads=True)
+    for a, b in zip(gf, gg):
+        torch.testing.assert_close(a, b)
+
+
+def test_layerwise_fast_path_skips_reused_layers() -> None:
+    lin = nn.Linear(3, 3)
+    net = nn.Sequential(lin, nn.Tanh(), lin).double()  # one layer used twice: generic path
+    x = torch.randn(2, 3, dtype=torch.float64)
+    got = jm.jacobian(net, x, wrt="params")
+    # functional_call leaves a transformed tensor in a module registered twice; jacmode restores it
+    assert all(type(p) is nn.Parameter for p in lin.parameters()) and net(x).requires_grad
+    torch.testing.assert_close(got, ref_param_jacobian(net, x))

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import _checks, _taylor
+from . import _backprop, _checks, _taylor
 from ._checks import Options
 from ._coupling import probe
 
@@ -40,7 +40,8 @@ class Problem:
     sample_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None  # params: (z, x_b) -> (Y,)
     params: list[tuple[str, torch.Size]] = field(default_factory=list)
     random: bool = False  # random layers in training mode (dropout)
-    layers: Optional[list[nn.Module]] = None  # Linear/activation stack: layer-wise forward mode
+    layers: Optional[list[nn.Module]] = None  # Linear/activation stack: layer-wise fast paths
+    tensors: list[Tensor] = field(default_factory=list)  # params: the selected parameters
 
     @property
     def dtype(self) -> torch.dtype:
@@ -117,6 +118,12 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
     else:
         fn = lambda z: functional_call(model, unflatten(z), (x,)).reshape(n_out)  # noqa: E731
     sample_fn = lambda z, xb: functional_call(model, unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
+    tensors = [p for _, p in selected]
+    layers = None
+    if batched and structure == "independent" and x.is_floating_point():
+        layers = _taylor.layers_of(model, tuple(x.shape[1:]))
+        layers = layers if _backprop.applies(layers, tensors) else None
     return Problem(kind="params", fn=fn, z=z, batch=batch, n_in=z.numel(), n_out=n_out,
                    in_shape=(z.numel(),), out_shape=out_shape, sample_fn=sample_fn,
-                   params=list(zip(names, shapes)), batched=batched, structure=structure, x=x, random=random)
+                   params=list(zip(names, shapes)), batched=batched, structure=structure, x=x, random=random,
+                   layers=layers, tensors=tensors)

@@ -10,7 +10,9 @@ may raise halfway. ``preserved_state`` therefore
   call (the layers then normalise with batch statistics, which is what training mode computes,
   and write nothing) -- the approach of ``torch.func.replace_all_batch_norm_modules_``, undone on
   exit;
-* records the training flags, ``requires_grad`` flags, ``.grad`` references and the version
+* records the parameter objects of every module (``torch.func.functional_call`` leaves a
+  transformed tensor behind in a module registered twice), the training flags, ``requires_grad``
+  flags, ``.grad`` references and the version
   counters of all buffers, restores the flags and gradients on exit, and restores any buffer that
   a custom layer modified in place from a copy taken lazily only for modules in training mode.
 
@@ -81,6 +83,7 @@ def _module_state(f: nn.Module) -> Iterator[None]:
     modules = list(f.modules())
     training = [m.training for m in modules]
     params = list(f.parameters())
+    slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
     flags = [p.requires_grad for p in params]
     grads = [p.grad for p in params]
     buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
@@ -100,6 +103,9 @@ def _module_state(f: nn.Module) -> Iterator[None]:
             bn.track_running_stats = True
         for m, flag in zip(modules, training):
             m.training = flag
+        for m, name, p in slots:  # functional_call fails to restore a module registered twice
+            if m._parameters.get(name) is not p:
+                m._parameters[name] = p
         for p, flag, g in zip(params, flags, grads):
             if p.requires_grad != flag:
                 p.requires_grad_(flag)

@@ -7,7 +7,8 @@ elementwise diagonal. Forward mode fills columns n, reverse mode fills rows y.
   (or Y cotangents) give every diagonal block (see design.md, "structure is compression").
   For an ``nn.Sequential`` of Linear layers and known activations, forward mode pushes the
   tangents layer by layer (``_forward.layerwise_columns``), the PINN networks' fast path.
-* per-sample: vmap over samples of vmap over outputs of vjp (parameters, independent samples).
+* per-sample: vmap over samples of vmap over outputs of vjp (parameters, independent samples);
+  for Linear/activation stacks, explicit layer-wise backpropagation (``_backprop``).
 * whole-batch: the batch is one point; directions are one-hot over (b, d) or (b, y) and only the
   diagonal block of each product is kept. Exact with coupled samples. For parameters in forward
   mode, each tangent is shared by all samples and gives a whole column at once.
@@ -27,6 +28,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from ._backprop import param_jacobian
 from ._forward import forward_columns, layerwise_columns
 from ._plan import Plan
 from ._problem import Problem
@@ -78,6 +80,9 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
         seeds = lambda s, e: torch.ones_like(z).unsqueeze(0)  # noqa: E731
         engine(p.fn, z, 1, seeds, lambda s, e, blk: res.keep(blk[0]), 1, rng)
         return res.target()
+
+    if plan.strategy == "per-sample" and p.layers is not None:
+        return param_jacobian(p.layers, p.x, p.tensors, out, differentiable=torch.is_grad_enabled())
 
     if plan.strategy == "per-sample":
         res = _Result((B, Y, N), z, out)
