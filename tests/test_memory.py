@@ -57,8 +57,19 @@ def test_budget_below_one_direction_raises():
         jm.jacobian(mlp_1_4(), torch.randn(100, 1), wrt="params", max_memory=10)
 
 
+class Generic(nn.Module):
+    """An MLP that is not an nn.Sequential: the generic vmap engines, not the layer-wise ones."""
+
+    def __init__(self, d: int, h: int, y: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, y))
+
+    def forward(self, x):
+        return self.net(x)
+
+
 def test_per_sample_chunks_shrink_to_fit_the_budget():
-    net = nn.Sequential(nn.Linear(20, 64), nn.Tanh(), nn.Linear(64, 6))
+    net = Generic(20, 64, 6)
     x = torch.randn(300, 20)
     free = jm.plan(net, x, wrt="params", max_memory="4GB", mode="reverse")
     assert (free.chunk_size, free.sample_chunk) == (6, 300)
@@ -90,9 +101,10 @@ def test_direction_chunks_shrink_to_fit_the_budget():
     assert re.search(rf"{p.chunk_size} directions? per pass to stay inside the memory budget", p.reason)
 
 
-def test_chunked_result_is_the_same():
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_chunked_result_is_the_same(layerwise):
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    net = (nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3)) if layerwise else Generic(5, 16, 3)).double()
     x = torch.randn(40, 5, dtype=torch.float64)
     budget = jm.plan(net, x, wrt="params", mode="reverse").workspace_bytes // 4
     tight = jm.plan(net, x, wrt="params", max_memory=budget, mode="reverse")

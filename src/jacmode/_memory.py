@@ -89,6 +89,7 @@ def workspace(
     seed_bytes: float,
     block_bytes: float,
     param_bytes: float = 0.0,
+    per_sample: bool = False,
 ) -> float:
     """Estimated workspace in bytes of one pass of ``k`` directions over ``samples`` samples.
 
@@ -98,7 +99,9 @@ def workspace(
         samples: samples in the pass (B, or the per-sample chunk).
         act: bytes produced by the forward pass per sample; peak: its largest tensor per sample.
         seed_bytes: bytes of one direction's seed; block_bytes: of one direction's products.
-        param_bytes: per-sample parameter Jacobians: bytes of one gradient of all parameters.
+        param_bytes: per-sample parameter Jacobians: bytes of one gradient of all parameters
+            that the engine copies (0 when blocks are written straight into the result).
+        per_sample: a per-sample parameter Jacobian (activations counted with ``sample_live``).
 
     Example:
         >>> workspace("forward", k=0, samples=1, act=0, peak=0, seed_bytes=0, block_bytes=0)
@@ -107,7 +110,7 @@ def workspace(
     io = k * (seed_bytes + block_bytes)
     if mode == "forward":
         return float(MEMORY["jvp_live"] * (k + 1) * samples * peak + io) if k else 0.0
-    if param_bytes:  # per-sample parameter Jacobians: vmap over samples of vmap over directions
+    if per_sample:  # per-sample parameter Jacobians: vmap over samples of vmap over directions
         live = MEMORY["sample_live"] * k * samples * peak + MEMORY["param_copies"] * k * samples * param_bytes
     else:
         live = MEMORY["vjp_live"] * k * samples * peak

@@ -165,14 +165,18 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
 
 
 def engine(p: Problem, mode: str, strategy: str) -> str:
-    """Which calibrated engine runs a candidate: "forward", "forward-layerwise" or "reverse".
+    """Which calibrated engine runs a candidate: "forward", "reverse", or their "-layerwise" kin.
 
-    Forward mode over broadcast seeds through an ``nn.Sequential`` of Linear layers and known
-    activations pushes the tangents layer by layer without dual tensors or vmap (``_taylor``), at
-    its own measured cost.
+    Through an ``nn.Sequential`` of Linear layers and known activations, forward mode over
+    broadcast seeds pushes the tangents layer by layer (``_taylor``) and per-sample parameter
+    Jacobians are backpropagated explicitly (``_backprop``): no dual tensors, no vmap, and their
+    own measured costs.
     """
-    if mode == "forward" and strategy == "broadcast" and getattr(p, "layers", None) is not None:
-        return "forward-layerwise"
+    if getattr(p, "layers", None) is not None:
+        if mode == "forward" and strategy == "broadcast":
+            return "forward-layerwise"
+        if strategy == "per-sample":
+            return "reverse-layerwise"
     return mode
 
 
@@ -185,9 +189,10 @@ def estimate(engine_name: str, terms: dict[str, float]) -> float:
 def _workspace(p: Problem, fp: Footprint, mode: str, strategy: str, k: int, s: int) -> float:
     isz = p.z.element_size()
     S = _samples(p, strategy)
-    if strategy == "per-sample":
-        return _memory.workspace(mode, k=k, samples=s, act=fp.act, peak=fp.peak,
-                                 seed_bytes=p.n_out * isz, block_bytes=0, param_bytes=p.n_in * isz)
+    if strategy == "per-sample":  # explicit backprop writes the blocks straight into the result
+        copies = 0 if engine(p, mode, strategy) == "reverse-layerwise" else p.n_in * isz
+        return _memory.workspace(mode, k=k, samples=s, act=fp.act, peak=fp.peak, per_sample=True,
+                                 seed_bytes=p.n_out * isz, block_bytes=0, param_bytes=copies)
     seed = {"broadcast": p.n_in, "whole-batch": p.z.numel(), "full": p.n_in, "diagonal": p.n_in}[strategy]
     if p.kind == "params" and mode == "forward":
         seed = p.n_in
@@ -202,6 +207,10 @@ def _chunks(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int
     """(directions per pass, samples per pass, workspace, cut by the budget?); None if none fits."""
     if strategy == "per-sample":
         Y, B = p.n_out, max(1, min(p.batch, sample_cap or p.batch))
+        if engine(p, mode, strategy) == "reverse-layerwise":  # all Y at once; chunks of samples only
+            s_fit = _memory.largest_fitting(lambda n: _workspace(p, fp, mode, strategy, Y, n) <= budget,
+                                            min(B, max(1, chunk_size // Y)) if chunk_size else B)
+            return (Y, s_fit, _workspace(p, fp, mode, strategy, Y, s_fit), s_fit < B) if s_fit else None
         if chunk_size is not None:
             c = min(Y, chunk_size)
             s = min(B, max(1, chunk_size // c))
