@@ -56,11 +56,12 @@ def plan(
     Example:
         >>> import torch, jacmode as jm
         >>> net = torch.nn.Sequential(torch.nn.Linear(784, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10))
-        >>> p = jm.plan(net, torch.randn(64, 784), wrt="params", max_memory="50KB")
+        >>> p = jm.plan(net, torch.randn(64, 784), wrt="params")
         >>> p.mode, p.strategy, p.directions
         ('reverse', 'per-sample', 10)
         >>> p.costs["forward"] > 10 * p.costs["reverse"]   # 15,910 tangents vs 10 cotangents
         True
+        >>> p = jm.plan(net, torch.randn(64, 784), wrt="params", max_memory="50KB")
         >>> p.sample_chunk < 64 and p.workspace_bytes <= 50_000   # samples chunked to fit the budget
         True
     """
