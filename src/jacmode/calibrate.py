@@ -27,7 +27,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-MARGIN = 1.3  # memory multipliers are set this much above the measured peaks (RSS varies by ~15%)
+MARGIN = 1.3  # memory multipliers are set this much above the largest of three measured peaks
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
              "dir_bytes", "dir_spill", "result")
 
@@ -37,11 +37,22 @@ class _MeanTokens(nn.Module):
         return h.mean(dim=-2)
 
 
+class _Opaque(nn.Module):
+    """A module jacmode cannot see through: the generic (vmap) engines, never the layer-wise ones."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
 @dataclass(frozen=True)
 class Case:
     """One point of a grid: a model, a batch, what to differentiate."""
 
-    family: str  # "mlp", "ew" (elementwise-heavy), "cnn", or "seq" (an MLP over 64 tokens, then a mean)
+    family: str  # "mlp", "mlp-opaque" (same, generic engines), "ew" (elementwise-heavy), "cnn", "seq" (tokens)
     d: int  # input features (mlp) or image side (cnn, 1 channel)
     y: int  # outputs
     b: int  # batch
@@ -57,11 +68,11 @@ class Case:
         if self.family == "ew":
             model = nn.Sequential(nn.Linear(self.d, 4), nn.Tanh(), nn.Linear(4, self.y), nn.Tanh(), nn.Sigmoid())
             return model, torch.randn(self.b, self.d)
-        if self.family == "mlp":
+        if self.family in ("mlp", "mlp-opaque"):
             h0 = self.h0 or self.h
             model = nn.Sequential(nn.Linear(self.d, h0), nn.Tanh(), nn.Linear(h0, self.h), nn.Tanh(),
                                   nn.Linear(self.h, self.y))
-            return model, torch.randn(self.b, self.d)
+            return (model if self.family == "mlp" else _Opaque(model)), torch.randn(self.b, self.d)
         model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
                               nn.ReLU(), nn.Flatten(), nn.Linear(4 * self.d * self.d, self.y))
         return model, torch.randn(self.b, 1, self.d, self.d)
@@ -262,11 +273,12 @@ def calibrate_memory(log: Any = print) -> dict[str, float]:
         ("vjp_tape", Case("mlp", 8, 2, 4096, h=4096), "reverse", 1),
         ("vjp_live", Case("mlp", 256, 64, 512, h=2048), "reverse", 64),
         ("sample_live", Case("seq", 32, 10, 64, wrt="params", h=1024), "reverse", 90),  # per-sample activations
-        ("param_copies", Case("mlp", 64, 10, 32, wrt="params", h=512), "reverse", 40),
+        ("param_copies", Case("mlp-opaque", 64, 10, 32, wrt="params", h=512), "reverse", 40),
     ]
     seen: dict[str, float] = {}
     for name, case, mode, chunk in probes:
-        m = measure_workspace(case, mode, chunk)
+        runs = [measure_workspace(case, mode, chunk) for _ in range(3)]  # peaks vary with the allocator
+        m = max(runs, key=lambda r: r["workspace"])
         ratio = max(m["workspace"], 0) / max(m["unit"], 1)
         log(f"{name}: measured {m['workspace'] / 2**20:.1f} MiB vs estimated {m['unit'] / 2**20:.1f} MiB "
             f"({case.label}) -> x{ratio:.2f}")
