@@ -36,7 +36,7 @@ diagonal       1                      1
 Parameter tangents are shared by all samples, so forward mode over parameters is "whole-batch"
 and exact even for coupled samples; reverse mode over parameters is "per-sample" (a vmap over
 samples), which needs independent samples, or "whole-batch" (B times the work) when coupled.
-Chunk sizes are the largest that keep the workspace inside the memory budget (see ``_memory.py``).
+Chunk sizes are the largest that keep the workspace inside the memory budget (``_chunking.py``).
 """
 
 from __future__ import annotations
@@ -45,19 +45,12 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from . import _memory
 from ._calibrated import COST, SPILL_BYTES
+from ._chunking import chunks, engine, pass_workspace, samples_per_direction
 from ._footprint import Footprint
 from ._memory import fmt_bytes
 from ._problem import Problem
 
-# Per-sample parameter blocks are written in chunks of at most this many bytes, which keeps the
-# workspace small and re-usable by the allocator (see the memory note in _structure.py).
-SAMPLE_BLOCK_BYTES = 16 * 2**20
-# Without a chunk size, the seeds and products of one vectorised pass are kept under this size
-# whatever the budget; e.g. forward mode over P = 15,910 parameters never builds the dense P x P
-# identity.
-DEFAULT_CHUNK_BYTES = 256 * 2**20
 MODES = ("forward", "reverse")
 
 
@@ -131,15 +124,10 @@ def strategies(p: Problem) -> dict[str, tuple[str, int]]:
     return {"forward": ("broadcast", N), "reverse": ("broadcast", Y)}
 
 
-def _samples(p: Problem, strategy: str) -> int:
-    """Samples each direction is pushed through (the footprint of full/diagonal is of all of x)."""
-    return 1 if strategy in ("full", "diagonal") else p.batch
-
-
 def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int, chunk: int,
              sample_chunk: Optional[int]) -> dict[str, float]:
     """The terms of the cost model (see the note) for one candidate."""
-    S = _samples(p, strategy)
+    S = samples_per_direction(p, strategy)
     n_chunks = math.ceil(directions / chunk)
     pass_bytes = chunk * (sample_chunk or S) * fp.act  # activations of one pass
     if strategy == "per-sample":
@@ -164,86 +152,16 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
     }
 
 
-def engine(p: Problem, mode: str, strategy: str) -> str:
-    """Which calibrated engine runs a candidate: "forward", "reverse", or their "-layerwise" kin.
-
-    Through an ``nn.Sequential`` of Linear layers and known activations, forward mode over
-    broadcast seeds pushes the tangents layer by layer (``_taylor``) and per-sample parameter
-    Jacobians are backpropagated explicitly (``_backprop``): no dual tensors, no vmap, and their
-    own measured costs.
-    """
-    if getattr(p, "layers", None) is not None:
-        if mode == "forward" and strategy == "broadcast":
-            return "forward-layerwise"
-        if strategy == "per-sample":
-            return "reverse-layerwise"
-    return mode
-
-
 def estimate(engine_name: str, terms: dict[str, float]) -> float:
     """Seconds: the calibrated constants of an engine (see :func:`engine`) times the terms."""
     constants = COST.get(engine_name) or COST[engine_name.split("-")[0]]
     return sum(constants.get(k, 0.0) * v for k, v in terms.items())
 
 
-def _workspace(p: Problem, fp: Footprint, mode: str, strategy: str, k: int, s: int) -> float:
-    isz = p.z.element_size()
-    S = _samples(p, strategy)
-    if strategy == "per-sample":  # explicit backprop writes the blocks straight into the result
-        copies = 0 if engine(p, mode, strategy) == "reverse-layerwise" else p.n_in * isz
-        return _memory.workspace(mode, k=k, samples=s, act=fp.act, peak=fp.peak, per_sample=True,
-                                 seed_bytes=p.n_out * isz, block_bytes=0, param_bytes=copies)
-    seed = {"broadcast": p.n_in, "whole-batch": p.z.numel(), "full": p.n_in, "diagonal": p.n_in}[strategy]
-    if p.kind == "params" and mode == "forward":
-        seed = p.n_in
-    block = S * p.n_out if mode == "forward" else p.z.numel()
-    return _memory.workspace(mode, k=k, samples=S, act=fp.act, peak=fp.peak,
-                             seed_bytes=seed * isz, block_bytes=2 * block * isz)
-
-
-def _chunks(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int,
-            chunk_size: Optional[int], budget: float,
-            sample_cap: Optional[int] = None) -> Optional[tuple[int, Optional[int], float, bool]]:
-    """(directions per pass, samples per pass, workspace, cut by the budget?); None if none fits."""
-    if strategy == "per-sample":
-        Y, B = p.n_out, max(1, min(p.batch, sample_cap or p.batch))
-        if engine(p, mode, strategy) == "reverse-layerwise":  # all Y at once; chunks of samples only
-            s_fit = _memory.largest_fitting(lambda n: _workspace(p, fp, mode, strategy, Y, n) <= budget,
-                                            min(B, max(1, chunk_size // Y)) if chunk_size else B)
-            return (Y, s_fit, _workspace(p, fp, mode, strategy, Y, s_fit), s_fit < B) if s_fit else None
-        if chunk_size is not None:
-            c = min(Y, chunk_size)
-            s = min(B, max(1, chunk_size // c))
-        else:
-            c = Y
-            per_sample = max(1, Y * p.n_in * p.z.element_size())
-            s = B if B * per_sample <= 4 * SAMPLE_BLOCK_BYTES else max(1, min(B, SAMPLE_BLOCK_BYTES // per_sample))
-        s_fit = _memory.largest_fitting(lambda n: _workspace(p, fp, mode, strategy, c, n) <= budget, s)
-        if s_fit == 0:
-            c = _memory.largest_fitting(lambda k: _workspace(p, fp, mode, strategy, k, 1) <= budget, c)
-            s_fit = 1
-        if c == 0:
-            return None
-        return c, s_fit, _workspace(p, fp, mode, strategy, c, s_fit), s_fit < s or c < min(Y, chunk_size or Y)
-    if chunk_size is None:
-        chunk_size = max(1, DEFAULT_CHUNK_BYTES // (p.z.element_size() * _per_direction_elements(p)))
-    upper = max(1, min(directions, chunk_size))
-    c = _memory.largest_fitting(lambda k: _workspace(p, fp, mode, strategy, k, 0) <= budget, upper)
-    if c == 0:
-        return None
-    return c, None, _workspace(p, fp, mode, strategy, c, 0), c < upper
-
-
-def _per_direction_elements(p: Problem) -> int:
-    """Elements of one direction's seed plus its product (the inputs and outputs of one jvp/vjp)."""
-    batch_in = p.batch * p.n_in if p.kind == "inputs" else p.n_in
-    return max(1, batch_in + p.batch * p.n_out)
-
-
 def minimum_workspace(p: Problem, fp: Footprint, mode: str) -> float:
     """The workspace of the smallest pass of ``mode`` (one direction, one sample)."""
     strategy, _ = strategies(p)[mode]
-    return _workspace(p, fp, mode, strategy, 1, 1)
+    return pass_workspace(p, fp, mode, strategy, 1, 1)
 
 
 def make_plan(
@@ -274,7 +192,7 @@ def make_plan(
     for m in (allowed if mode == "auto" or mode in allowed else (*allowed, mode)):
         strategy, directions = options[m]
         cap = 1 if loops.get(m) == "samples" else None
-        fit = _chunks(p, fp, m, strategy, directions, chunk_size, budget, cap)
+        fit = chunks(p, fp, m, strategy, directions, chunk_size, budget, cap)
         if fit is not None:
             chunk, samples, ws, cut = fit
             cost = estimate(engine(p, m, strategy), features(p, fp, m, strategy, directions, chunk, samples))
