@@ -87,7 +87,9 @@ def _plan(f: Any, key: tuple, p: Problem, opts: Options, fp: Footprint, caps: Ca
             raise _fallback.explicit_error(mode, "forward", caps.forward)
         if mode == "reverse" and per_sample and caps.vmap_samples:
             raise _fallback.explicit_error(mode, "vmap", caps.vmap_samples)
-    allowed, loops, why = MODES, {}, ""
+    allowed: tuple[str, ...] = MODES
+    loops: dict[str, str] = {}
+    why = ""
     if caps.functorch:
         allowed, loops = ("reverse",), {"reverse": "autograd"}
         why = f"fell back to torch.autograd.grad loops: torch.func cannot run {caps.functorch}"

@@ -52,7 +52,7 @@ def _read_available(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
     try:
-        import psutil
+        import psutil  # type: ignore[import-untyped]
 
         return int(psutil.virtual_memory().available)
     except ImportError:

@@ -104,10 +104,10 @@ def nnls_relative(rows: list[dict[str, float]], seconds: list[float]) -> dict[st
 
 def calibrate_costs(cases: list[Case], log: Any = print) -> tuple[dict[str, dict[str, float]], list[dict]]:
     """Time the fit grid and fit the constants of each mode."""
-    records = []
+    records: list[dict[str, Any]] = []
     for i, case in enumerate(cases):
         t = time_modes(case, ("forward", "reverse"), reps=9)
-        rec = {"case": case.label, "seconds": t, "terms": {m: terms(case, m) for m in t}, "axes": _axes(case),
+        rec: dict[str, Any] = {"case": case.label, "seconds": t, "terms": {m: terms(case, m) for m in t}, "axes": _axes(case),
                "b": case.b, "family": case.family, "kind": "inputs" if case.wrt == "inputs" else "params"}
         records.append(rec)
         log(f"[{i + 1}/{len(cases)}] {case.label}: forward {t['forward'] * 1e3:.3g} ms, reverse {t['reverse'] * 1e3:.3g} ms")
@@ -194,7 +194,7 @@ def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[d
     """Time auto, forward and reverse on each case; re-run doubtful points once, longer."""
     import jacmode as jm
 
-    out = []
+    out: list[dict[str, Any]] = []
     for i, case in enumerate(cases):
         t = time_modes(case, ("auto", "forward", "reverse"))
         r = t["auto"] / min(t["forward"], t["reverse"])
@@ -206,7 +206,7 @@ def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[d
         out.append({"case": case.label, "seconds": t, "regret": r, "auto_mode": chosen, "axes": _axes(case)})
         log(f"[{i + 1}/{len(cases)}] {case.label}: auto={chosen} {t['auto'] * 1e3:.3g} ms, forward "
             f"{t['forward'] * 1e3:.3g}, reverse {t['reverse'] * 1e3:.3g} -> regret {r:.3f}")
-    rs = sorted(x["regret"] for x in out)
+    rs: list[float] = sorted(x["regret"] for x in out)
     log(f"{len(rs)} cases: median regret {statistics.median(rs):.3f}, 90th percentile "
         f"{rs[math.ceil(0.9 * len(rs)) - 1]:.3f}, max {rs[-1]:.3f}, within 1.15x: "
         f"{sum(r <= 1.15 for r in rs)}/{len(rs)}, above 2x: {sum(r > 2 for r in rs)}")
