@@ -355,10 +355,12 @@ def _every(labels: Any, outcome: Any) -> dict[str, Any]:
 _PICK_ONE = (TypeError, r"return one torch\.Tensor.*select one output")
 _BN_TRAIN = (jm.CoupledBatchError, r"BatchNorm layer\(s\) '1' are in training mode.*structure='coupled'")
 _INT_INPUT = (TypeError, r"x: differentiating with respect to the inputs needs a real floating dtype.*wrt='params'")
-_PER_SAMPLE = ("params/auto", "params/reverse", "params/dict")
-_NO_RNN_RULE = "vmap over samples: no batching rule for the fused RNN op; needs a per-sample loop fallback"
-_NO_ITEM = "vmap over samples cannot run .item(); needs a per-sample loop fallback"
-_NO_FUNC = "torch.func cannot transform an autograd.Function without setup_context; needs a plain autograd fallback"
+# explicit modes that cannot run the model raise; mode="auto" falls back (docs/modes.md, "Fallbacks")
+_NO_RNN_RULE = (ValueError, r"mode: 'reverse' vectorises over samples with vmap, which cannot run aten::(lstm|gru)")
+_RNN_NOTE = "vmap over samples has no rule for the fused RNN op: auto loops over samples or uses forward mode"
+_NO_ITEM = (ValueError, r"mode: 'reverse' vectorises over samples .*\.item\(\).*torch\.where")
+_NO_FUNC = (ValueError, r"mode: '(forward|reverse)' runs f under torch\.func transforms.*CubeOldStyle.*setup_context")
+_NO_JVP = (ValueError, r"mode: 'forward' needs a forward-AD .*CubeNoJvp without jvp.*Use mode='reverse'")
 
 ZOO: list[Case] = [
     Case("MLP", _mlp),
@@ -377,25 +379,27 @@ ZOO: list[Case] = [
     Case("Embedding (integer ids)", _embedding,
          expect=_every([lb for lb in LABELS if lb.startswith("inputs")], _INT_INPUT),
          note="`wrt='inputs'` is undefined for token ids; the error points to `wrt='params'`"),
-    Case("LSTM, last hidden state", _rnn(nn.LSTM, last=True), gaps=_every(_PER_SAMPLE, (RuntimeError, _NO_RNN_RULE))),
-    Case("LSTM, all outputs", _rnn(nn.LSTM, last=False), gaps=_every(_PER_SAMPLE, (RuntimeError, _NO_RNN_RULE))),
-    Case("GRU, last hidden state", _rnn(nn.GRU, last=True), gaps=_every(_PER_SAMPLE, (RuntimeError, _NO_RNN_RULE))),
-    Case("GRU, all outputs", _rnn(nn.GRU, last=False), gaps=_every(_PER_SAMPLE, (RuntimeError, _NO_RNN_RULE))),
+    Case("LSTM, last hidden state", _rnn(nn.LSTM, last=True), expect=_every(["params/reverse"], _NO_RNN_RULE),
+         note=_RNN_NOTE),
+    Case("LSTM, all outputs", _rnn(nn.LSTM, last=False), expect=_every(["params/reverse"], _NO_RNN_RULE),
+         note=_RNN_NOTE),
+    Case("GRU, last hidden state", _rnn(nn.GRU, last=True), expect=_every(["params/reverse"], _NO_RNN_RULE),
+         note=_RNN_NOTE),
+    Case("GRU, all outputs", _rnn(nn.GRU, last=False), expect=_every(["params/reverse"], _NO_RNN_RULE),
+         note=_RNN_NOTE),
     Case("TransformerEncoderLayer (eval)", _transformer,
          note="eval mode, `batch_first=True`; forward mode switches the fused inference fast path off"),
     Case("Tied and reused weights", _tied, note="a tied parameter is counted once, as in `named_parameters()`"),
     Case("autograd.Function with jvp", _function(CubeWithJvp)),
     Case("autograd.Function without jvp", _function(CubeNoJvp),
-         expect=_every(["inputs/forward", "params/forward"], (NotImplementedError, r"implement the jvp")),
-         gaps=_every(["inputs/auto"], (NotImplementedError, "auto picks forward mode; needs a fallback to reverse mode")),
-         note="forward mode has no rule, and torch's error says so"),
+         expect=_every(["inputs/forward", "params/forward"], _NO_JVP),
+         note="forward mode has no rule: auto falls back to reverse mode with a warning naming the Function"),
     Case("autograd.Function, old style (no setup_context)", _function(CubeOldStyle),
-         expect=_every(["inputs/forward", "params/forward"], (RuntimeError, r"must override the setup_context")),
-         gaps=_every([lb for lb in LABELS if "forward" not in lb], (RuntimeError, _NO_FUNC)),
-         note="`forward(ctx, x)` without `setup_context`; in forward mode torch's error names the fix"),
+         expect=_every(["inputs/forward", "inputs/reverse", "params/forward", "params/reverse"], _NO_FUNC),
+         note="`forward(ctx, x)` without `setup_context`: auto falls back to `torch.autograd.grad` loops"),
     Case("ReLU(inplace=True), in-place residual", _inplace),
-    Case("`.item()` control flow", _item, gaps=_every(_PER_SAMPLE, (RuntimeError, _NO_ITEM)),
-         note="a Python branch on `.item()`: fine under jvp and vjp"),
+    Case("`.item()` control flow", _item, expect=_every(["params/reverse"], _NO_ITEM),
+         note="a Python branch on `.item()`: fine under jvp and vjp; auto loops over samples"),
     Case("Returns a dict", _dict_out, expect=_every("all", _PICK_ONE),
          note="the error names the fix: `lambda x: model(x)['logits']`"),
     Case("Returns a tuple (raw `nn.LSTM`)", _tuple_out, expect=_every("all", _PICK_ONE),

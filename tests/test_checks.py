@@ -42,7 +42,7 @@ def test_missing_batch_dimension(net: nn.Module) -> None:
 
 
 def test_unknown_mode(net: nn.Module) -> None:
-    with pytest.raises(ValueError, match=r"mode: expected one of \('auto', 'forward', 'reverse'\), got 'fwd'"):
+    with pytest.raises(ValueError, match=r"mode: expected one of \('auto', 'forward', 'reverse', 'autotune'\), got 'fwd'"):
         jm.jacobian(net, torch.rand(2, 1), mode="fwd")
 
 

@@ -101,8 +101,10 @@ def test_model_is_restored_when_the_forward_raises_halfway(
     x = torch.randn(3, 3, dtype=torch.float64)
     before, ids = snapshot(model), _bn_identity(model)
     kwargs = dict(wrt=wrt, mode=mode, structure="coupled", chunk_size=chunk_size)
-    if at == 3 and jm.plan(_stateful_model(), x, **kwargs).mode == "reverse":
-        jm.jacobian(model, x, **kwargs)  # two calls only
+    counting = _stateful_model(Boom(0))  # the planner's probes (footprint, engine checks) call f too
+    jm.jacobian(counting, x, **kwargs)
+    if at > counting[-1].seen:
+        jm.jacobian(model, x, **kwargs)  # fewer calls than `at`
     else:
         with pytest.raises(RuntimeError, match="boom"):
             jm.jacobian(model, x, **kwargs)
@@ -146,7 +148,7 @@ def test_model_is_restored_when_the_forward_raises_under_vmap() -> None:
     before = snapshot(model)
     try:
         jm.jacobian(model, x, wrt="params", mode="reverse")
-    except RuntimeError as err:
+    except (RuntimeError, ValueError) as err:  # torch's error, or jacmode's for explicit modes
         assert "item" in str(err)
     assert_unchanged(model, before)
     _assert_process_state_restored()

@@ -140,7 +140,8 @@ def test_results_are_detached_without_create_graph() -> None:
 def test_plan_agrees_with_jacobian() -> None:
     net = mlp_1_4()
     p = jm.plan(net, torch.rand(100, 1))
-    assert (p.mode, p.strategy, p.directions) == ("forward", "broadcast", 1)
+    # D = 1, Y = 4: one shared seed either way; the measured cost model decides (a near tie)
+    assert p.strategy == "broadcast" and p.directions == {"forward": 1, "reverse": 4}[p.mode]
     assert "forward" in repr(p) and "why" in repr(p)
     p = jm.plan(lambda x: x.sum(1, keepdim=True), torch.rand(10, 50))
     assert (p.mode, p.strategy) == ("reverse", "broadcast")

@@ -91,7 +91,8 @@ def test_subset_keeps_named_parameters_order() -> None:
     d = jm.jacobian(net, x, wrt=["2.bias", "0.bias"], flatten=False)
     assert list(d) == ["0.bias", "2.bias"]
     torch.testing.assert_close(d["2.bias"], torch.eye(10, dtype=torch.float64).expand(2, 10, 10))
-    assert jm.plan(net, x, wrt=["2.bias"]).mode == "forward"  # a few coefficients: forward
+    p = jm.plan(net, x, wrt=["2.bias"])  # P = Y = 10: a near tie, settled by the measured cost model
+    assert p.mode == min(p.costs, key=lambda m: p.costs[m]) and p.strategy in ("whole-batch", "per-sample")
 
 
 @pytest.mark.parametrize("mode", ["forward", "reverse"])

@@ -12,7 +12,8 @@ Example:
     torch.Size([100, 4])
 """
 
-from ._coupling import clear_cache
+from ._autotune import autotune_cache
+from ._cache import clear_cache
 from ._derivatives import derivative, divergence, hessian, laplacian, partial
 from ._errors import CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
@@ -24,6 +25,7 @@ __all__ = [
     "CoupledBatchError",
     "JacmodeWarning",
     "Plan",
+    "autotune_cache",
     "clear_cache",
     "derivative",
     "divergence",

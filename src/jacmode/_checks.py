@@ -7,13 +7,15 @@ received, and the fix: ``TypeError`` for wrong types, ``ValueError`` for wrong v
 from __future__ import annotations
 
 import difflib
+import math
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
 
-MODES = ("auto", "forward", "reverse")
+MODES = ("auto", "forward", "reverse", "autotune")
 STRUCTURES = ("auto", "independent", "coupled", "diagonal")
 WRT_KINDS = ("inputs", "params")
 
@@ -32,6 +34,7 @@ class Options:
     chunk_size: Optional[int]
     create_graph: bool
     flatten: bool
+    max_memory: Optional[int] = None  # workspace budget in bytes, None for the default
 
 
 def _fmt(value: Any) -> str:
@@ -84,6 +87,7 @@ def check_options(
     chunk_size: Any,
     create_graph: Any,
     flatten: Any,
+    max_memory: Any = None,
 ) -> Options:
     """Validate and normalise the keyword arguments shared by ``jacobian`` and ``plan``."""
     param_names: Optional[tuple[str, ...]] = None
@@ -112,7 +116,8 @@ def check_options(
     if not isinstance(mode, str) or mode not in MODES:
         raise ValueError(
             f"mode: expected one of {MODES}, got {mode!r}. 'auto' picks the faster of "
-            "forward and reverse from the sizes involved."
+            "forward and reverse from the sizes involved; 'autotune' times both once and caches "
+            "the winner."
         )
     if not isinstance(structure, str) or structure not in STRUCTURES:
         raise ValueError(
@@ -154,7 +159,46 @@ def check_options(
         chunk_size=chunk_size,
         create_graph=create_graph,
         flatten=flatten,
+        max_memory=check_max_memory(max_memory),
     )
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def check_max_memory(value: Any) -> Optional[int]:
+    """``max_memory``: None, a positive number of bytes, or a string such as "2GB" or "512MiB".
+
+    KB, MB, GB, TB are powers of 1000; KiB, MiB, GiB, TiB powers of 1024 (case-insensitive).
+
+    Example:
+        >>> check_max_memory("200MB"), check_max_memory("512 MiB"), check_max_memory(1e9)
+        (200000000, 536870912, 1000000000)
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(
+            f"max_memory: expected a number of bytes or a string such as '2GB' or '512MiB', got "
+            f"{type(value).__name__} ({_fmt(value)})."
+        )
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        unit = m.group(2).lower() if m else ""
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"max_memory: could not read {value!r} as an amount of memory. Write a number with "
+                "an optional unit: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB "
+                "(powers of 1024), e.g. '2GB' or '512MiB', or pass the bytes as an int."
+            )
+        value = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(
+            f"max_memory: expected a positive amount of memory, got {_fmt(value)}. Pass e.g. "
+            "max_memory='2GB', or None for the default (half of the free memory)."
+        )
+    return int(value)
 
 
 def check_output(out: Any, *, batched: bool, n_in: int, where: str = "f(x)") -> Tensor:

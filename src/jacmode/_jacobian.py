@@ -10,10 +10,10 @@ from torch import Tensor
 
 from . import _checks
 from ._checks import Options, Wrt
-from ._plan import Plan, make_plan
+from ._decide import decide, execute
+from ._plan import Plan
 from ._problem import Problem, describe
 from ._state import preserved_state
-from ._structure import run
 
 Result = Union[Tensor, dict[str, Tensor]]
 
@@ -35,30 +35,42 @@ def plan(
     batched: bool = True,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
+    max_memory: Optional[Union[int, float, str]] = None,
     create_graph: bool = False,
     flatten: bool = True,
 ) -> Plan:
     """Say what :func:`jacobian` would do for these arguments, and why, without doing it.
 
-    Takes the same arguments as :func:`jacobian`. Runs ``f`` on a few samples to learn the output
-    shape (and to check that samples are independent), but differentiates nothing.
+    Takes the same arguments as :func:`jacmode.jacobian`, which runs exactly this plan. Runs
+    ``f`` on a few samples to learn the output shape, to check that samples are independent, to
+    measure its footprint (flops, bytes, aten calls) and to find operations an engine cannot run
+    (see docs/modes.md); the first call per function and shape also tries one jvp and one vjp on
+    one sample. Differentiates nothing else; with ``mode="autotune"`` it reports the cached
+    winner, or the cost model's choice if nothing was timed yet.
 
     Returns:
-        A :class:`Plan` with the mode, strategy, directions, chunk sizes, estimated costs and a
-        one-line reason (its ``repr``).
+        A :class:`Plan` with the mode, strategy, directions, chunk sizes, estimated time of each
+        candidate, estimated memory (result, workspace, budget) and a one-line reason (its
+        ``repr``).
 
     Example:
         >>> import torch, jacmode as jm
-        >>> net = torch.nn.Sequential(torch.nn.Linear(1, 20), torch.nn.Tanh(), torch.nn.Linear(20, 4))
-        >>> p = jm.plan(net, torch.randn(1000, 1))
+        >>> net = torch.nn.Sequential(torch.nn.Linear(784, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10))
+        >>> p = jm.plan(net, torch.randn(64, 784), wrt="params")
         >>> p.mode, p.strategy, p.directions
-        ('forward', 'broadcast', 1)
+        ('reverse', 'per-sample', 10)
+        >>> p.costs["forward"] > 10 * p.costs["reverse"]   # 15,910 tangents vs 10 cotangents
+        True
+        >>> p = jm.plan(net, torch.randn(64, 784), wrt="params", max_memory="50KB")
+        >>> p.sample_chunk < 64 and p.workspace_bytes <= 50_000   # samples chunked to fit the budget
+        True
     """
     opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
-                    chunk_size=chunk_size, create_graph=create_graph, flatten=flatten)
+                    chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
+                    flatten=flatten)
     with preserved_state(f), torch.no_grad():
         problem = describe(f, x, opts)
-    return make_plan(problem, opts.mode, opts.chunk_size)
+        return decide(f, problem, opts, out_given=False, timing=False).plan
 
 
 def jacobian(
@@ -70,6 +82,7 @@ def jacobian(
     batched: bool = True,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
+    max_memory: Optional[Union[int, float, str]] = None,
     create_graph: bool = False,
     flatten: bool = True,
     out: Optional[Tensor] = None,
@@ -85,8 +98,11 @@ def jacobian(
         x: the input, shape (B, *in); one point of any shape when ``batched=False``.
         wrt: "inputs" (d out / d x), "params" (d out / d every trainable parameter of the module
             ``f``), or a list of parameter names (a subset; the others are held constant).
-        mode: "auto" (cost model, see :func:`plan`), "forward" (vmap over jvp) or "reverse"
-            (vmap over vjp).
+        mode: "auto" (measured cost model, see :func:`plan`), "forward" (vmap over jvp),
+            "reverse" (vmap over vjp), or "autotune" (time both once on these inputs, cache the
+            winner; see :func:`autotune_cache`). "auto" falls back to a slower exact path, with
+            a ``JacmodeWarning``, when ``f`` defeats an engine (no forward-AD formula, ``.item()``
+            or value-dependent control flow under vmap); explicit modes raise instead.
         batched: False treats x as one point and returns the full Jacobian.
         structure: "auto" assumes independent samples and checks it with a cheap probe (cached);
             "independent" skips the check; "coupled" computes the exact diagonal blocks of the
@@ -94,6 +110,9 @@ def jacobian(
             i depends on input i only) and returns the diagonal, shape of x, from one jvp.
         chunk_size: directions (and, for per-sample parameter Jacobians, samples x directions)
             per vectorised pass; smaller uses less memory, same result.
+        max_memory: workspace budget on top of the result, in bytes or as a string such as
+            "2GB" or "512MiB"; chunk sizes are chosen to stay inside it. Default: half of the
+            free memory of the device (RAM, or free CUDA memory) less the result.
         create_graph: keep the result differentiable with respect to the parameters and x.
         flatten: for parameters, False returns a dict name -> (B, *out, *param.shape).
         out: for wrt="params" with flatten=True, a (B, Y, P) tensor to write the result into.
@@ -106,6 +125,9 @@ def jacobian(
     Raises:
         CoupledBatchError: samples are coupled (e.g. BatchNorm in training mode) and
             ``structure="auto"``.
+        MemoryError: the result alone is larger than the free memory (before allocating).
+        ValueError: an explicit mode cannot run ``f`` (the message names the operation), or
+            not even one direction per pass fits ``max_memory``.
 
     Example:
         >>> import torch, jacmode as jm
@@ -117,7 +139,8 @@ def jacobian(
         torch.Size([1000, 4, 124])
     """
     opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
-                    chunk_size=chunk_size, create_graph=create_graph, flatten=flatten)
+                    chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
+                    flatten=flatten)
     grad_mode = torch.enable_grad() if create_graph else torch.no_grad()
     with preserved_state(f), grad_mode:
         problem = describe(f, x, opts)
@@ -128,11 +151,11 @@ def jacobian(
                     "drop out= for other calls."
                 )
             _checks.check_out_buffer(out, _flat_shape(problem), problem.dtype, problem.device)
-        chosen = make_plan(problem, opts.mode, opts.chunk_size)
         if problem.batch == 0 or problem.n_in == 0 or problem.n_out == 0:
             flat = out if out is not None else problem.z.new_zeros(_flat_shape(problem))
         else:
-            flat = run(problem, chosen, out)
+            decision = decide(f, problem, opts, out_given=out is not None)
+            flat = execute(f, problem, decision, opts, out)
     return _assemble(problem, flat, opts, out)
 
 

@@ -1,17 +1,33 @@
 """The planner: which mode, which strategy, how many directions per vectorised pass, and why.
 
 NOTE: [Cost model]
-Costs are counted in batched forward passes. Forward mode pushes one tangent per input direction;
-each costs about ``FORWARD_PER_DIRECTION`` forward passes and needs no tape. Reverse mode runs one
-forward pass to record the tape, then pulls one cotangent per output direction at about
-``REVERSE_PER_DIRECTION`` passes each. The strategy fixes how many directions there are:
+A call is a sequence of vectorised passes. Forward mode pushes ``k`` tangents per pass and re-runs
+the primal computation in every pass; reverse mode records the tape once and pulls ``k``
+cotangents per pass. With the footprint of ``f`` per sample (aten calls ``ops``, matmul ``flops``,
+convolution ``conv`` flops, bytes produced ``act``; see ``_footprint.py``) and S samples per
+direction, the estimated time is
+
+    t = call + ops * (pass_ops * passes + vmap_ops * vmapped passes)
+        + S * (pass_flops * flops + pass_conv * conv + pass_bytes * act) * primal passes
+        + S * (dir_flops * flops + dir_conv * conv + dir_bytes * act) * directions
+        + S * dir_spill * act * directions * max(0, log2(bytes of one pass / SPILL_BYTES))
+        + result * B*Y*N
+
+with one set of constants per engine (forward, forward layer by layer, reverse; see ``engine``),
+fitted to timings over a grid of MLPs, elementwise-heavy nets and a small CNN (wrt inputs and
+parameters, N/Y from 1/1000 to 1000/1, B from 1 to 1024) by ``python -m jacmode.calibrate``; they
+live in ``_calibrated.py``. Small problems are dominated by the fixed and per-pass terms, large
+ones by the per-direction work, which costs more per byte as the activations of one pass outgrow
+the caches (``dir_spill``: logarithmic in the pass size above ``SPILL_BYTES``). docs/modes.md
+shows the fitted constants, the crossover and the regret of the choice. The strategy fixes how
+many directions there are:
 
 =============  =====================  ==========================
 strategy       forward directions     reverse directions
 =============  =====================  ==========================
 broadcast      D (seeds shared by     Y
                independent samples)
-per-sample     --                     Y per sample, B*Y in all, each 1/B of a pass
+per-sample     --                     Y per sample (vmap over samples of vmap over Y)
 whole-batch    B*D (inputs) or P      B*Y
 full           N = numel(x)           Y = numel(f(x))
 diagonal       1                      1
@@ -19,26 +35,23 @@ diagonal       1                      1
 
 Parameter tangents are shared by all samples, so forward mode over parameters is "whole-batch"
 and exact even for coupled samples; reverse mode over parameters is "per-sample" (a vmap over
-samples), which needs independent samples, or "whole-batch" (B times the work) when they are coupled.
+samples), which needs independent samples, or "whole-batch" (B times the work) when coupled.
+Chunk sizes are the largest that keep the workspace inside the memory budget (``_chunking.py``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from ._calibrated import COST, SPILL_BYTES
+from ._chunking import chunks, engine, pass_workspace, samples_per_direction
+from ._footprint import Footprint
+from ._memory import fmt_bytes
 from ._problem import Problem
 
-FORWARD_PER_DIRECTION = 1.5
-REVERSE_PER_DIRECTION = 2.0
-TAPE = 1.0
-# Per-sample parameter blocks are written in chunks of at most this many bytes, which keeps the
-# workspace small and re-usable by the allocator (see the memory note in _structure.py).
-SAMPLE_BLOCK_BYTES = 16 * 2**20
-# Without a chunk size, the seeds and products of one vectorised pass are kept under this size;
-# e.g. forward mode over P = 15,910 parameters never builds the dense P x P identity.
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+MODES = ("forward", "reverse")
 
 
 @dataclass(frozen=True)
@@ -48,11 +61,16 @@ class Plan:
     Attributes:
         mode: "forward" or "reverse".
         strategy: "broadcast", "per-sample", "whole-batch", "full" or "diagonal".
-        directions: tangents (forward) or cotangents (reverse) pushed in all.
+        directions: tangents (forward) or cotangents (reverse) pushed in all (per sample for
+            the per-sample strategy).
         chunk_size: directions per vectorised pass.
         sample_chunk: samples per vectorised pass (per-sample strategy), else None.
-        costs: estimated cost of each candidate mode, in batched forward passes.
+        costs: estimated time in seconds of each candidate mode (measured ones with autotune).
         result_bytes: size of the result.
+        workspace_bytes: estimated peak memory on top of the result.
+        budget_bytes: the workspace budget the chunk sizes were chosen for.
+        loop: None for the vectorised engines; "samples" for a Python loop over samples,
+            "autograd" for plain ``torch.autograd.grad`` loops (fallbacks, see ``_fallback.py``).
         reason: one line on why this mode and strategy were chosen.
     """
 
@@ -63,104 +81,168 @@ class Plan:
     sample_chunk: Optional[int]
     costs: dict[str, float] = field(default_factory=dict)
     result_bytes: int = 0
+    workspace_bytes: int = 0
+    budget_bytes: int = 0
+    loop: Optional[str] = None
     reason: str = ""
 
+    @property
+    def peak_bytes(self) -> int:
+        """Estimated peak memory of the call: the result plus the workspace."""
+        return self.result_bytes + self.workspace_bytes
+
     def __repr__(self) -> str:
-        costs = ", ".join(f"{m}={c:.3g}" for m, c in self.costs.items())
-        chunks = f"{self.chunk_size} directions"
+        costs = ", ".join(f"{m}={c * 1e3:.3g} ms" for m, c in self.costs.items())
+        chunks = _dirs(self.chunk_size)
         if self.sample_chunk is not None:
             chunks += f" x {self.sample_chunk} samples"
+        loop = f", loop={self.loop!r}" if self.loop else ""
         return (
             f"Plan(mode={self.mode!r}, strategy={self.strategy!r}, directions={self.directions}, "
-            f"chunk={chunks} per pass, est. cost [{costs}] forward passes, "
-            f"result={_fmt_bytes(self.result_bytes)})\n  why: {self.reason}"
+            f"chunk={chunks} per pass{loop}, est. time [{costs}], "
+            f"memory={fmt_bytes(self.result_bytes)} result + {fmt_bytes(self.workspace_bytes)} "
+            f"workspace (budget {fmt_bytes(self.budget_bytes)}))\n  why: {self.reason}"
         )
 
 
-def _fmt_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KB", "MB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GB"
+def _dirs(n: int) -> str:
+    return f"{n} direction{'' if n == 1 else 's'}"
 
 
-def candidates(p: Problem) -> dict[str, tuple[str, int, float]]:
-    """For each mode: (strategy, number of directions, estimated cost in forward passes)."""
-    fwd, rev = FORWARD_PER_DIRECTION, REVERSE_PER_DIRECTION
+def strategies(p: Problem) -> dict[str, tuple[str, int]]:
+    """For each mode: (strategy, number of directions)."""
     B, N, Y = p.batch, p.n_in, p.n_out
     if p.structure == "diagonal":
-        return {"forward": ("diagonal", 1, fwd), "reverse": ("diagonal", 1, TAPE + rev)}
+        return {"forward": ("diagonal", 1), "reverse": ("diagonal", 1)}
     if not p.batched:
-        return {"forward": ("full", N, N * fwd), "reverse": ("full", Y, TAPE + Y * rev)}
+        return {"forward": ("full", N), "reverse": ("full", Y)}
     if p.kind == "params":
-        if p.structure == "coupled":
-            reverse = ("whole-batch", B * Y, TAPE + B * Y * rev)
-        else:
-            reverse = ("per-sample", B * Y, TAPE + Y * rev)
-        return {"forward": ("whole-batch", N, N * fwd), "reverse": reverse}
+        reverse = ("whole-batch", B * Y) if p.structure == "coupled" else ("per-sample", Y)
+        return {"forward": ("whole-batch", N), "reverse": reverse}
     if p.structure == "coupled":
-        return {"forward": ("whole-batch", B * N, B * N * fwd), "reverse": ("whole-batch", B * Y, TAPE + B * Y * rev)}
-    return {"forward": ("broadcast", N, N * fwd), "reverse": ("broadcast", Y, TAPE + Y * rev)}
+        return {"forward": ("whole-batch", B * N), "reverse": ("whole-batch", B * Y)}
+    return {"forward": ("broadcast", N), "reverse": ("broadcast", Y)}
 
 
-def make_plan(p: Problem, mode: str, chunk_size: Optional[int]) -> Plan:
-    """Choose mode (unless given), strategy and chunk sizes for a problem."""
-    options = candidates(p)
-    costs = {m: c for m, (_, _, c) in options.items()}
-    if mode == "auto":
-        mode = min(costs, key=lambda m: costs[m])
-        other = "reverse" if mode == "forward" else "forward"
-        reason = _reason(p, mode, other, options)
-    else:
-        reason = f"mode={mode!r} was requested"
-    strategy, directions, _ = options[mode]
-    itemsize = p.z.element_size()
-    result_bytes = p.batch * p.n_out * p.n_in * itemsize if p.structure != "diagonal" else p.n_in * itemsize
-    sample_chunk = None
+def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int, chunk: int,
+             sample_chunk: Optional[int]) -> dict[str, float]:
+    """The terms of the cost model (see the note) for one candidate."""
+    S = samples_per_direction(p, strategy)
+    n_chunks = math.ceil(directions / chunk)
+    pass_bytes = chunk * (sample_chunk or S) * fp.act  # activations of one pass
     if strategy == "per-sample":
-        per_sample = max(1, p.n_out * p.n_in * itemsize)
-        if chunk_size is not None:
-            chunk = min(p.n_out, chunk_size)
-            sample_chunk = max(1, chunk_size // chunk)
-        else:
-            chunk = p.n_out
-            sample_chunk = max(1, min(p.batch, SAMPLE_BLOCK_BYTES // per_sample))
-            if p.batch * per_sample <= 4 * SAMPLE_BLOCK_BYTES:
-                sample_chunk = max(1, p.batch)
-        directions = p.n_out
+        n_samples = math.ceil(p.batch / (sample_chunk or p.batch))
+        passes, vmapped, primal = n_samples * (1 + n_chunks), n_samples * (1 + n_chunks), 1
+    elif mode == "forward":
+        passes, vmapped, primal = n_chunks, n_chunks if chunk > 1 else 0, n_chunks
     else:
-        if chunk_size is None:
-            chunk_size = max(1, DEFAULT_CHUNK_BYTES // (itemsize * _per_direction_elements(p)))
-        chunk = max(1, min(directions, chunk_size))
-    return Plan(
-        mode=mode,
-        strategy=strategy,
-        directions=directions,
-        chunk_size=chunk,
-        sample_chunk=sample_chunk,
-        costs=costs,
-        result_bytes=result_bytes,
-        reason=reason,
-    )
+        passes, vmapped, primal = 1 + n_chunks, n_chunks if chunk > 1 else 0, 1
+    return {
+        "call": 1.0,
+        "pass_ops": fp.ops * passes,
+        "vmap_ops": fp.ops * vmapped,
+        "pass_flops": S * fp.flops * primal,
+        "pass_conv": S * fp.conv_flops * primal,
+        "pass_bytes": S * fp.act * primal,
+        "dir_flops": S * fp.flops * directions,
+        "dir_conv": S * fp.conv_flops * directions,
+        "dir_bytes": S * fp.act * directions,
+        "dir_spill": S * fp.act * directions * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
+        "result": float(p.batch * p.n_out * p.n_in),
+    }
 
 
-def _per_direction_elements(p: Problem) -> int:
-    """Elements of one direction's seed plus its product (the inputs and outputs of one jvp/vjp)."""
-    batch_in = p.batch * p.n_in if p.kind == "inputs" else p.n_in
-    batch_out = p.batch * p.n_out
-    return max(1, batch_in + batch_out)
+def estimate(engine_name: str, terms: dict[str, float]) -> float:
+    """Seconds: the calibrated constants of an engine (see :func:`engine`) times the terms."""
+    constants = COST.get(engine_name) or COST[engine_name.split("-")[0]]
+    return sum(constants.get(k, 0.0) * v for k, v in terms.items())
 
 
-def _reason(p: Problem, mode: str, other: str, options: dict[str, tuple[str, int, float]]) -> str:
-    strategy, n, cost = options[mode]
-    _, n_other, cost_other = options[other]
+def minimum_workspace(p: Problem, fp: Footprint, mode: str) -> float:
+    """The workspace of the smallest pass of ``mode`` (one direction, one sample)."""
+    strategy, _ = strategies(p)[mode]
+    return pass_workspace(p, fp, mode, strategy, 1, 1)
+
+
+def make_plan(
+    p: Problem,
+    fp: Footprint,
+    mode: str,
+    chunk_size: Optional[int],
+    budget: float,
+    *,
+    allowed: tuple[str, ...] = MODES,
+    loops: Optional[dict[str, str]] = None,
+    why: str = "",
+) -> Optional[Plan]:
+    """Choose mode (unless given), strategy and chunk sizes; None if nothing fits the budget.
+
+    Args:
+        p: the problem; fp: the footprint of its function.
+        mode: "auto", "forward" or "reverse".
+        chunk_size: the user's cap on directions (x samples, per-sample) per pass, or None.
+        budget: workspace bytes allowed on top of the result.
+        allowed: the modes that ``f`` supports (see ``_fallback.py``).
+        loops: mode -> the fallback engine it must use ("samples", "autograd"), if any.
+        why: what the fallback was; appended to the reason.
+    """
+    options = strategies(p)
+    loops = loops or {}
+    sized = {}
+    for m in (allowed if mode == "auto" or mode in allowed else (*allowed, mode)):
+        strategy, directions = options[m]
+        cap = 1 if loops.get(m) == "samples" else None
+        fit = chunks(p, fp, m, strategy, directions, chunk_size, budget, cap)
+        if fit is not None:
+            chunk, samples, ws, cut = fit
+            cost = estimate(engine(p, m, strategy), features(p, fp, m, strategy, directions, chunk, samples))
+            sized[m] = (strategy, directions, chunk, samples, ws, cost, cut)
+    if not sized or (mode != "auto" and mode not in sized):
+        return None
+    costs = {m: v[5] for m, v in sized.items()}
+    chosen = min(costs, key=lambda m: costs[m]) if mode == "auto" else mode
+    strategy, directions, chunk, samples, ws, _, cut = sized[chosen]
+    if mode != "auto":
+        reason = f"mode={mode!r} was requested"
+        best = min(costs, key=lambda m: costs[m])
+        if best != mode:
+            reason += f" (the cost model expects {best} to be {costs[mode] / costs[best]:.1f}x faster)"
+    else:
+        reason = _reason(p, chosen, sized, allowed)
+    if chunk < directions or (samples is not None and samples < p.batch):
+        per = _dirs(chunk) + (f" x {samples} samples" if samples is not None else "")
+        why_chunked = (f"to stay inside the memory budget ({fmt_bytes(budget)})" if cut
+                       else "as chunk_size asks" if chunk_size else "to keep each pass's blocks small")
+        reason += f"; {per} per pass {why_chunked}"
+    if why:
+        reason += f"; {why}"
+    result_bytes = p.z.element_size() * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
+    return Plan(mode=chosen, strategy=strategy, directions=directions, chunk_size=chunk,
+                sample_chunk=samples, costs=costs, result_bytes=result_bytes,
+                workspace_bytes=int(ws), budget_bytes=int(min(budget, 2**62)), loop=loops.get(chosen),
+                reason=reason)
+
+
+def with_reason(plan: Plan, reason: str, costs: Optional[dict[str, float]] = None) -> Plan:
+    """The same plan with another reason (and measured costs)."""
+    return replace(plan, reason=reason, costs=costs if costs is not None else plan.costs)
+
+
+def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, ...]) -> str:
+    strategy, n, chunk, _, _, cost, _ = sized[mode]
     what = {"inputs": "input features D", "params": "parameters P"}[p.kind]
     if strategy == "diagonal":
         return "elementwise f: one forward-mode pass with a tangent of ones gives the whole diagonal"
-    ratio = cost_other / cost if cost > 0 else math.inf
     axes = f"{what}={p.n_in}, outputs Y={p.n_out}, B={p.batch}"
+    others = [m for m in sized if m != mode]
+    if others:
+        other = others[0]
+        ratio = sized[other][5] / cost if cost > 0 else math.inf
+        versus = f"{mode} needs {_dirs(n)} vs {sized[other][1]} ({ratio:.1f}x faster by the cost model)"
+    elif len(allowed) > 1:
+        versus = f"{mode} ({_dirs(n)}) is the only mode whose smallest pass fits the memory budget"
+    else:
+        versus = f"{mode} ({_dirs(n)}) is the only mode f supports"
     extra = ""
     if strategy == "broadcast":
         extra = "; samples are independent, so each seed is shared by all B samples"
@@ -168,4 +250,4 @@ def _reason(p: Problem, mode: str, other: str, options: dict[str, tuple[str, int
         extra = "; parameters are shared, so samples are vectorised with vmap"
     elif strategy == "whole-batch" and p.structure == "coupled":
         extra = "; samples are coupled, so the whole batch is differentiated as one point"
-    return f"{axes}: {mode} needs {n} directions vs {n_other} ({ratio:.1f}x cheaper by the cost model){extra}"
+    return f"{axes}: {versus}{extra}"

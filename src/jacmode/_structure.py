@@ -82,7 +82,14 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
         return res.target()
 
     if plan.strategy == "per-sample" and p.layers is not None:
-        return param_jacobian(p.layers, p.x, p.tensors, out, differentiable=torch.is_grad_enabled())
+        grad = torch.is_grad_enabled()
+        step_b = plan.sample_chunk or B
+        if step_b >= B:
+            return param_jacobian(p.layers, p.x, p.tensors, out, differentiable=grad)
+        flat = out if out is not None else z.new_empty(B, Y, N)  # chunks of samples: max_memory
+        for b0 in range(0, B, step_b):
+            param_jacobian(p.layers, p.x[b0 : b0 + step_b], p.tensors, flat[b0 : b0 + step_b], differentiable=grad)
+        return flat
 
     if plan.strategy == "per-sample":
         res = _Result((B, Y, N), z, out)

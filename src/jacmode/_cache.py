@@ -1,0 +1,72 @@
+"""The caches of jacmode, keyed weakly by the user's function, and ``clear_cache``.
+
+Every cache maps a function (weakly: entries go when the function does) to a dict keyed by what
+the cached fact depends on (see :func:`problem_key`). Functions that cannot be weakly referenced
+are simply not cached.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, ContextManager, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+
+from . import _coupling
+
+_ALL: list["WeakCache"] = []
+
+
+class WeakCache:
+    """function (weakly) -> {key: value}."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._data: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+        _ALL.append(self)
+
+    def get(self, ident: Any, key: tuple) -> Optional[Any]:
+        try:
+            return self._data.get(ident, {}).get(key)
+        except TypeError:  # not weak-referenceable
+            return None
+
+    def put(self, ident: Any, key: tuple, value: Any) -> None:
+        try:
+            self._data.setdefault(ident, {})[key] = value
+        except TypeError:
+            pass
+
+    def items(self) -> Iterator[tuple[Any, tuple, Any]]:
+        for ident, entries in list(self._data.items()):
+            for key, value in list(entries.items()):
+                yield ident, key, value
+
+    def clear(self) -> None:
+        self._data.clear()
+
+
+def problem_key(f: Any, x: Tensor, batched: bool, wrt: Any, structure: str, full_shape: bool) -> tuple:
+    """What a cached fact about ``f`` depends on: shapes, dtype, device, wrt, structure, flags."""
+    flags = tuple(m.training for m in f.modules()) if isinstance(f, nn.Module) else ()
+    shape = tuple(x.shape) if full_shape or not batched else tuple(x.shape[1:])
+    wrt_key = wrt if isinstance(wrt, str) else tuple(wrt)
+    return (shape, x.dtype, str(x.device), batched, wrt_key, structure, flags)
+
+
+def clear_cache() -> None:
+    """Forget everything jacmode cached: coupling verdicts, footprints, fallbacks, autotuned modes.
+
+    Example:
+        >>> import jacmode as jm
+        >>> jm.clear_cache()
+    """
+    _coupling.clear_cache()
+    for cache in _ALL:
+        cache.clear()
+
+
+def rng_kept(device: torch.device) -> ContextManager[None]:
+    """A context that leaves the random number generators of ``device`` as it found them."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])

@@ -1,0 +1,259 @@
+"""Calibrate the cost and memory models on this machine: ``python -m jacmode.calibrate``.
+
+Times ``jacobian(mode="forward")`` and ``mode="reverse"`` (interleaved, medians) over a grid of
+MLPs and a small CNN -- wrt inputs and parameters, N/Y from 1/100 to 100/1, B from 1 to 1024 --
+fits the constants of the cost model (see the note in ``_plan.py``) by least squares on the
+relative error with non-negative coefficients, measures the workspace multipliers of the memory
+model from the peak resident memory of subprocesses, writes ``_calibrated.py``, and draws the
+forward/reverse crossover plot (matplotlib). ``--regret`` checks ``mode="auto"`` against the
+faster explicit mode on a second grid that was not used for fitting.
+
+Commands:
+    python -m jacmode.calibrate [--write] [--plot FILE.png] [--json FILE]
+    python -m jacmode.calibrate --regret [--json FILE]
+    python -m jacmode.calibrate --memory-check [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ._calibrate_memory import MARGIN, calibrate_memory, measure_workspace, memory_check  # noqa: F401
+from ._grid import Case, _axes, fit_grid, regret_grid  # noqa: F401
+
+FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
+             "dir_bytes", "dir_spill", "result")
+
+
+def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float = 2.0) -> dict[str, float]:
+    """Median seconds per call of ``jacobian`` in each mode, the modes interleaved."""
+    import jacmode as jm
+
+    model, x = case.build()
+    calls = {m: (lambda m=m: jm.jacobian(model, x, wrt=case.wrt, mode=m)) for m in modes}
+    for call in calls.values():
+        call()
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    start = time.perf_counter()
+    for r in range(reps):
+        for m in (modes if r % 2 == 0 else list(reversed(modes))):
+            t0 = time.perf_counter()
+            calls[m]()
+            times[m].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    return {m: statistics.median(v) for m, v in times.items()}
+
+
+def terms(case: Case, mode: str) -> dict[str, float]:
+    """The cost-model terms of a case in ``mode``, for the chunk sizes jacobian would use.
+
+    The key "engine" names the calibrated engine that runs it (see ``_plan.engine``).
+    """
+    import jacmode as jm
+    from jacmode import _plan
+    from jacmode._checks import check_options
+    from jacmode._decide import decide
+    from jacmode._problem import describe
+
+    model, x = case.build()
+    opts = check_options(wrt=case.wrt, mode=mode, batched=True, structure="auto", chunk_size=None,
+                         create_graph=False, flatten=True)
+    with torch.no_grad():
+        p = describe(model, x, opts)
+        d = decide(model, p, opts, out_given=False)
+    q = d.plan
+    del jm
+    out: dict[str, Any] = _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
+    out["engine"] = _plan.engine(p, q.mode, q.strategy)
+    return out
+
+
+def refit(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Fit again on recorded timings, with the terms recomputed by the current cost model."""
+    cases = {c.label: c for c in fit_grid()}
+    for rec in records:
+        rec["terms"] = {m: terms(cases[rec["case"]], m) for m in ("forward", "reverse")}
+    return fit_engines(records)
+
+
+def nnls_relative(rows: list[dict[str, float]], seconds: list[float]) -> dict[str, float]:
+    """Non-negative least squares on relative errors (active set: drop negative terms, refit)."""
+    import numpy as np
+
+    A = np.array([[r.get(t, 0.0) for t in FIT_TERMS] for r in rows]) / np.array(seconds)[:, None]
+    scale = np.maximum(A.max(axis=0), 1e-30)
+    active = [i for i in range(len(FIT_TERMS)) if A[:, i].any()]
+    while True:
+        coef, *_ = np.linalg.lstsq(A[:, active] / scale[active], np.ones(len(seconds)), rcond=None)
+        if (coef >= 0).all() or not active:
+            break
+        active = [a for a, c in zip(active, coef) if c > 0]
+    out = {t: 0.0 for t in FIT_TERMS}
+    for a, c in zip(active, coef):
+        out[FIT_TERMS[a]] = float(c / scale[a])
+    return out
+
+
+def calibrate_costs(cases: list[Case], log: Any = print) -> tuple[dict[str, dict[str, float]], list[dict]]:
+    """Time the fit grid and fit the constants of each mode."""
+    records: list[dict[str, Any]] = []
+    for i, case in enumerate(cases):
+        t = time_modes(case, ("forward", "reverse"), reps=9)
+        rec: dict[str, Any] = {"case": case.label, "seconds": t, "terms": {m: terms(case, m) for m in t}, "axes": _axes(case),
+               "b": case.b, "family": case.family, "kind": "inputs" if case.wrt == "inputs" else "params"}
+        records.append(rec)
+        log(f"[{i + 1}/{len(cases)}] {case.label}: forward {t['forward'] * 1e3:.3g} ms, reverse {t['reverse'] * 1e3:.3g} ms")
+    for i, (case, rec) in enumerate(zip(cases, records)):  # a second sweep, later: keep the quieter median
+        t = time_modes(case, ("forward", "reverse"), reps=9)
+        rec["seconds"] = {m: min(t[m], rec["seconds"][m]) for m in t}
+        log(f"[sweep 2: {i + 1}/{len(cases)}] {case.label}: forward {rec['seconds']['forward'] * 1e3:.3g} ms, "
+            f"reverse {rec['seconds']['reverse'] * 1e3:.3g} ms")
+    return fit_engines(records), records
+
+
+def fit_engines(records: list[dict]) -> dict[str, dict[str, float]]:
+    """One set of constants per engine, each fitted on the records that engine ran."""
+    by_engine: dict[str, tuple[list, list]] = {}
+    for r in records:
+        for m in ("forward", "reverse"):
+            rows, secs = by_engine.setdefault(r["terms"][m].get("engine", m), ([], []))
+            rows.append(r["terms"][m])
+            secs.append(r["seconds"][m])
+    return {e: nnls_relative(rows, secs) for e, (rows, secs) in sorted(by_engine.items())}
+
+
+def write_constants(costs: dict[str, dict[str, float]], memory: dict[str, float], path: Optional[str] = None) -> str:
+    """Write ``_calibrated.py`` next to this module; return its path."""
+    import os
+    import platform
+
+    from jacmode._calibrated import SPILL_BYTES
+
+    path = path or os.path.join(os.path.dirname(__file__), "_calibrated.py")
+    machine = f"{platform.machine()} {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    lines = [
+        '"""Constants of the cost and memory models, written by ``python -m jacmode.calibrate``."""',
+        "",
+        f"MACHINE = {machine!r}",
+        f"SPILL_BYTES = {SPILL_BYTES}  # activations of one pass beyond which bytes cost more (1/4 of L3)",
+        "COST = {",
+        *[f"    {m!r}: {{{', '.join(f'{k!r}: {v:.4g}' for k, v in c.items())}}}," for m, c in costs.items()],
+        "}",
+        f"MEMORY = {memory!r}",
+        "",
+    ]
+    with open(path, "w") as fh:
+        fh.write("\n".join(lines))
+    return path
+
+
+def plot_crossover(records: list[dict], costs: dict[str, dict[str, float]], path: str) -> None:
+    """forward/reverse time ratio against N/Y, measured (points) and modelled (crosses)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, kind in zip(axes, ("inputs", "params")):
+        for b, colour in zip((1, 16, 128, 1024), ("C0", "C1", "C2", "C3")):
+            rs = [r for r in records if r["kind"] == kind and r["b"] == b]
+            if not rs:
+                continue
+            ratio = [r["axes"][0] / r["axes"][1] for r in rs]
+            measured = [r["seconds"]["forward"] / r["seconds"]["reverse"] for r in rs]
+            model = [_est(costs, r, "forward") / _est(costs, r, "reverse") for r in rs]
+            ax.scatter(ratio, measured, color=colour, label=f"B={b} measured", s=22)
+            ax.scatter(ratio, model, color=colour, marker="x", s=22, alpha=0.6)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("N / Y (input directions / output directions)")
+        ax.set_title(f"wrt={kind!r}: forward time / reverse time")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("t_forward / t_reverse  (< 1: forward wins)")
+    axes[0].legend(fontsize=8, title="dots measured, x cost model", title_fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def _est(costs: dict[str, dict[str, float]], rec: dict, mode: str) -> float:
+    t = rec["terms"][mode]
+    return sum(costs[t.get("engine", mode)].get(k, 0.0) * v for k, v in t.items() if k != "engine")
+
+
+def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[dict]:
+    """Time auto, forward and reverse on each case; re-run doubtful points once, longer."""
+    import jacmode as jm
+
+    out: list[dict[str, Any]] = []
+    for i, case in enumerate(cases):
+        t = time_modes(case, ("auto", "forward", "reverse"))
+        r = t["auto"] / min(t["forward"], t["reverse"])
+        if r > recheck:  # a noisy machine: look again before believing it
+            t = time_modes(case, ("auto", "forward", "reverse"), reps=15, budget_s=6.0)
+            r = t["auto"] / min(t["forward"], t["reverse"])
+        model, x = case.build()
+        chosen = jm.plan(model, x, wrt=case.wrt).mode
+        out.append({"case": case.label, "seconds": t, "regret": r, "auto_mode": chosen, "axes": _axes(case)})
+        log(f"[{i + 1}/{len(cases)}] {case.label}: auto={chosen} {t['auto'] * 1e3:.3g} ms, forward "
+            f"{t['forward'] * 1e3:.3g}, reverse {t['reverse'] * 1e3:.3g} -> regret {r:.3f}")
+    rs: list[float] = sorted(x["regret"] for x in out)
+    log(f"{len(rs)} cases: median regret {statistics.median(rs):.3f}, 90th percentile "
+        f"{rs[math.ceil(0.9 * len(rs)) - 1]:.3f}, max {rs[-1]:.3f}, within 1.15x: "
+        f"{sum(r <= 1.15 for r in rs)}/{len(rs)}, above 2x: {sum(r > 2 for r in rs)}")
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jacmode.calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--regret", action="store_true", help="judge mode='auto' on the regret grid")
+    parser.add_argument("--memory-check", action="store_true",
+                        help="peak memory of a large parameter Jacobian under max_memory='200MB'")
+    parser.add_argument("--write", action="store_true", help="write the fitted constants to _calibrated.py")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory multipliers")
+    parser.add_argument("--refit", metavar="FIT.json",
+                        help="fit again on the timings of an earlier --json run (terms recomputed)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw the crossover plot")
+    parser.add_argument("--json", metavar="FILE", help="save the measurements")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads (default 1: on a shared machine, OpenMP kernels with more "
+                             "threads than free cores stall for tens of milliseconds)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.memory_check:
+        records = [memory_check()]
+    elif args.regret:
+        records = regret(regret_grid())
+    else:
+        if args.refit:
+            with open(args.refit) as fh:
+                records = json.load(fh)
+            costs = refit(records)
+        else:
+            costs, records = calibrate_costs(fit_grid())
+        from jacmode import _calibrated
+
+        memory = dict(_calibrated.MEMORY) if args.no_memory else calibrate_memory()
+        print(json.dumps({"COST": costs, "MEMORY": memory}, indent=1))
+        if args.write:
+            print("wrote", write_constants(costs, memory))
+        if args.plot:
+            plot_crossover(records, costs, args.plot)
+            print("plot:", args.plot)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,192 @@
+"""Fallbacks: operations without forward-AD formulas, without vmap support, old-style Functions."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import jacmode as jm
+from jacmode import JacmodeWarning
+from jacmode._fallback import classify
+from conftest import ref_input_jacobian, ref_param_jacobian
+
+
+class NoJvpExp(torch.autograd.Function):
+    """exp with a backward formula only: no jvp, no vmap rule."""
+
+    @staticmethod
+    def forward(x):
+        return x.exp()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(output)
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class OldStyleExp(torch.autograd.Function):
+    """exp written the old way (forward(ctx, x)): no torch.func transform can run it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        y = x.exp()
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g):
+        (y,) = ctx.saved_tensors
+        return g * y
+
+
+class Wide(nn.Module):
+    """D = 1 input, Y = 300 outputs: forward mode is the natural choice."""
+
+    def __init__(self, act) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 300).double()
+        self.act = act
+
+    def forward(self, x):
+        return self.act(self.lin(x) * 0.1)
+
+
+class Branchy(nn.Module):
+    """Python control flow on values (.item()): vmap over samples cannot run it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3000, 3).double()
+
+    def forward(self, x):
+        h = self.lin(x)  # each sample takes its own branch, so samples stay independent
+        return torch.stack([torch.tanh(r) if r.sum().item() > 0 else torch.sin(r) for r in h])
+
+
+def _no_warnings(call):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        return call()
+
+
+def _falls_back_once(f, x, match, ref, **kw):
+    """auto warns once (match), is right (ref), stays quiet on the next call; returns its plan."""
+    jm.clear_cache()
+    with pytest.warns(JacmodeWarning, match=match):
+        J = jm.jacobian(f, x, **kw)
+    torch.testing.assert_close(J, ref)
+    torch.testing.assert_close(_no_warnings(lambda: jm.jacobian(f, x, **kw)), J)
+    return _no_warnings(lambda: jm.plan(f, x, **kw))
+
+
+def test_no_jvp_function_auto_falls_back_to_reverse_and_warns_once():
+    model, x = Wide(NoJvpExp.apply), torch.randn(8, 1, dtype=torch.float64)
+    plan = _falls_back_once(model, x, r"no forward-AD formula for custom autograd.Function NoJvpExp",
+                            ref_input_jacobian(model, x))
+    assert plan.mode == "reverse" and "NoJvpExp" in plan.reason
+
+
+def test_no_jvp_function_explicit_forward_raises():
+    jm.clear_cache()
+    model, x = Wide(NoJvpExp.apply), torch.randn(8, 1, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"mode: 'forward' .* NoJvpExp .*has none\. Use mode='reverse'"):
+        jm.jacobian(model, x, mode="forward")
+    with pytest.raises(ValueError, match=r"NoJvpExp"):
+        jm.plan(model, x, mode="forward")
+    torch.testing.assert_close(jm.jacobian(model, x, mode="reverse"), ref_input_jacobian(model, x))
+
+
+def test_aten_operation_without_forward_ad_is_named():
+    anchors = torch.randn(300, 1, dtype=torch.float64)
+    f = lambda x: torch.cdist(x, anchors)  # noqa: E731  (B, 1) -> (B, 300)
+    x = torch.randn(256, 1, dtype=torch.float64)
+    exact = torch.sign(x - anchors.T).unsqueeze(-1)  # d|x - a| / dx, (B, 300, 1)
+    _falls_back_once(f, x, r"aten::(_cdist_forward|_euclidean_dist) \(called at test_fallback.py", exact)
+    with pytest.raises(ValueError, match=r"aten::(_cdist_forward|_euclidean_dist).*mode='reverse'"):
+        jm.jacobian(f, x, mode="forward")
+
+
+def test_item_control_flow_auto_loops_over_samples_and_warns_once():
+    model = Branchy()
+    x = torch.randn(4, 3000, dtype=torch.float64)
+    plan = _falls_back_once(model, x, r"\.item\(\) or Python control flow", ref_param_jacobian(model, x), wrt="params")
+    assert plan.loop == "samples"
+
+
+def test_item_control_flow_explicit_reverse_raises():
+    jm.clear_cache()
+    model, x = Branchy(), torch.randn(4, 3000, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"mode: 'reverse' vectorises over samples .*\.item\(\).*mode='auto'"):
+        jm.jacobian(model, x, wrt="params", mode="reverse")
+    # forward mode never vmaps over samples, so it works
+    torch.testing.assert_close(jm.jacobian(model, x, wrt="params", mode="forward"), ref_param_jacobian(model, x))
+
+
+def test_old_style_function_uses_autograd_loops():
+    model, x = Wide(OldStyleExp.apply), torch.randn(3, 1, dtype=torch.float64)
+    plan = _falls_back_once(model, x, r"torch.autograd.grad loops.*OldStyleExp", ref_input_jacobian(model, x))
+    assert plan.loop == "autograd"
+    for mode in ("forward", "reverse"):
+        with pytest.raises(ValueError, match=r"setup_context"):
+            jm.jacobian(model, x, mode=mode)
+
+
+def test_old_style_function_params_and_unbatched():
+    jm.clear_cache()
+    model, x = Wide(OldStyleExp.apply), torch.randn(3, 1, dtype=torch.float64)
+    with pytest.warns(JacmodeWarning, match="OldStyleExp"):
+        Jp = jm.jacobian(model, x, wrt="params")
+    torch.testing.assert_close(Jp, ref_param_jacobian(model, x))
+    with pytest.warns(JacmodeWarning, match="OldStyleExp"):
+        Ju = jm.jacobian(model, x[0], batched=False)
+    torch.testing.assert_close(Ju, ref_input_jacobian(model, x[0], batched=False))
+
+
+def test_vmap_performance_warning_is_translated():
+    jm.clear_cache()
+    f = lambda x: torch.cummax(x, dim=1).values * 2.0  # noqa: E731  cummax backward has no batching rule
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        J = jm.jacobian(f, x, mode="reverse")
+    messages = [str(w.message) for w in caught]
+    assert not any("performance drop" in m for m in messages)
+    assert any("no vmap batching rule for aten::cummaxmin_backward" in m for m in messages)
+    torch.testing.assert_close(J, ref_input_jacobian(f, x))
+
+
+def test_classify_leaves_other_errors_alone():
+    assert classify(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    kind, what = classify(RuntimeError("Batching rule not implemented for aten::foo.bar; ..."))
+    assert kind == "vmap" and "aten::foo" in what
+
+
+@pytest.fixture
+def blind_probe(monkeypatch):
+    """A capability probe that foresees nothing: gaps are found by the engines while running."""
+    from jacmode import _decide, _fallback
+
+    monkeypatch.setattr(_decide._fallback, "capabilities", lambda f, key, p: _fallback.Caps())
+    jm.clear_cache()
+
+
+def test_gaps_found_while_running_are_handled(blind_probe):
+    model, x = Wide(NoJvpExp.apply), torch.randn(8, 1, dtype=torch.float64)
+    with pytest.warns(JacmodeWarning, match="NoJvpExp"):
+        J = jm.jacobian(model, x)
+    torch.testing.assert_close(J, ref_input_jacobian(model, x))
+    with pytest.raises(ValueError, match=r"mode: 'forward' .*NoJvpExp.*mode='reverse'"):
+        jm.jacobian(model, x, mode="forward")
+    branchy, xb = Branchy(), torch.randn(4, 3000, dtype=torch.float64)
+    with pytest.warns(JacmodeWarning, match=r"loops over samples"):
+        Jp = jm.jacobian(branchy, xb, wrt="params")
+    torch.testing.assert_close(Jp, ref_param_jacobian(branchy, xb))
+    with pytest.raises(ValueError, match=r"vectorises over samples"):
+        jm.jacobian(branchy, xb, wrt="params", mode="reverse")

@@ -1,0 +1,122 @@
+"""plan(): what jacobian will do, for every strategy, and jacobian doing exactly that."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import jacmode as jm
+from jacmode import _decide
+from conftest import mlp_1_4, mnist_mlp, ref_input_jacobian, ref_param_jacobian
+
+
+@pytest.fixture
+def used(monkeypatch):
+    """The plans jacobian actually runs."""
+    seen = []
+    real = _decide.run
+
+    def spy(p, plan, out=None):
+        seen.append(plan)
+        return real(p, plan, out)
+
+    monkeypatch.setattr(_decide, "run", spy)
+    return seen
+
+
+def _bn_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+
+CASES = {
+    "broadcast-forward": (lambda: nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 300)).double(), (8, 1), {},
+                          ("forward", "broadcast")),
+    "broadcast-reverse": (lambda: nn.Sequential(nn.Linear(300, 64), nn.Tanh(), nn.Linear(64, 2)).double(), (128, 300), {},
+                          ("reverse", "broadcast")),
+    "per-sample": (lambda: mlp_1_4().double(), (5, 1), {"wrt": "params"}, ("reverse", "per-sample")),
+    "params-forward": (lambda: nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 400)).double(), (64, 2),
+                       {"wrt": ["0.bias"]}, ("forward", "whole-batch")),
+    "coupled": (_bn_net, (5, 3), {"structure": "coupled"}, (None, "whole-batch")),
+    "full": (lambda: nn.Sequential(nn.Linear(4, 3), nn.Tanh()).double(), (2, 4), {"batched": False}, (None, "full")),
+    "diagonal": (lambda: nn.Tanh(), (7, 3), {"structure": "diagonal"}, (None, "diagonal")),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_plan_is_what_jacobian_does(name, used):
+    make, shape, kw, (mode, strategy) = CASES[name]
+    model = make()
+    x = torch.randn(*shape, dtype=torch.float64)
+    plan = jm.plan(model, x, **kw)
+    assert plan.strategy == strategy
+    if mode is not None:
+        assert plan.mode == mode
+    J = jm.jacobian(model, x, **kw)
+    assert len(used) == 1
+    ran = used[0]
+    assert (ran.mode, ran.strategy, ran.directions, ran.chunk_size, ran.sample_chunk) == (
+        plan.mode, plan.strategy, plan.directions, plan.chunk_size, plan.sample_chunk)
+    # and the answer is right
+    if kw.get("wrt") == "params":
+        torch.testing.assert_close(J, ref_param_jacobian(model, x))
+    elif kw.get("structure") == "diagonal":
+        torch.testing.assert_close(J, 1 - torch.tanh(x) ** 2)
+    elif kw.get("batched") is False:
+        torch.testing.assert_close(J, ref_input_jacobian(model, x, batched=False))
+    elif "wrt" not in kw and "structure" not in kw:
+        torch.testing.assert_close(J, ref_input_jacobian(model, x))
+
+
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_explicit_mode_is_obeyed_and_said(mode, used):
+    net, x = mlp_1_4(), torch.randn(10, 1)
+    plan = jm.plan(net, x, wrt="params", mode=mode)
+    assert plan.mode == mode and "requested" in plan.reason
+    jm.jacobian(net, x, wrt="params", mode=mode)
+    assert used[0].mode == mode
+
+
+def test_the_two_problems_choose_the_known_winners():
+    # problem 1: P = 15,910 parameters, Y = 10 outputs -> reverse, vmapped over samples
+    p1 = jm.plan(mnist_mlp(), torch.randn(2, 784), wrt="params")
+    assert (p1.mode, p1.strategy) == ("reverse", "per-sample")
+    assert p1.costs["forward"] > 10 * p1.costs["reverse"]
+    # problem 2: dy/dt, D = 1 input, Y = 4 outputs: one shared seed either way (1 tangent or 4
+    # cotangents); on the calibration machine the 4 vmapped cotangents measured slightly faster
+    p2 = jm.plan(mlp_1_4(), torch.randn(1000, 1))
+    assert p2.strategy == "broadcast" and p2.directions == {"forward": 1, "reverse": 4}[p2.mode]
+    assert 0.5 < p2.costs["forward"] / p2.costs["reverse"] < 2
+
+
+def test_repr_gives_costs_memory_and_reason():
+    text = repr(jm.plan(mlp_1_4(), torch.randn(100, 1), wrt="params"))
+    assert text.startswith("Plan(mode='reverse'")
+    for part in ("forward=", "reverse=", " ms", "result", "workspace", "budget", "why: parameters P=544"):
+        assert part in text
+    p = jm.plan(mlp_1_4(), torch.randn(100, 1), wrt="params")
+    assert p.peak_bytes == p.result_bytes + p.workspace_bytes
+    assert p.result_bytes == 100 * 4 * 544 * 4
+
+
+def test_costs_grow_with_the_directions_of_each_mode():
+    small = jm.plan(nn.Linear(10, 10), torch.randn(256, 10))
+    wide_in = jm.plan(nn.Linear(400, 10), torch.randn(256, 400))
+    wide_out = jm.plan(nn.Linear(10, 400), torch.randn(256, 10))
+    assert wide_in.costs["forward"] > small.costs["forward"]
+    assert wide_out.costs["reverse"] > small.costs["reverse"]
+    assert wide_in.mode == "reverse" and wide_out.mode == "forward"
+
+
+@settings(max_examples=15, deadline=None)
+@given(d=st.integers(1, 12), y=st.integers(1, 12), b=st.integers(1, 5))
+def test_auto_agrees_with_both_modes(d, y, b):
+    torch.manual_seed(d * 100 + y)
+    net = nn.Sequential(nn.Linear(d, 5), nn.Tanh(), nn.Linear(5, y)).double()
+    x = torch.randn(b, d, dtype=torch.float64)
+    auto = jm.jacobian(net, x)
+    for mode in ("forward", "reverse"):
+        torch.testing.assert_close(jm.jacobian(net, x, mode=mode), auto)
+    torch.testing.assert_close(auto, ref_input_jacobian(net, x))
