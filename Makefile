@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bench-docs docs asv-check clean
+.PHONY: demo test typecheck bench bench-docs docs asv-check clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -16,6 +16,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+typecheck: $(VENV)/.extra-typecheck
+	$(BIN)/mypy
 
 # Optional extras (docs, bench) are installed on top of the set-up when a target needs them.
 $(VENV)/.extra-%: $(STAMP)

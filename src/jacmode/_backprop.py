@@ -72,6 +72,7 @@ def param_jacobian(
                 if p is None or id(p) not in offsets:
                     continue
                 lo, n = offsets[id(p)]
+                factors: tuple[Tensor, ...]
                 if p is m.weight:  # (B, Y, O, I) = G[y, b, o] a[b, i]
                     shape = (batch, n_out, *p.shape)
                     factors = (g.transpose(0, 1).unsqueeze(-1), a[:, None, None, :])

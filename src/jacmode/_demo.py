@@ -9,7 +9,7 @@ users' loop, and what jacmode chose and why.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, cast
 
 import torch
 from torch import Tensor
@@ -91,7 +91,7 @@ def demo_params() -> None:
     net = mnist_mlp()
     print("\nProblem 1: per-sample parameter Jacobian (B, 10, 15910) of Linear(784,20)-ReLU-Linear(20,10)")
     x = torch.randn(2, 784)
-    _check("the users' loop (B=2)", jm.jacobian(net, x, wrt="params"), params_loop(net, x))
+    _check("the users' loop (B=2)", cast(Tensor, jm.jacobian(net, x, wrt="params")), params_loop(net, x))
     print("  " + repr(jm.plan(net, x, wrt="params")).replace("\n", "\n  "))
     loop = median_ms(lambda: params_loop(net, x))
     rows = [
@@ -102,7 +102,7 @@ def demo_params() -> None:
     _table("  B = 2", rows, loop)
 
     x = torch.randn(512, 784)
-    _check("vmap(jacrev) (B=512)", jm.jacobian(net, x, wrt="params"), params_vmap_jacrev(net, x))
+    _check("vmap(jacrev) (B=512)", cast(Tensor, jm.jacobian(net, x, wrt="params")), params_vmap_jacrev(net, x))
     buf = torch.empty(512, 10, 15910)
     loop = _once_ms(lambda: params_loop(net, x))
     rows = [

@@ -118,7 +118,7 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
     else:
         fn = lambda z: functional_call(model, unflatten(z), (x,)).reshape(n_out)  # noqa: E731
     sample_fn = lambda z, xb: functional_call(model, unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
-    tensors = [p for _, p in selected]
+    tensors: list[Tensor] = [p for _, p in selected]
     layers = None
     if batched and structure == "independent" and x.is_floating_point():
         layers = _taylor.layers_of(model, tuple(x.shape[1:]))
