@@ -20,3 +20,16 @@ def test_page_examples(page: str) -> None:
     )
     assert result.attempted > 3, f"{page}: no examples found"
     assert result.failed == 0, f"{page}: {result.failed} of {result.attempted} examples failed (see above)"
+
+
+def test_readme_python_blocks_run() -> None:
+    """The README's ```python blocks run, in order, in one namespace (as a reader would paste them)."""
+    text = (DOCS.parent / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)
+    assert namespace["dydt"].shape == (100_000, 4)
+    assert namespace["J"].shape == (64, 10, 15910)
+    assert namespace["u_xx"].shape == (10_000, 1) and namespace["d4"].shape == (100_000, 4)
