@@ -243,11 +243,15 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
         versus = f"{mode} ({_dirs(n)}) is the only mode whose smallest pass fits the memory budget"
     else:
         versus = f"{mode} ({_dirs(n)}) is the only mode f supports"
-    extra = ""
-    if strategy == "broadcast":
-        extra = "; samples are independent, so each seed is shared by all B samples"
+    layerwise = p.layers is not None and (mode, strategy) in (("forward", "broadcast"), ("reverse", "per-sample"))
+    extra = {
+        "broadcast": "; samples are independent, so each seed is shared by all B samples",
+        "per-sample": "; parameters are shared, so each sample gets its own rows",
+        "whole-batch": "; samples are coupled, so the whole batch is differentiated as one point"
+        if p.structure == "coupled" else "",
+    }.get(strategy, "")
+    if layerwise:
+        extra += " (Linear/activation stack: propagated layer by layer, no vmap)"
     elif strategy == "per-sample":
-        extra = "; parameters are shared, so samples are vectorised with vmap"
-    elif strategy == "whole-batch" and p.structure == "coupled":
-        extra = "; samples are coupled, so the whole batch is differentiated as one point"
+        extra += " (vmap over samples)"
     return f"{axes}: {versus}{extra}"
