@@ -117,6 +117,9 @@ def jacobian(
         flatten: for parameters, False returns a dict name -> (B, *out, *param.shape).
         out: for wrt="params" with flatten=True, a (B, Y, P) tensor to write the result into.
 
+    Random layers in training mode (dropout): each sample draws one mask, as one batched forward
+    pass would, shared by all of its output directions and chunks (see docs/structure.md).
+
     Returns:
         wrt="inputs": (B, *out, *in); unbatched (*out, *x.shape); diagonal: x.shape.
         wrt="params": (B, Y, P) with Y = prod(out) and P the selected parameters flattened and
