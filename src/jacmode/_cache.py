@@ -13,7 +13,6 @@ from typing import Any, ContextManager, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from . import _coupling
 
 _ALL: list["WeakCache"] = []
 
@@ -62,7 +61,6 @@ def clear_cache() -> None:
         >>> import jacmode as jm
         >>> jm.clear_cache()
     """
-    _coupling.clear_cache()
     for cache in _ALL:
         cache.clear()
 

@@ -17,19 +17,17 @@ trip the probe. The first probe pass also yields the per-sample output shape for
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
 
+from ._cache import WeakCache
 from ._errors import CoupledBatchError
 
 _TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
 # function -> {(per-sample shape, dtype, device, training flags): (output shape, verdict)}
-_CACHE: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple[int, ...], Optional[bool]]]]" = (
-    weakref.WeakKeyDictionary()
-)
+_CACHE = WeakCache("coupling")
 _WAYS_OUT = (
     "Ways out: call model.eval() if training-mode statistics are not what you want to "
     "differentiate; pass batched=False to get the full Jacobian of the whole batch as one point; "
@@ -107,16 +105,10 @@ def probe(
                 f"statistics and per-sample Jacobians are not defined. {_WAYS_OUT}"
             )
     key = _cache_key(ident, x)
-    try:
-        entry = _CACHE.get(ident, {}).get(key)
-    except TypeError:  # not weak-referenceable: no cache
-        entry = None
+    entry = _CACHE.get(ident, key)
     if entry is None or (check and entry[1] is None):
         entry = _run_probe(f, x, check=check and batch > 1, validate=validate, ident=ident)
-        try:
-            _CACHE.setdefault(ident, {})[key] = entry
-        except TypeError:
-            pass
+        _CACHE.put(ident, key, entry)
     shape, independent = entry
     if check and independent is False:
         raise CoupledBatchError(
@@ -152,8 +144,3 @@ def _agree(a: Tensor, b: Tensor) -> bool:
     same_nonfinite = bool(((a == b) | (a.isnan() & b.isnan()) | finite).all())
     close = torch.allclose(a[finite], b[finite], rtol=tol, atol=tol * max(scale, 1e-30))
     return same_nonfinite and close
-
-
-def clear_cache() -> None:
-    """Forget every cached coupling verdict."""
-    _CACHE.clear()
