@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from ._checks import Options
-from ._operands import check_dims, direction_chunks, target, validated
+from ._operands import Target, check_dims, direction_chunks, target, validated
 
 Fn = Callable[[Tensor], Tensor]
 
@@ -191,9 +191,9 @@ def laplacian(
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     with target(f, x, opts) as t:
-        chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
-        parts = [t.over_samples(width, (), lambda z, s: t.run("laplacian", z, c, scale=s)) for c in chunks]
-        total = sum(parts[1:], parts[0]) if parts else t.z.new_zeros(x.shape[0], math.prod(t.out_shape))
+        total = _sum_over_coordinates(
+            t, opts, lambda c, width: t.over_samples(width, (), lambda z, s: t.run("laplacian", z, c, scale=s)),
+            t.z.new_zeros(x.shape[0], math.prod(t.out_shape)))
     return total.reshape(x.shape[0], *t.out_shape)
 
 
@@ -232,10 +232,17 @@ def divergence(
                 f"each sample maps {t.in_shape} to {t.out_shape}. Return one component per input "
                 "coordinate, or use jacmode.jacobian for other shapes."
             )
-        chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
-        parts = []
-        for c in chunks:
+
+        def trace(c: range, width: Optional[int]) -> Tensor:
             jac = t.over_samples(width, (len(c),), lambda z, s: t.run("first", z, c, scale=s))
             k = torch.arange(len(c), device=jac.device)
-            parts.append(jac[k, :, torch.as_tensor(c, device=jac.device)].sum(0))  # (B,)
-    return sum(parts[1:], parts[0]) if parts else x.new_zeros(x.shape[0])
+            return jac[k, :, torch.as_tensor(c, device=jac.device)].sum(0)  # (B,)
+
+        return _sum_over_coordinates(t, opts, trace, x.new_zeros(x.shape[0]))
+
+
+def _sum_over_coordinates(t: Target, opts: Options, term: Callable[[range, Optional[int]], Tensor], empty: Tensor) -> Tensor:
+    """Sum ``term(chunk, width)`` over the chunks of the D coordinate directions (laplacian, divergence)."""
+    chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
+    parts = [term(c, width) for c in chunks]
+    return sum(parts[1:], parts[0]) if parts else empty
