@@ -97,6 +97,7 @@ def measure(problem: str, batch: int, method: str, device: str, budget: float, m
     import torch
 
     from ._baselines import METHODS, PROBLEMS
+    from ._timing import repeat_ms
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     model, x = PROBLEMS[problem].make(batch, device)
@@ -111,14 +112,7 @@ def measure(problem: str, batch: int, method: str, device: str, budget: float, m
     first = time.perf_counter() - start
     peak_bytes, shape = peak(), tuple(out.shape)
     del out
-    times: list[float] = []
-    while len(times) < 100 and (not times or sum(times) < budget):
-        start = time.perf_counter()
-        out = fn(model, x)
-        sync()
-        times.append(time.perf_counter() - start)
-        del out
-    ms = sorted(t * 1e3 for t in times)
+    ms = repeat_ms(lambda: fn(model, x), budget_s=budget, max_repeats=100, device=device)
     return {"problem": problem, "B": batch, "method": method, "median_ms": ms[len(ms) // 2],
             "times_ms": ms, "first_call_ms": first * 1e3, "peak_bytes": peak_bytes, "shape": list(shape)}
 

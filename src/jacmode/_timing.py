@@ -14,6 +14,30 @@ def _sync(device: torch.device | str | None) -> None:
         torch.cuda.synchronize()
 
 
+def repeat_ms(
+    fn: Callable[[], Any],
+    *,
+    budget_s: float = 1.0,
+    min_repeats: int = 1,
+    max_repeats: int = 200,
+    device: torch.device | str | None = None,
+) -> list[float]:
+    """Wall times of ``fn()`` in milliseconds, sorted, repeating until ``budget_s`` is spent.
+
+    Example:
+        >>> len(repeat_ms(lambda: None, budget_s=0.0, min_repeats=3))
+        3
+    """
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - start < budget_s):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)
+
+
 def median_ms(
     fn: Callable[[], Any],
     *,
@@ -32,11 +56,5 @@ def median_ms(
     for _ in range(warmup):
         fn()
     _sync(device)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_repeats and (len(times) < min_repeats or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times = repeat_ms(fn, budget_s=budget_s, min_repeats=min_repeats, max_repeats=max_repeats, device=device)
+    return statistics.median(times)
