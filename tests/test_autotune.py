@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import jacmode as jm
-from jacmode import _autotune
+from jacmode._planning import autotune as _autotune
 from conftest import mlp_1_4, ref_input_jacobian, ref_param_jacobian
 
 

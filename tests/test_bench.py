@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import ref_input_jacobian, ref_param_jacobian
-from jacmode import _bench, _bench_report
-from jacmode._baselines import METHODS, PROBLEMS, runs_at
+from jacmode.tools import bench as _bench, bench_report as _bench_report
+from jacmode.tools.baselines import METHODS, PROBLEMS, runs_at
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 

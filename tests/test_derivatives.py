@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import jacmode as jm
-from jacmode import _taylor
+from jacmode._engines import taylor as _taylor
 from conftest import assert_unchanged, snapshot
 
 DT = torch.float64

@@ -10,7 +10,7 @@ from torch import nn
 
 import jacmode as jm
 from jacmode import JacmodeWarning
-from jacmode._fallback import classify
+from jacmode._engines.fallback import classify
 from conftest import ref_input_jacobian, ref_param_jacobian
 
 
@@ -171,7 +171,8 @@ def test_classify_leaves_other_errors_alone():
 @pytest.fixture
 def blind_probe(monkeypatch):
     """A capability probe that foresees nothing: gaps are found by the engines while running."""
-    from jacmode import _decide, _fallback
+    from jacmode._planning import decide as _decide
+    from jacmode._engines import fallback as _fallback
 
     monkeypatch.setattr(_decide._fallback, "capabilities", lambda f, key, p: _fallback.Caps())
     jm.clear_cache()

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import jacmode as jm
-from jacmode import _decide, _memory
+from jacmode._planning import decide as _decide, memory as _memory
 from jacmode._checks import check_max_memory
 from conftest import mlp_1_4, ref_param_jacobian
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import jacmode as jm
-from jacmode import _decide
+from jacmode._planning import decide as _decide
 from conftest import mlp_1_4, mnist_mlp, ref_input_jacobian, ref_param_jacobian
 
 

@@ -12,12 +12,12 @@ Example:
     torch.Size([100, 4])
 """
 
-from ._autotune import autotune_cache
 from ._cache import clear_cache
 from ._derivatives import derivative, divergence, hessian, laplacian, partial
 from ._errors import CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
-from ._plan import Plan
+from ._planning.autotune import autotune_cache
+from ._planning.plan import Plan
 
 __version__ = "0.1.0"
 

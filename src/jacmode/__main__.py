@@ -12,15 +12,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="solve the two problems jacmode was founded on, check and time them")
     bench = sub.add_parser("bench", help="time jacmode against the idioms it replaces")
-    from ._bench import add_arguments
+    from .tools.bench import add_arguments
 
     add_arguments(bench)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from ._demo import main as demo
+        from .tools.demo import main as demo
 
         return demo()
-    from ._bench import main as run_bench
+    from .tools.bench import main as run_bench
 
     return run_bench(args)
 

@@ -13,7 +13,6 @@ from typing import Any, ContextManager, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-
 _ALL: list["WeakCache"] = []
 
 

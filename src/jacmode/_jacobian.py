@@ -10,8 +10,8 @@ from torch import Tensor
 
 from . import _checks
 from ._checks import Options, Wrt
-from ._decide import decide, execute
-from ._plan import Plan
+from ._planning.decide import decide, execute
+from ._planning.plan import Plan
 from ._problem import Problem, describe
 from ._state import preserved_state
 

@@ -32,8 +32,10 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from . import _checks, _nested, _taylor
+from . import _checks
 from ._checks import Options
+from ._engines import nested as _nested
+from ._engines import taylor as _taylor
 from ._jacobian import _options
 from ._problem import describe
 from ._state import RngReplay, preserved_state

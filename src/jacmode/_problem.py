@@ -17,9 +17,11 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-from . import _backprop, _checks, _taylor
+from . import _checks
 from ._checks import Options
 from ._coupling import probe
+from ._engines import backprop as _backprop
+from ._engines import taylor as _taylor
 
 
 @dataclass

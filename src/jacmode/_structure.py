@@ -28,11 +28,11 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ._backprop import param_jacobian
-from ._forward import forward_columns, layerwise_columns
-from ._plan import Plan
+from ._engines.backprop import param_jacobian
+from ._engines.forward import forward_columns, layerwise_columns
+from ._engines.reverse import per_sample_rows, reverse_rows
+from ._planning.plan import Plan
 from ._problem import Problem
-from ._reverse import per_sample_rows, reverse_rows
 from ._state import RngReplay
 
 

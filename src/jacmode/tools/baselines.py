@@ -10,7 +10,7 @@ Shared by ``python -m jacmode bench`` and the asv suites in ``asv_benchmarks/``.
 
 Example:
     >>> import torch
-    >>> from jacmode._baselines import METHODS, PROBLEMS
+    >>> from jacmode.tools.baselines import METHODS, PROBLEMS
     >>> model, x = PROBLEMS["dydt"].make(8, "cpu")
     >>> a = METHODS["dydt"]["jvp with ones"](model, x)
     >>> b = METHODS["dydt"]["users' loop"](model, x)

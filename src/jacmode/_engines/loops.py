@@ -1,4 +1,4 @@
-"""Slow but sure engines for the fallbacks (see the note in ``_fallback.py``).
+"""Slow but sure engines for the fallbacks (see the note in ``_engines/fallback.py``).
 
 * ``sample_loop``: per-sample parameter Jacobians with a Python loop over samples, each with vmap
   over chunks of output directions (for ``f`` that vmap cannot batch over samples).
@@ -15,9 +15,9 @@ import torch
 from torch import Tensor
 from torch.func import vjp
 
-from ._plan import Plan
-from ._problem import Problem
-from ._reverse import pullback
+from .._planning.plan import Plan
+from .._problem import Problem
+from .reverse import pullback
 
 
 def sample_loop(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:

@@ -2,7 +2,7 @@
 
 ``decide`` is what :func:`jacmode.plan` returns and what :func:`jacmode.jacobian` runs, so the
 two never disagree; ``execute`` runs a plan and, under ``mode="auto"``, re-plans around an engine
-gap that the capability probe could not foresee (see the note in ``_fallback.py``).
+gap that the capability probe could not foresee (see the note in ``_engines/fallback.py``).
 """
 
 from __future__ import annotations
@@ -12,14 +12,18 @@ from typing import Any, Optional
 
 from torch import Tensor
 
-from . import _autotune, _fallback, _footprint, _loops, _memory
-from ._cache import problem_key, rng_kept
-from ._checks import Options
-from ._fallback import Caps
-from ._footprint import Footprint
-from ._plan import MODES, Plan, make_plan, minimum_workspace, strategies
-from ._problem import Problem
-from ._structure import run
+from .._cache import problem_key, rng_kept
+from .._checks import Options
+from .._engines import fallback as _fallback
+from .._engines import loops as _loops
+from .._engines.fallback import Caps
+from .._problem import Problem
+from .._structure import run
+from . import autotune as _autotune
+from . import footprint as _footprint
+from . import memory as _memory
+from .footprint import Footprint
+from .plan import MODES, Plan, make_plan, minimum_workspace, strategies
 
 
 @dataclass

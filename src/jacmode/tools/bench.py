@@ -50,7 +50,7 @@ def cases(quick: bool, tiny: bool = False) -> list[tuple[str, int, str]]:
         >>> cases(quick=True, tiny=True)[:2]
         [('params', 2, "users' loop"), ('params', 2, 'vmap(jacrev)')]
     """
-    from ._baselines import METHODS, PROBLEMS, runs_at
+    from .baselines import METHODS, PROBLEMS, runs_at
 
     sizes = {"params": (2, 4), "dydt": (4, 16)} if tiny else {k: p.sizes for k, p in PROBLEMS.items()}
     limits = {"params": 2, "dydt": 100} if quick and not tiny else {}
@@ -96,8 +96,8 @@ def measure(problem: str, batch: int, method: str, device: str, budget: float, m
     """Time one method (see the note at the top); return its figures."""
     import torch
 
-    from ._baselines import METHODS, PROBLEMS
-    from ._timing import repeat_ms
+    from .baselines import METHODS, PROBLEMS
+    from .timing import repeat_ms
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     model, x = PROBLEMS[problem].make(batch, device)
@@ -163,7 +163,7 @@ def machine(device: str, quick: bool) -> dict:
     """Where and when the figures were measured."""
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
@@ -182,8 +182,8 @@ def main(args: argparse.Namespace) -> int:
     """Run the cases, print the table, write the JSON and the plot if asked."""
     import torch
 
-    from ._baselines import preload
-    from ._bench_report import add_ratios, check_plotting, plot, table
+    from .baselines import preload
+    from .bench_report import add_ratios, check_plotting, plot, table
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("bench: --device cuda, but torch.cuda.is_available() is False; use --device cpu.",

@@ -3,7 +3,7 @@
 NOTE: [Memory model]
 The result is allocated once (or given as ``out=``); what the planner controls is the workspace of
 one vectorised pass, which grows with the directions (and, per-sample, the samples) it holds. From
-the footprint of ``f`` (see ``_footprint.py``: bytes produced per sample ``act``, largest tensor
+the footprint of ``f`` (see ``_planning/footprint.py``: bytes produced per sample ``act``, largest tensor
 ``peak``) the workspace of a pass of k directions over s samples is estimated as
 
 * forward:  ``jvp_live * (k + 1) * s * peak`` (tangents of the live activations; no tape)
@@ -13,7 +13,7 @@ the footprint of ``f`` (see ``_footprint.py``: bytes produced per sample ``act``
   parameter Jacobians use ``sample_live`` instead of ``vjp_live`` (vmap over samples keeps more
   alive) and add ``param_copies`` copies of k * s * P gradient entries.
 
-The multipliers are measured (peak resident memory of subprocesses, see ``jacmode.calibrate``);
+The multipliers are measured (peak resident memory of subprocesses, see ``jacmode.tools.calibrate``);
 chunk sizes are the largest whose estimate fits the budget. Without ``max_memory`` the budget is
 half of the memory available on the device (psutil, /proc/meminfo or sysconf on the host;
 ``torch.cuda.mem_get_info`` on CUDA) less the result.
@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ._calibrated import MEMORY
+from .calibrated import MEMORY
 
 DEFAULT_FRACTION = 0.5
 

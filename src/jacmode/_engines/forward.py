@@ -1,7 +1,7 @@
 """Forward engine: push chunks of tangents through ``fn`` with ``vmap(jvp)``.
 
 NOTE: [Forward and reverse engines]
-``forward_columns`` and ``reverse_rows`` (in ``_reverse.py``) are mirror images with the same
+``forward_columns`` and ``reverse_rows`` (in ``_engines/reverse.py``) are mirror images with the same
 signature: a pure function ``fn`` of one tensor ``primal``, ``n`` directions, a ``seeds(start, stop)``
 callback that builds the chunk of tangents (or cotangents) with a leading direction dimension, and a
 ``place(start, stop, block)`` callback that writes the chunk's Jacobian-vector products into the
@@ -28,8 +28,8 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import jvp, vmap
 
-from . import _taylor
-from ._state import RngReplay
+from .._state import RngReplay
+from . import taylor as _taylor
 
 Seeds = Callable[[int, int], Tensor]
 Place = Callable[[int, int, Tensor], None]

@@ -1,4 +1,4 @@
-"""Constants of the cost and memory models, written by ``python -m jacmode.calibrate``."""
+"""Constants of the cost and memory models, written by ``python -m jacmode.tools.calibrate``."""
 
 MACHINE = 'x86_64 2 cores, 1 threads, torch 2.13.0+cpu'
 SPILL_BYTES = 8388608  # activations of one pass beyond which bytes cost more (1/4 of L3)

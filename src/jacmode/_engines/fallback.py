@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, jvp, vjp, vmap
 
-from ._cache import WeakCache, rng_kept
-from ._errors import JacmodeWarning
-from ._problem import Problem
+from .._cache import WeakCache, rng_kept
+from .._errors import JacmodeWarning
+from .._problem import Problem
 
 _CAPS = WeakCache("capabilities")
 _WARNED_OPS: set[str] = set()

@@ -21,13 +21,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ._cache import WeakCache, rng_kept
-from ._checks import Options
-from ._forward import forward_columns, layerwise_columns
-from ._plan import MODES, Plan, with_reason
-from ._problem import Problem
-from ._reverse import per_sample_rows, reverse_rows
-from ._structure import _SEEDS, run
+from .._cache import WeakCache, rng_kept
+from .._checks import Options
+from .._engines.forward import forward_columns, layerwise_columns
+from .._engines.reverse import per_sample_rows, reverse_rows
+from .._problem import Problem
+from .._structure import _SEEDS, run
+from .plan import MODES, Plan, with_reason
 
 WHOLE_S = 0.05
 PASS_S = 0.005

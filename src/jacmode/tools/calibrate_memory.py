@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from ._grid import Case
+from .grid import Case
 
 MARGIN = 1.3  # memory multipliers are set this much above the largest of three measured peaks
 
@@ -17,7 +17,7 @@ _MEMORY_SCRIPT = r"""
 import json, resource, sys, torch, psutil
 torch.set_num_threads(cfg_threads := 1)
 import jacmode as jm
-from jacmode.calibrate import Case
+from jacmode.tools.calibrate import Case
 cfg = json.loads(sys.argv[1])
 case = Case(**cfg["case"])
 model, x = case.build()
@@ -43,7 +43,7 @@ def measure_workspace(case: Case, mode: str, chunk: Optional[int]) -> dict[str, 
 
 def calibrate_memory(log: Any = print) -> dict[str, float]:
     """Scale each workspace multiplier by measured / estimated peak on a case where it dominates (x MARGIN)."""
-    from jacmode import _calibrated
+    from jacmode._planning import calibrated as _calibrated
 
     memory = dict(_calibrated.MEMORY)
     probes = [  # (multiplier, case, mode, chunk)
@@ -71,7 +71,7 @@ import json, resource, sys, torch, psutil
 torch.set_num_threads(1)
 import jacmode as jm
 from torch.func import functional_call, jacrev, vmap
-from jacmode.calibrate import Case
+from jacmode.tools.calibrate import Case
 cfg = json.loads(sys.argv[1])
 case = Case(**cfg["case"])
 model, x = case.build()

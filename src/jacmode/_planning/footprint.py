@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from ._cache import WeakCache
+from .._cache import WeakCache
 
 
 @dataclass(frozen=True)

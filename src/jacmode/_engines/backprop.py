@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ._activations import jet
+from .._rules.elementwise import jet
 
 
 def applies(layers: Optional[Sequence[nn.Module]], params: Sequence[Tensor]) -> bool:

@@ -4,7 +4,7 @@ NOTE: [Cost model]
 A call is a sequence of vectorised passes. Forward mode pushes ``k`` tangents per pass and re-runs
 the primal computation in every pass; reverse mode records the tape once and pulls ``k``
 cotangents per pass. With the footprint of ``f`` per sample (aten calls ``ops``, matmul ``flops``,
-convolution ``conv`` flops, bytes produced ``act``; see ``_footprint.py``) and S samples per
+convolution ``conv`` flops, bytes produced ``act``; see ``_planning/footprint.py``) and S samples per
 direction, the estimated time is
 
     t = call + ops * (pass_ops * passes + vmap_ops * vmapped passes)
@@ -15,8 +15,8 @@ direction, the estimated time is
 
 with one set of constants per engine (forward, forward layer by layer, reverse; see ``engine``),
 fitted to timings over a grid of MLPs, elementwise-heavy nets and a small CNN (wrt inputs and
-parameters, N/Y from 1/1000 to 1000/1, B from 1 to 1024) by ``python -m jacmode.calibrate``; they
-live in ``_calibrated.py``. Small problems are dominated by the fixed and per-pass terms, large
+parameters, N/Y from 1/1000 to 1000/1, B from 1 to 1024) by ``python -m jacmode.tools.calibrate``; they
+live in ``_planning/calibrated.py``. Small problems are dominated by the fixed and per-pass terms, large
 ones by the per-direction work, which costs more per byte as the activations of one pass outgrow
 the caches (``dir_spill``: logarithmic in the pass size above ``SPILL_BYTES``). docs/modes.md
 shows the fitted constants, the crossover and the regret of the choice. The strategy fixes how
@@ -36,7 +36,7 @@ diagonal       1                      1
 Parameter tangents are shared by all samples, so forward mode over parameters is "whole-batch"
 and exact even for coupled samples; reverse mode over parameters is "per-sample" (a vmap over
 samples), which needs independent samples, or "whole-batch" (B times the work) when coupled.
-Chunk sizes are the largest that keep the workspace inside the memory budget (``_chunking.py``).
+Chunk sizes are the largest that keep the workspace inside the memory budget (``_planning/chunking.py``).
 """
 
 from __future__ import annotations
@@ -45,11 +45,11 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from ._calibrated import COST, SPILL_BYTES
-from ._chunking import chunks, engine, pass_workspace, samples_per_direction
-from ._footprint import Footprint
-from ._memory import fmt_bytes
-from ._problem import Problem
+from .._problem import Problem
+from .calibrated import COST, SPILL_BYTES
+from .chunking import chunks, engine, pass_workspace, samples_per_direction
+from .footprint import Footprint
+from .memory import fmt_bytes
 
 MODES = ("forward", "reverse")
 
@@ -70,7 +70,7 @@ class Plan:
         workspace_bytes: estimated peak memory on top of the result.
         budget_bytes: the workspace budget the chunk sizes were chosen for.
         loop: None for the vectorised engines; "samples" for a Python loop over samples,
-            "autograd" for plain ``torch.autograd.grad`` loops (fallbacks, see ``_fallback.py``).
+            "autograd" for plain ``torch.autograd.grad`` loops (fallbacks, see ``_engines/fallback.py``).
         reason: one line on why this mode and strategy were chosen.
     """
 
@@ -182,7 +182,7 @@ def make_plan(
         mode: "auto", "forward" or "reverse".
         chunk_size: the user's cap on directions (x samples, per-sample) per pass, or None.
         budget: workspace bytes allowed on top of the result.
-        allowed: the modes that ``f`` supports (see ``_fallback.py``).
+        allowed: the modes that ``f`` supports (see ``_engines/fallback.py``).
         loops: mode -> the fallback engine it must use ("samples", "autograd"), if any.
         why: what the fallback was; appended to the reason.
     """

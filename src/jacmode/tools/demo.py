@@ -17,8 +17,15 @@ from torch.func import jvp
 
 import jacmode as jm
 
-from ._baselines import dydt_full_diagonal, dydt_loop, mnist_mlp, params_loop, params_vmap_jacrev, time_mlp
-from ._timing import median_ms
+from .baselines import (
+    dydt_full_diagonal,
+    dydt_loop,
+    mnist_mlp,
+    params_loop,
+    params_vmap_jacrev,
+    time_mlp,
+)
+from .timing import median_ms
 
 
 def _row(name: str, ms: float, base: Optional[float]) -> str:

@@ -1,7 +1,7 @@
 """Taylor-mode fast path: push derivative coefficients through Linear + activation stacks.
 
 For an ``nn.Sequential`` of ``nn.Linear`` layers and activations with known derivatives (see
-``_activations.py``), higher derivatives are propagated layer by layer with plain torch operations
+``_rules/elementwise.py``), higher derivatives are propagated layer by layer with plain torch operations
 instead of nesting forward mode. Plain operations on the parameters keep the results
 differentiable with respect to the parameters and the input (``create_graph=True``), and such a
 stack treats every sample on its own, so the samples are independent by construction.
@@ -34,8 +34,8 @@ from typing import Callable, Iterator, Optional, Sequence, cast
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._activations import combine, jet, rule
-from ._nested import seeds
+from .._rules.elementwise import combine, jet, rule
+from .nested import seeds
 
 Key = tuple[int, ...]  # a multiset of coordinates, sorted
 Term = tuple[int, int, tuple[Key, ...]]  # (how many partitions, order of s, blocks)

@@ -1,4 +1,4 @@
-"""The grids of shapes that calibrate and judge the cost model (see ``jacmode.calibrate``)."""
+"""The grids of shapes that calibrate and judge the cost model (see ``jacmode.tools.calibrate``)."""
 
 from __future__ import annotations
 

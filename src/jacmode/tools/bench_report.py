@@ -69,7 +69,7 @@ def plot(report: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ._baselines import PROBLEMS
+    from .baselines import PROBLEMS
 
     rows = [r for r in report["results"] if "median_ms" in r]
     problems = list(dict.fromkeys(r["problem"] for r in rows))

@@ -1,17 +1,17 @@
-"""Calibrate the cost and memory models on this machine: ``python -m jacmode.calibrate``.
+"""Calibrate the cost and memory models on this machine: ``python -m jacmode.tools.calibrate``.
 
 Times ``jacobian(mode="forward")`` and ``mode="reverse"`` (interleaved, medians) over a grid of
 MLPs and a small CNN -- wrt inputs and parameters, N/Y from 1/100 to 100/1, B from 1 to 1024 --
-fits the constants of the cost model (see the note in ``_plan.py``) by least squares on the
+fits the constants of the cost model (see the note in ``_planning/plan.py``) by least squares on the
 relative error with non-negative coefficients, measures the workspace multipliers of the memory
-model from the peak resident memory of subprocesses, writes ``_calibrated.py``, and draws the
+model from the peak resident memory of subprocesses, writes ``_planning/calibrated.py``, and draws the
 forward/reverse crossover plot (matplotlib). ``--regret`` checks ``mode="auto"`` against the
 faster explicit mode on a second grid that was not used for fitting.
 
 Commands:
-    python -m jacmode.calibrate [--write] [--plot FILE.png] [--json FILE]
-    python -m jacmode.calibrate --regret [--json FILE]
-    python -m jacmode.calibrate --memory-check [--json FILE]
+    python -m jacmode.tools.calibrate [--write] [--plot FILE.png] [--json FILE]
+    python -m jacmode.tools.calibrate --regret [--json FILE]
+    python -m jacmode.tools.calibrate --memory-check [--json FILE]
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from ._calibrate_memory import MARGIN, calibrate_memory, measure_workspace, memory_check  # noqa: F401
-from ._grid import Case, _axes, fit_grid, regret_grid  # noqa: F401
+from .calibrate_memory import MARGIN, calibrate_memory, measure_workspace, memory_check  # noqa: F401
+from .grid import Case, _axes, fit_grid, regret_grid  # noqa: F401
 
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
              "dir_bytes", "dir_spill", "result")
@@ -58,9 +58,9 @@ def terms(case: Case, mode: str) -> dict[str, float]:
     The key "engine" names the calibrated engine that runs it (see ``_plan.engine``).
     """
     import jacmode as jm
-    from jacmode import _plan
     from jacmode._checks import check_options
-    from jacmode._decide import decide
+    from jacmode._planning import plan as _plan
+    from jacmode._planning.decide import decide
     from jacmode._problem import describe
 
     model, x = case.build()
@@ -131,16 +131,16 @@ def fit_engines(records: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def write_constants(costs: dict[str, dict[str, float]], memory: dict[str, float], path: Optional[str] = None) -> str:
-    """Write ``_calibrated.py`` next to this module; return its path."""
+    """Write ``_planning/calibrated.py`` next to this module; return its path."""
     import os
     import platform
 
-    from jacmode._calibrated import SPILL_BYTES
+    from jacmode._planning.calibrated import SPILL_BYTES
 
-    path = path or os.path.join(os.path.dirname(__file__), "_calibrated.py")
+    path = path or os.path.join(os.path.dirname(__file__), "..", "_planning", "calibrated.py")
     machine = f"{platform.machine()} {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
     lines = [
-        '"""Constants of the cost and memory models, written by ``python -m jacmode.calibrate``."""',
+        '"""Constants of the cost and memory models, written by ``python -m jacmode.tools.calibrate``."""',
         "",
         f"MACHINE = {machine!r}",
         f"SPILL_BYTES = {SPILL_BYTES}  # activations of one pass beyond which bytes cost more (1/4 of L3)",
@@ -214,11 +214,11 @@ def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[d
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jacmode.calibrate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jacmode.tools.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--regret", action="store_true", help="judge mode='auto' on the regret grid")
     parser.add_argument("--memory-check", action="store_true",
                         help="peak memory of a large parameter Jacobian under max_memory='200MB'")
-    parser.add_argument("--write", action="store_true", help="write the fitted constants to _calibrated.py")
+    parser.add_argument("--write", action="store_true", help="write the fitted constants to _planning/calibrated.py")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory multipliers")
     parser.add_argument("--refit", metavar="FIT.json",
                         help="fit again on the timings of an earlier --json run (terms recomputed)")
@@ -240,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             costs = refit(records)
         else:
             costs, records = calibrate_costs(fit_grid())
-        from jacmode import _calibrated
+        from jacmode._planning import calibrated as _calibrated
 
         memory = dict(_calibrated.MEMORY) if args.no_memory else calibrate_memory()
         print(json.dumps({"COST": costs, "MEMORY": memory}, indent=1))

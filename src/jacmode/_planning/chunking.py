@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ._footprint import Footprint
-from ._memory import largest_fitting, workspace
-from ._problem import Problem
+from .._problem import Problem
+from .footprint import Footprint
+from .memory import largest_fitting, workspace
 
 # Per-sample parameter blocks are written in chunks of at most this many bytes, which keeps the
 # workspace small and re-usable by the allocator (see the memory note in _structure.py).

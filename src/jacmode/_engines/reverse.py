@@ -1,6 +1,6 @@
 """Reverse engine: pull chunks of cotangents back through ``fn`` with ``vmap(vjp)``.
 
-The mirror image of ``_forward.py`` (see the note there): same signature, with the one forward
+The mirror image of ``_engines/forward.py`` (see the note there): same signature, with the one forward
 pass and its tape shared by all chunks. ``per_sample_rows`` adds the outer ``vmap`` over samples
 that parameter Jacobians need, since parameters are shared by all samples.
 """
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from torch.func import vjp, vmap
 
-from ._state import RngReplay
+from .._state import RngReplay
 
 Seeds = Callable[[int, int], Tensor]
 Place = Callable[[int, int, Tensor], None]

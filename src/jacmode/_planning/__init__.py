@@ -1,0 +1,1 @@
+"""Planning: footprint, cost model, memory budget, chunking, autotuning, calibrated constants."""

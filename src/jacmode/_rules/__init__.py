@@ -1,0 +1,1 @@
+"""Per-operation derivative rules, one module per family."""

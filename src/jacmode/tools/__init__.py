@@ -1,0 +1,1 @@
+"""Tooling run by people and CI (bench, demo, calibration, baselines); never imported by the library."""
