@@ -3,10 +3,13 @@
 Shared by ``python -m jacmode bench`` and the asv suites in ``asv_benchmarks/``. Every method maps
 (model, x) to the per-sample result, so the suites and the command time the same code:
 
-* ``"params"`` (problem 1): ``Linear(784, 20) -> ReLU -> Linear(20, 10)``, P = 15,910; every method
-  returns the (B, Y, P) = (B, 10, 15910) parameter Jacobian.
-* ``"dydt"`` (problem 2): ``Linear(1, 20) -> tanh -> Linear(20, 20) -> tanh -> Linear(20, 4)``;
-  every method returns dy_i/dt at each time step, (B, 4) (``jacmode.jacobian``: (B, 4, 1)).
+* ``"params"`` (problem 1): the class ``MLP(784, 20, 10)`` of problems.md (fc1 -> ReLU -> fc2),
+  P = 15,910; every method returns the (B, Y, P) = (B, 10, 15910) parameter Jacobian.
+* ``"dydt"`` (problem 2): the class ``NetX`` (1-20-20-4, ``torch.tanh`` in ``forward``); every
+  method returns dy_i/dt at each time step, (B, 4) (``jacmode.jacobian``: (B, 4, 1)).
+
+Timings are of the problems' own classes, as users write them; the ``nn.Sequential`` twins
+(``mnist_mlp_sequential``, ``time_mlp_sequential``) are a second row at most.
 
 Example:
     >>> import torch
@@ -33,13 +36,70 @@ import jacmode as jm
 Method = Callable[[nn.Module, Tensor], Tensor]
 
 
+class MLP(nn.Module):
+    """Problem 1's model, the class exactly as its users wrote it (../shared/problems.md)."""
+
+    def __init__(self, input_size: int, hidden_size: int, output_size: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(input_size, hidden_size)
+        self.relu = nn.ReLU()
+        self.fc2 = nn.Linear(hidden_size, output_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x)
+        return self.fc2(self.relu(h))
+
+
+class NetX(nn.Module):
+    """Problem 2's model, as its users wrote it: functional ``torch.tanh`` in ``forward``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(1, 20)
+        self.fc2 = nn.Linear(20, 20)
+        self.out = nn.Linear(20, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.tanh(self.fc1(x))
+        x = torch.tanh(self.fc2(x))
+        return self.out(x)
+
+
+class PinnNet(nn.Module):
+    """A PINN as such code is usually written: Linear layers and ``torch.tanh`` in ``forward``.
+
+    ``PinnNet(2, 64, 2)`` is the 2-64-64-1 network of the PINN benchmarks (inputs (t, x)).
+    """
+
+    def __init__(self, d_in: int = 2, width: int = 64, hidden: int = 2, d_out: int = 1) -> None:
+        super().__init__()
+        sizes = [d_in] + [width] * hidden
+        self.hidden = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.out = nn.Linear(sizes[-1], d_out)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.hidden:
+            x = torch.tanh(layer(x))
+        return self.out(x)
+
+
 def mnist_mlp() -> nn.Module:
-    """Problem 1's model: Linear(784, 20) -> ReLU -> Linear(20, 10), P = 15,910."""
+    """Problem 1's model as users write it: ``MLP(784, 20, 10)``, P = 15,910."""
+    return MLP(28 * 28, 20, 10)
+
+
+def mnist_mlp_sequential() -> nn.Module:
+    """The ``nn.Sequential`` twin of problem 1's model (same layers): a second row in benchmarks."""
     return nn.Sequential(nn.Linear(784, 20), nn.ReLU(), nn.Linear(20, 10))
 
 
 def time_mlp() -> nn.Module:
-    """Problem 2's model: Linear(1, 20) -> tanh -> Linear(20, 20) -> tanh -> Linear(20, 4)."""
+    """Problem 2's model as users write it: ``NetX()``, 1-20-20-4 with functional tanh."""
+    return NetX()
+
+
+def time_mlp_sequential() -> nn.Module:
+    """The ``nn.Sequential`` twin of problem 2's model: a second row in benchmarks."""
     return nn.Sequential(nn.Linear(1, 20), nn.Tanh(), nn.Linear(20, 20), nn.Tanh(), nn.Linear(20, 4))
 
 
