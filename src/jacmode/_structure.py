@@ -135,7 +135,14 @@ def _layerwise(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
         def place(b0: int, b1: int, y0: int, y1: int, blk: Tensor) -> None:
             result[b0:b1, y0:y1, idx] = blk
 
-        per_sample_rows(one, zk, p.x, Y, place, max(1, min(step_b, plan.sample_chunk or B)), Y)
+        try:
+            per_sample_rows(one, zk, p.x, Y, place, step_b, Y)
+        except RuntimeError:  # vmap cannot run these parameters' layers: autograd, sample by sample
+            with torch.enable_grad():
+                zg = zk.detach().requires_grad_(True)
+                for b in range(B):
+                    row = one(zg, p.x[b])
+                    place(b, b + 1, 0, Y, torch.stack([torch.autograd.grad(o, zg, retain_graph=True)[0] for o in row])[None])
     return result
 
 
