@@ -8,7 +8,7 @@ of the (B, Y, P) result or of ``out=`` (a module called twice adds its second ca
 rule covers are left to the caller (the generic vmap engine fills their columns). With
 ``differentiable`` the blocks are plain torch functions of the parameters and are concatenated.
 
-Completeness is checked once per model and signature (:func:`verified`): for a random v (B, Y),
+Completeness is checked once per model and signature (:func:`complete`, cached by the caller): for a random v (B, Y),
 ``sum_b J_b^T v_b`` from the rules (one probe pass with K = 1) must equal ``autograd.grad`` of the
 output with v, and so must the sum over a random half of the samples (this catches layers that see
 the samples regrouped, e.g. sequence-first reshapes). Any mismatch, a stale recorded input or a
@@ -22,12 +22,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._cache import WeakCache
 from .._rules.base import NotCovered
 from .probes import Coverage, Recording, record
-
-_VERDICTS = WeakCache("layer-wise completeness")
-
 
 def _check_calls(rec: Recording, batch: int) -> None:
     for c in rec.calls:
@@ -97,16 +93,8 @@ def blocks(
     return torch.cat(flat, dim=-1)
 
 
-def verified(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, key: tuple) -> bool:
-    """Whether the rules' blocks are complete for this model and signature (cached; see the note)."""
-    verdict = _VERDICTS.get(model, key)
-    if verdict is None:
-        verdict = _verify(model, x, named, cov)
-        _VERDICTS.put(model, key, verdict)
-    return bool(verdict)
-
-
-def _verify(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage) -> bool:
+def complete(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage) -> bool:
+    """Whether the rules' blocks are complete for this model and input (see the note; callers cache it)."""
     params = {n: p for n, p in named if n in cov.covered}
     flags = {n: p.requires_grad for n, p in params.items()}
     try:
