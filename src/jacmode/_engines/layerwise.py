@@ -52,15 +52,14 @@ def fill(
     V = torch.eye(n_out, dtype=rec.output.dtype, device=rec.output.device).view(n_out, 1, *rec.output.shape[1:])
     Gs = rec.pullback(V.expand(n_out, *rec.output.shape))
     cols = _columns([n for n, _ in named], [p.numel() for _, p in named])
-    owner = {(id(m), a): n for n, (m, a) in cov.covered.items()}
-    shapes = dict(named)
+    shapes = {n: p.shape for n, p in named}
     seen: set[int] = set()
     with torch.no_grad():
         for call, G in zip(rec.calls, Gs):
             targets = {}
-            for attr in cov.modules[call.module]:
-                lo, n = cols[owner[(id(call.module), attr)]]
-                targets[attr] = result[..., lo : lo + n].view(batch, n_out, *shapes[owner[(id(call.module), attr)]].shape)
+            for attr, name in cov.modules[call.module].items():
+                lo, n = cols[name]
+                targets[attr] = result[..., lo : lo + n].view(batch, n_out, *shapes[name])
             call.rule.write(call.module, call.inputs, G, targets, accumulate=id(call.module) in seen)
             seen.add(id(call.module))
         for name, (module, _) in cov.covered.items():
@@ -79,11 +78,10 @@ def blocks(
     n_out = rec.output.numel() // max(batch, 1)
     V = torch.eye(n_out, dtype=rec.output.dtype, device=rec.output.device).view(n_out, 1, *rec.output.shape[1:])
     Gs = rec.pullback(V.expand(n_out, *rec.output.shape), create_graph=True)
-    owner = {(id(m), a): n for n, (m, a) in cov.covered.items()}
     parts: dict[str, Tensor] = {}
     for call, G in zip(rec.calls, Gs):
         for attr, blk in call.rule.per_sample(call.module, call.inputs, G).items():
-            name = owner.get((id(call.module), attr))
+            name = cov.modules[call.module].get(attr)
             if name is not None:
                 parts[name] = parts[name] + blk if name in parts else blk
     flat = [
@@ -112,10 +110,9 @@ def complete(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
             full = torch.autograd.grad(out, list(params.values()), v, retain_graph=True, allow_unused=True)
             part = torch.autograd.grad(out, list(params.values()), v * half, allow_unused=True)
         sums: dict[str, list[Tensor]] = {n: [x.new_zeros(p.shape, dtype=out.dtype)] * 2 for n, p in params.items()}
-        owner = {(id(m), a): n for n, (m, a) in cov.covered.items()}
         for call, G in zip(rec.calls, Gs):
             for attr, blk in call.rule.per_sample(call.module, call.inputs, G).items():
-                name = owner.get((id(call.module), attr))
+                name = cov.modules[call.module].get(attr)
                 if name is not None:
                     b = blk[:, 0].detach()
                     w = half.view(-1, *[1] * (b.dim() - 1))
