@@ -59,13 +59,13 @@ def fill(
             targets = {}
             for attr, name in cov.modules[call.module].items():
                 lo, n = cols[name]
-                targets[attr] = result[..., lo : lo + n].view(batch, n_out, *shapes[name])
+                targets[attr] = result.narrow(-1, lo, n).view(batch, n_out, *shapes[name])
             call.rule.write(call.module, call.inputs, G, targets, accumulate=id(call.module) in seen)
             seen.add(id(call.module))
         for name, (module, _) in cov.covered.items():
             if id(module) not in seen:  # a covered module the forward pass never called
                 lo, n = cols[name]
-                result[..., lo : lo + n].zero_()
+                result.narrow(-1, lo, n).zero_()
 
 
 def blocks(
