@@ -41,16 +41,21 @@ def _columns(names: Sequence[str], sizes: Sequence[int]) -> dict[str, tuple[int,
     return out
 
 
+def _all_outputs(model: nn.Module, x: Tensor, cov: Coverage, create_graph: bool) -> tuple[Recording, list[Tensor], int]:
+    """One probed forward pass, and the Y one-hot output directions pulled back to every probe."""
+    rec = record(model, x, cov)
+    _check_calls(rec, x.shape[0])
+    n_out = rec.output.numel() // max(x.shape[0], 1)
+    V = torch.eye(n_out, dtype=rec.output.dtype, device=rec.output.device).view(n_out, 1, *rec.output.shape[1:])
+    return rec, rec.pullback(V.expand(n_out, *rec.output.shape), create_graph=create_graph), n_out
+
+
 def fill(
     model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, result: Tensor
 ) -> None:
     """Write the covered parameters' columns of the (B, Y, P) ``result`` (P = all of ``named``)."""
-    rec = record(model, x, cov)
     batch = x.shape[0]
-    _check_calls(rec, batch)
-    n_out = rec.output.numel() // max(batch, 1)
-    V = torch.eye(n_out, dtype=rec.output.dtype, device=rec.output.device).view(n_out, 1, *rec.output.shape[1:])
-    Gs = rec.pullback(V.expand(n_out, *rec.output.shape))
+    rec, Gs, n_out = _all_outputs(model, x, cov, create_graph=False)
     cols = _columns([n for n, _ in named], [p.numel() for _, p in named])
     shapes = {n: p.shape for n, p in named}
     seen: set[int] = set()
@@ -72,12 +77,8 @@ def blocks(
     model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage
 ) -> Tensor:
     """The (B, Y, P) Jacobian as a differentiable concatenation (``create_graph=True``); all covered."""
-    rec = record(model, x, cov)
     batch = x.shape[0]
-    _check_calls(rec, batch)
-    n_out = rec.output.numel() // max(batch, 1)
-    V = torch.eye(n_out, dtype=rec.output.dtype, device=rec.output.device).view(n_out, 1, *rec.output.shape[1:])
-    Gs = rec.pullback(V.expand(n_out, *rec.output.shape), create_graph=True)
+    rec, Gs, n_out = _all_outputs(model, x, cov, create_graph=True)
     parts: dict[str, Tensor] = {}
     for call, G in zip(rec.calls, Gs):
         for attr, blk in call.rule.per_sample(call.module, call.inputs, G).items():
