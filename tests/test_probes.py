@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 import torch
 from torch import nn
 
@@ -187,3 +189,29 @@ def test_stale_input_detected_and_rules_leave_room() -> None:
     rec = record(model, torch.randn(2, 2), coverage(model, list(model.named_parameters())))
     assert rec.calls[0].stale
     assert not has(rec.calls[0].rule, "gram")
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    dims=st.integers(1, 3),
+    groups=st.sampled_from([1, 2]),
+    kernel=st.integers(1, 3),
+    stride=st.integers(1, 2),
+    padding=st.integers(0, 2),
+    dilation=st.integers(1, 2),
+    mode=st.sampled_from(["zeros", "reflect", "circular"]),
+    bias=st.booleans(),
+)
+def test_conv_rule_any_setting(dims, groups, kernel, stride, padding, dilation, mode, bias) -> None:
+    """Conv1d/2d/3d blocks against autograd over strides, paddings and their modes, dilations, groups."""
+    side = 5 if dims < 3 else 4
+    assume(dilation * (kernel - 1) + 1 <= side + 2 * padding and (mode == "zeros" or padding < side))
+    conv = [nn.Conv1d, nn.Conv2d, nn.Conv3d][dims - 1](
+        2, 4, kernel, stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias, padding_mode=mode
+    ).double()
+    x = torch.randn(2, 2, *[side] * dims, dtype=torch.float64)
+    V = torch.randn(2, *conv(x).shape, dtype=torch.float64)
+    blocks, _ = probe_blocks(conv, x, V, use_write=True)
+    ref = reference(conv, x, V, list(blocks))
+    for n in blocks:
+        torch.testing.assert_close(blocks[n], ref[n])
