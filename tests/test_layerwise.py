@@ -106,8 +106,11 @@ def test_matches_users_loop_and_leaves_model_as_found(name: str) -> None:
     if name in ("mlp-class", "cnn", "resmlp"):
         assert covered and not uncovered
     if name == "mixed":
-        assert covered and uncovered == {"scale", "act.weight"}
-        assert "act.weight: no per-sample rule for PReLU" in jm.plan(model, x, wrt="params", mode="reverse").reason
+        # the model's own parameter: vmap; PReLU: module-local vmap, or vmap when torch cannot nest it
+        assert covered and "scale" in uncovered and uncovered <= {"scale", "act.weight"}
+        assert "scale: no per-sample rule for Mixed" in jm.plan(model, x, wrt="params", mode="reverse").reason
+    if name == "transformer":  # MultiheadAttention (in_proj, out_proj): the module-local vmap rule
+        assert covered and not uncovered
     if name in ("outside", "seq-first"):  # the completeness check sends the whole call to the generic engine
         assert not covered
 

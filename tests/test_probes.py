@@ -145,7 +145,7 @@ class Odd(nn.Module):
 
 def test_coverage_names_each_reason() -> None:
     model = Odd().train()
-    cov = coverage(model, list(model.named_parameters()))
+    cov = coverage(model, list(model.named_parameters()), local=False)
     why = cov.uncovered
     assert "max_norm" in why["emb.weight"]
     assert "tied" in why["a.weight"]
@@ -154,7 +154,8 @@ def test_coverage_names_each_reason() -> None:
     assert "training" in why["bn.weight"]
     assert set(cov.covered) == {"a.bias", "b.bias"} and "parametrized" in why["wn.bias"]
     model.eval()
-    assert "bn.weight" in coverage(model, list(model.named_parameters())).covered
+    assert "bn.weight" in coverage(model, list(model.named_parameters()), local=False).covered
+    assert "prelu.weight" in coverage(model, list(model.named_parameters())).covered  # module-local vmap
 
 
 def test_hooks_removed_when_model_raises() -> None:

@@ -24,6 +24,7 @@ from ._cache import WeakCache, problem_key
 from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
 from ._engines.probes import Coverage, coverage
+from ._rules.local import LOCAL
 
 
 @dataclass
@@ -166,14 +167,17 @@ def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
     hit = _COVERAGE.get(model, key)
     if hit is not None:
         return hit[0]
-    cov: Optional[Coverage] = coverage(model, selected)
-    assert cov is not None
-    if not cov.covered or (cov.uncovered and (random or opts.create_graph)):
-        cov = None
-    elif not _layerwise.complete(model, x, selected, cov):
-        cov = None
-    _COVERAGE.put(model, key, (cov,))
-    return cov
+    found: Optional[Coverage] = None
+    for local in (True, False):  # without the module-local vmap rule if that fails the check
+        cov = coverage(model, selected, local=local)
+        if cov.covered and not (cov.uncovered and (random or opts.create_graph)):
+            if _layerwise.complete(model, x, selected, cov):
+                found = cov
+                break
+        if not any(r is LOCAL for r in cov.rules.values()):
+            break
+    _COVERAGE.put(model, key, (found,))
+    return found
 
 
 _COVERAGE = WeakCache("probe coverage")

@@ -118,7 +118,7 @@ def complete(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
                     b = blk[:, 0].detach()
                     w = half.view(-1, *[1] * (b.dim() - 1))
                     sums[name] = [sums[name][0] + b.sum(0), sums[name][1] + (b * w).sum(0)]
-    except NotCovered:
+    except (NotCovered, RuntimeError):  # RuntimeError: a module-local vmap that torch cannot run
         return False
     finally:
         for n, p in params.items():

@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from .._rules.base import Rule
+from .._rules.local import LOCAL
 from .._rules.modules import rule_for
 
 
@@ -49,6 +50,7 @@ class Coverage:
 
     covered: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
     uncovered: dict[str, str] = field(default_factory=dict)
+    rules: dict[nn.Module, Rule] = field(default_factory=dict)  # covered module -> its rule
 
     @functools.cached_property
     def modules(self) -> dict[nn.Module, dict[str, str]]:
@@ -59,25 +61,44 @@ class Coverage:
         return out
 
 
-def coverage(model: nn.Module, named_params: Sequence[tuple[str, Tensor]]) -> Coverage:
-    """Sort the selected parameters into covered (module, attr) and uncovered (with a reason)."""
+def coverage(model: nn.Module, named_params: Sequence[tuple[str, Tensor]], local: bool = True) -> Coverage:
+    """Sort the selected parameters into covered (module, attr) and uncovered (with a reason).
+
+    A model with a true attribute ``_jacmode_no_probes`` is not covered at all (the generic
+    engines run it). A parameter whose module has no rule is assigned, with ``local``, to the module-local vmap rule
+    (``_rules/local.py``) of its highest ancestor below the model whose subtree holds no module
+    with a rule (``nn.MultiheadAttention`` for its ``out_proj``, whose ``forward`` never runs).
+    """
     owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    by_prefix: dict[str, nn.Module] = {}
+    ruled: set[str] = set()  # prefixes of modules whose subtree holds a module with a rule
     for prefix, module in model.named_modules(remove_duplicate=False):
+        by_prefix[prefix] = module
+        if rule_for(module) is not None:
+            parts = prefix.split(".") if prefix else []
+            ruled.update(".".join(parts[:i]) for i in range(len(parts) + 1))
         for attr, p in module._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((module, attr, prefix))
     cov = Coverage()
+    if getattr(model, "_jacmode_no_probes", False):  # tools and tests that time the generic engines
+        cov.uncovered.update((name, "probes switched off for this model") for name, _ in named_params)
+        return cov
     for name, p in named_params:
         found = owners.get(id(p), [])
         if len({id(m) for m, _, _ in found}) != 1 or len({a for _, a, _ in found}) != 1:
             cov.uncovered[name] = "shared by several modules or attributes (tied weights)"
             continue
-        module, attr, _ = found[0]
+        module, attr, prefix = found[0]
         rule = rule_for(module)
         if "parametrizations." in name or parametrize.is_parametrized(module):
             cov.uncovered[name] = "parametrized module"
             continue
-        if rule is None or attr not in rule.attrs:
+        if rule is None and local and prefix:
+            while "." in prefix and prefix.rsplit(".", 1)[0] not in ruled:
+                prefix = prefix.rsplit(".", 1)[0]
+            module, attr, rule = by_prefix[prefix], name[len(prefix) + 1 :], LOCAL
+        if rule is None or (rule is not LOCAL and attr not in rule.attrs):
             what = type(module).__name__ + ("" if rule is None else f".{attr}")
             cov.uncovered[name] = f"no per-sample rule for {what}"
             continue
@@ -86,6 +107,7 @@ def coverage(model: nn.Module, named_params: Sequence[tuple[str, Tensor]]) -> Co
             cov.uncovered[name] = why
             continue
         cov.covered[name] = (module, attr)
+        cov.rules[module] = rule
     return cov
 
 
@@ -102,8 +124,8 @@ class Call:
     @property
     def stale(self) -> bool:
         """Whether an input was modified in place after the call (the recorded values are wrong)."""
-        now = tuple(t._version for t in self.inputs if isinstance(t, Tensor))
-        return now != self.versions
+        args = self.inputs[0] if self.rule is LOCAL else self.inputs
+        return tuple(t._version for t in args if isinstance(t, Tensor)) != self.versions
 
 
 @dataclass
@@ -145,17 +167,17 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
     """Run ``model(x)`` once with probes on the covered modules (or on ``modules``); hooks removed after."""
     calls: list[Call] = []
 
-    def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
-        if not isinstance(out, Tensor) or not out.is_floating_point():
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        first = out[0] if isinstance(out, tuple) and out else out
+        if not isinstance(first, Tensor) or not first.is_floating_point():
             return None
-        rule = rule_for(module)
-        assert rule is not None
-        z = torch.zeros_like(out, requires_grad=True)
+        rule = cov.rules[module]
+        z = torch.zeros_like(first, requires_grad=True)
         versions = tuple(t._version for t in args if isinstance(t, Tensor))
-        calls.append(Call(module, rule, args, z, versions))
-        return out + z
+        calls.append(Call(module, rule, (args, kwargs) if rule is LOCAL else args, z, versions))
+        return (first + z, *out[1:]) if isinstance(out, tuple) else first + z
 
-    handles = [m.register_forward_hook(hook) for m in (modules if modules is not None else cov.modules)]
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in (modules if modules is not None else cov.modules)]
     try:
         with torch.enable_grad():
             output = model(x.clone())  # never the caller's x: the model may modify its input

@@ -263,7 +263,11 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
 
 def probes_reason(cov: Any) -> str:
     """Which parameters the layer-wise probe engine covers, and why the others take the generic one."""
-    text = f"layer-wise probes and per-module rules for {len(cov.covered)} parameter tensors, no vmap"
+    local = sorted({type(m).__name__ for m, r in cov.rules.items() if type(r).__name__ == "LocalVmapRule"})
+    n_local = sum(1 for m, _ in cov.covered.values() if type(cov.rules[m]).__name__ == "LocalVmapRule")
+    text = f"layer-wise probes and per-module rules for {len(cov.covered) - n_local} parameter tensors"
+    if local:
+        text += f", module-local vmap for {n_local} of {', '.join(local)}"
     if cov.uncovered:
         rest = "; ".join(f"{n}: {why}" for n, why in cov.uncovered.items())
         text += f"; vmap over samples for {rest}"
