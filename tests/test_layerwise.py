@@ -79,6 +79,8 @@ def models() -> dict:
         "mixed": (Mixed(), torch.randn(3, 3)),
         "outside": (OutsideUse(), torch.randint(0, 6, (3, 5))),
         "seq-first": (SeqFirst(), torch.randn(3, 3, 3)),
+        "convtranspose": (nn.Sequential(nn.ConvTranspose2d(1, 2, 3, stride=2), nn.Tanh(), nn.Flatten(),
+                                        nn.Linear(98, 2)), torch.randn(2, 1, 3, 3)),
         "transformer": (nn.Sequential(nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
                                       nn.Flatten(), nn.Linear(12, 2)).eval(), torch.randn(2, 3, 4)),
     }
@@ -109,8 +111,9 @@ def test_matches_users_loop_and_leaves_model_as_found(name: str) -> None:
         # the model's own parameter: vmap; PReLU: module-local vmap, or vmap when torch cannot nest it
         assert covered and "scale" in uncovered and uncovered <= {"scale", "act.weight"}
         assert "scale: no per-sample rule for Mixed" in jm.plan(model, x, wrt="params", mode="reverse").reason
-    if name == "transformer":  # MultiheadAttention (in_proj, out_proj): the module-local vmap rule
+    if name in ("transformer", "convtranspose"):  # MultiheadAttention, ConvTranspose2d: module-local vmap
         assert covered and not uncovered
+        assert "module-local vmap" in jm.plan(model, x, wrt="params", mode="reverse").reason
     if name in ("outside", "seq-first"):  # the completeness check sends the whole call to the generic engine
         assert not covered
 
