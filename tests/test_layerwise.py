@@ -189,3 +189,16 @@ def test_hooks_removed_when_model_raises_midway() -> None:
     with pytest.raises(RuntimeError, match="halfway"):
         jm.jacobian(model, x, wrt="params", mode="reverse")
     assert not model.fc._forward_hooks
+
+
+def test_module_local_rule_not_used_with_create_graph_or_dropout() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ConvTranspose1d(2, 2, 2), nn.Tanh(), nn.Flatten(), nn.Linear(8, 2)).double()
+    x = torch.randn(3, 2, 3, dtype=torch.float64)
+    assert "module-local" in jm.plan(model, x, wrt="params", mode="reverse").reason
+    names = ["0.weight", "3.bias"]
+    J = jm.jacobian(model, x, wrt=names, mode="reverse", create_graph=True)
+    torch.testing.assert_close(J.detach(), ref_param_jacobian(model, x, names))
+    assert "module-local" not in jm.plan(model, x, wrt="params", mode="reverse", create_graph=True).reason
+    model = nn.Sequential(nn.ConvTranspose1d(2, 2, 2), nn.Dropout(0.3), nn.Flatten(), nn.Linear(8, 2)).double().train()
+    assert "module-local" not in jm.plan(model, x, wrt="params", mode="reverse").reason

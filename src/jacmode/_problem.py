@@ -168,7 +168,9 @@ def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
     if hit is not None:
         return hit[0]
     found: Optional[Coverage] = None
-    for local in (True, False):  # without the module-local vmap rule if that fails the check
+    # the module-local vmap rule re-runs a module: not with random layers (new masks) nor with
+    # create_graph (its blocks are not differentiable); without it too if it fails the check
+    for local in (False,) if random or opts.create_graph else (True, False):
         cov = coverage(model, selected, local=local)
         if cov.covered and not (cov.uncovered and (random or opts.create_graph)):
             if _layerwise.complete(model, x, selected, cov):
