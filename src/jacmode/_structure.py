@@ -85,7 +85,7 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
 
     if plan.strategy == "per-sample" and p.probes is not None:
         try:
-            return _layerwise(p, plan, out)
+            return layerwise.jacobian(p, plan, out)
         except NotCovered:
             pass  # the generic engine below, for every parameter
 
@@ -108,42 +108,6 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
     else:
         engine(p.fn, z, plan.directions, seeds, place, step, rng)
     return res.target()
-
-
-def _layerwise(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
-    """Per-sample parameter Jacobian by probes and rules; the generic engine for the uncovered rest."""
-    assert p.probes is not None and p.model is not None and p.subset_fn is not None
-    B, Y, N = p.batch, p.n_out, p.n_in
-    named = [(n, t) for (n, _), t in zip(p.params, p.tensors)]
-    if torch.is_grad_enabled():  # create_graph: differentiable blocks, every parameter covered
-        flat = layerwise.blocks(p.model, p.x, named, p.probes)
-        return out.copy_(flat) if out is not None else flat
-    result = out if out is not None else p.z.new_empty(B, Y, N)
-    step_b = plan.sample_chunk or B
-    for b0 in range(0, B, step_b):  # chunks of samples: max_memory
-        layerwise.fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b])
-    rest = [n for n, _ in named if n in p.probes.uncovered]
-    if rest:
-        starts, cols = 0, []
-        for n, t in named:
-            if n in p.probes.uncovered:
-                cols.append(torch.arange(starts, starts + t.numel(), device=result.device))
-            starts += t.numel()
-        idx = torch.cat(cols)
-        zk, one = p.subset_fn(rest)
-
-        def place(b0: int, b1: int, y0: int, y1: int, blk: Tensor) -> None:
-            result[b0:b1, y0:y1, idx] = blk
-
-        try:
-            per_sample_rows(one, zk, p.x, Y, place, step_b, Y)
-        except RuntimeError:  # vmap cannot run these parameters' layers: autograd, sample by sample
-            with torch.enable_grad():
-                zg = zk.detach().requires_grad_(True)
-                for b in range(B):
-                    row = one(zg, p.x[b])
-                    place(b, b + 1, 0, Y, torch.stack([torch.autograd.grad(o, zg, retain_graph=True)[0] for o in row])[None])
-    return result
 
 
 Layout = tuple[Callable[[int, int], Tensor], Callable[[int, int, Tensor], None]]

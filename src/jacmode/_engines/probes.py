@@ -16,6 +16,10 @@ Interface (used by the parameter Jacobian and by per-sample gradients, NTK and G
   per call, aligned with ``rec.calls``.
 * ``call.rule.per_sample(call.module, call.inputs, G)`` -> {attr: (B, K, *param.shape)} and
   ``call.rule.write(...)`` (into views of a result) turn them into per-sample blocks (``_rules/``).
+  ``cov.rules`` gives each covered module's rule: a closed-form one (``_rules/modules.py``), or the
+  module-local vmap rule (``_rules/local.LOCAL``) for a module with parameters and no closed form,
+  whose ``attr`` is the parameter's dotted name below the module and whose ``call.inputs`` is
+  ``(args, kwargs)``; ``coverage(..., local=False)`` leaves those parameters uncovered.
 
 NOTE: [Probes, not outputs]
 Cotangents are taken with respect to the probe z added to each covered module's output, never
