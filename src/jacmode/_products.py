@@ -8,6 +8,7 @@ Each validates, checks that samples are independent (``_coupling``), keeps the m
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Optional, Union
 
@@ -17,11 +18,13 @@ from torch import Tensor, nn
 from . import _checks
 from ._checks import Options, Wrt
 from ._coupling import probe
+from ._engines import layerio, probes
 from ._engines import ntk as _ntk
 from ._engines import products as _engine
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
 from ._planning.memory import available_bytes
+from ._rules.base import NotCovered
 from ._state import preserved_state
 
 Memory = Optional[Union[int, float, str]]
@@ -100,10 +103,12 @@ def per_sample_grads(
 
     with preserved_state(f), torch.no_grad():
         _out_shape(f, x)
-        modules = _engine.covered(f, x, params) if batch else None
-        if modules is not None:
-            flat = _engine.per_sample_grads_layers(f, modules, x, losses, params)
-        else:
+        cov = layerio.usable(f, x, selected)
+        flat = None
+        if cov is not None:
+            with contextlib.suppress(NotCovered):
+                flat = _engine.per_sample_grads_layers(f, cov, x, losses, selected)
+        if flat is None:
             head = f(x[:1])
             _checks.check_losses(loss(head) if y is None else loss(head, y[:1]), 1)
             flat = _engine.per_sample_grads_generic(f, x, y, loss, names, params, _chunk(opts, 4 * n_params, batch))
@@ -122,23 +127,25 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     n_out = math.prod(_out_shape(f, x1))
     if x2 is not None:
         _out_shape(f, x2)
-    modules = _engine.covered(f, x1, params) if x1.shape[0] else None
-    if method == "structured" and modules is None:
+    cov = layerio.usable(f, x1, selected)
+    if method == "structured" and cov is None:
+        why = "; ".join(f"{n}: {r}" for n, r in list(probes.coverage(f, selected).uncovered.items())[:3])
         raise ValueError(
-            "method: 'structured' needs every selected parameter in an nn.Linear layer called once "
-            "per forward pass, which this model does not have. Use method='auto'."
+            "method: 'structured' needs a per-layer rule for every selected parameter (Linear, "
+            f"convolution, normalisation, embedding layers), which this model lacks ({why or 'a parameter is used outside its module'}). "
+            "Use method='auto', or select the covered parameters with wrt=[...]."
         )
     n_params = sum(p.numel() for p in params)
     b2 = x1.shape[0] if x2 is None else x2.shape[0]
     fp = footprint(f, ("ntk", tuple(x1.shape[1:]), x1.dtype, str(x1.device)), f, x1[:1], 1)
     sizes = _ntk_plan.Sizes(x1.shape[0], b2, n_out, n_params, fp.flops + fp.conv_flops,
-                            _ntk_plan.linear_layers(modules))
+                            None if cov is None else _ntk_plan.pair_work(cov, n_out))
     item = x1.new_empty(0, dtype=params[0].dtype).element_size()
     result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
     _checks.check_fits(result, _budget(opts, x1.device), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
                        "Pass trace=True, smaller batches, or a larger max_memory.")
     chunk = _chunk(opts, n_out * n_params * item, max(x1.shape[0], b2))
-    return opts, selected, n_out, modules, _ntk_plan.choose(sizes, method, chunk)
+    return opts, selected, n_out, cov, _ntk_plan.choose(sizes, method, chunk)
 
 
 def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params",
@@ -194,10 +201,11 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         torch.Size([4, 6])
     """
     with preserved_state(f), torch.no_grad():
-        opts, selected, n_out, modules, plan = _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)
+        opts, selected, n_out, cov, plan = _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)
         names, params = [n for n, _ in selected], [p for _, p in selected]
-        if plan.method == "structured":
-            return _ntk.structured(f, modules, x1, x2, params, n_out, trace)
+        if plan.method == "structured" and cov is not None:
+            with contextlib.suppress(NotCovered):
+                return _ntk.structured(f, cov, x1, x2, n_out, trace)
         second = x1 if x2 is None else x2
         if plan.method == "products":
             return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
@@ -264,8 +272,9 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
     with preserved_state(f), torch.no_grad():
         n_out = math.prod(_out_shape(f, x))
         factor = _factor(loss, n_out)
-        modules = _engine.covered(f, x, params) if diagonal and x.shape[0] else None
-        if modules is not None:
-            return _engine.ggn_diagonal_layers(f, modules, x, factor, params)
+        cov = layerio.usable(f, x, selected) if diagonal else None
+        if cov is not None:
+            with contextlib.suppress(NotCovered):
+                return _engine.ggn_diagonal_layers(f, cov, x, factor, selected)
         chunk = _chunk(opts, n_out * n_params * item, x.shape[0])
-        return _engine.ggn_generic(f, x, factor, names, n_params, diagonal, chunk, max_memory)
+        return _engine.ggn_generic(f, x, factor(f(x)), names, n_params, diagonal, chunk, max_memory)

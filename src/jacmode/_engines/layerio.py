@@ -1,127 +1,133 @@
-"""Layer inputs and output cotangents of Linear layers, for the per-layer product forms.
+"""Per-layer products from the probe engine: which layers serve, and their per-sample reductions.
 
-NOTE: [Layer I/O for products]
-Per-sample gradients, the GGN diagonal and NTK blocks of a Linear layer only need, per sample,
-its input a (B, *, I) and the cotangent G = d(scalar) / d(layer output) (K, B, *, O) for K
-cotangents of the model output: the per-sample weight gradient is sum over * of G (x) a. One
-forward pass with hooks records a and adds a zero probe z to the layer output (an in-place op
-after the layer would corrupt the output itself, never the probe); one reverse pass to the probes,
-vectorised over the K cotangents, gives every G. Autograd carries everything between layers, so
-functional activations and residual code need no rule. A Linear layer called twice, or a selected
-parameter outside every Linear layer, means the layer is not covered: the caller falls back to the
-generic engine. ``complete`` checks once per model and signature that, for a random cotangent v,
-the sum over samples of the per-layer gradients equals one ``autograd.grad`` of f(x) (it catches
-parameters used outside their module, e.g. weight tying).
+NOTE: [Layer products]
+The probe engine (``_engines/probes.py``) gives, for each call of a covered module, its inputs and
+the cotangents G (K, B, *out_layer) of K output cotangents. Per-sample gradients, the GGN diagonal
+and NTK blocks need three reductions of the per-sample blocks J (B, K, *param):
+``write`` (the blocks themselves, K = 1), ``sq_sum`` (sum over B, K of s * J^2) and ``gram``
+(J1 . J2 over the parameter, (B1, B2, K1, K2)). A rule may define the last two in closed form
+(Linear: (sum_k s G^2)^T a^2 and (G1 G2^T) * (A1 A2^T), see ``_rules/linear.py``) so that no
+per-sample block is formed; otherwise, and for a module called more than once (its blocks add up
+before they are squared), they are computed here from ``per_sample``.
+
+``usable`` answers once per model and signature whether the probes account for every selected
+parameter: no uncovered parameter, and for a random v the sum over samples of the blocks equals one
+``autograd.grad`` of f(x) (this catches parameters also used outside their module).
 """
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from .._cache import WeakCache
+from .._rules.base import Blocks, NotCovered, has
+from . import probes
 
-_VERDICTS = WeakCache("layer coverage")
-
-
-@dataclass
-class Layer:
-    """One Linear call: its module, input a (B, *, I) and zero probe on its output (B, *, O)."""
-
-    module: nn.Linear
-    inputs: Tensor
-    probe: Tensor
+_VERDICTS = WeakCache("probe completeness")
+Named = Sequence[tuple[str, Tensor]]
 
 
-def owners(model: nn.Module, params: Sequence[Tensor]) -> Optional[list[nn.Linear]]:
-    """The Linear modules owning every selected parameter, or None if some parameter has none."""
-    wanted = {id(p) for p in params}
-    found: list[nn.Linear] = []
-    covered: set[int] = set()
-    for m in model.modules():
-        if type(m) is nn.Linear and any(id(p) in wanted for p in m.parameters(recurse=False)):
-            found.append(m)
-            covered |= {id(p) for p in m.parameters(recurse=False)}
-    return found if wanted <= covered else None
+def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverage]:
+    """The coverage when the probe engine serves every selected parameter, else None (cached)."""
+    if not x.is_floating_point() or x.shape[0] == 0:
+        return None
+    cov = probes.coverage(model, named)
+    if cov.uncovered:
+        return None
+    flags = tuple(m.training for m in model.modules())
+    key = (tuple(x.shape[1:]), x.dtype, str(x.device), tuple(n for n, _ in named), flags)
+    verdict = _VERDICTS.get(model, key)
+    if verdict is None:
+        verdict = _complete(model, x[:2], cov, named)
+        _VERDICTS.put(model, key, verdict)
+    return cov if verdict else None
 
 
-@contextlib.contextmanager
-def recorded(modules: Sequence[nn.Linear]) -> Iterator[list[Layer]]:
-    """Hooks on ``modules`` for the duration of the block; yields the calls as they happen."""
-    calls: list[Layer] = []
-
-    def hook(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
-        probe = torch.zeros_like(out, requires_grad=True)
-        calls.append(Layer(module, args[0].detach(), probe))  # type: ignore[arg-type]
-        return out + probe
-
-    handles = [m.register_forward_hook(hook) for m in modules]
-    try:
-        yield calls
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def cotangents(out: Tensor, calls: Sequence[Layer], v: Tensor) -> list[Tensor]:
-    """G (K, B, *, O) per call for the K cotangents v (K, B, *out) of ``out``, one reverse pass."""
-    probes = [c.probe for c in calls]
-    if v.shape[0] == 1:
-        return [g.unsqueeze(0) for g in torch.autograd.grad(out, probes, v[0], retain_graph=True)]
-    return list(torch.autograd.grad(out, probes, v, retain_graph=True, is_grads_batched=True))
+def _complete(model: nn.Module, x: Tensor, cov: probes.Coverage, named: Named) -> bool:
+    params = [p for _, p in named]
+    with torch.enable_grad():
+        rec = probes.record(model, x, cov)
+        v = torch.randn_like(rec.output)
+        full = torch.autograd.grad(rec.output, params, v, retain_graph=True, allow_unused=True)
+        try:
+            sums = {name: block.sum((0, 1)) for name, block in blocks(rec, cov, rec.pullback(v[None])).items()}
+        except NotCovered:
+            return False
+    for (name, p), ref in zip(named, full):
+        ref = torch.zeros_like(p) if ref is None else ref
+        tol = 1e-4 if p.dtype == torch.float32 else 1e-8
+        got = sums.get(name)
+        if got is None or not torch.allclose(got, ref, rtol=tol, atol=tol * (1 + float(ref.abs().max()))):
+            return False
+    return True
 
 
-def weight_grads(call: Layer, g: Tensor) -> Tensor:
-    """Per-sample, per-cotangent weight gradients (K, B, O, I) from G (K, B, *, O)."""
-    a = call.inputs
-    if a.dim() == 2:
-        return g.unsqueeze(-1) * a[None, :, None, :]
-    return torch.einsum("kb...o,b...i->kboi", g, a)
+def _names(cov: probes.Coverage) -> dict[tuple[int, str], str]:
+    return {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
 
 
-def bias_grads(g: Tensor) -> Tensor:
-    """Per-sample, per-cotangent bias gradients (K, B, O)."""
-    return g if g.dim() == 3 else g.flatten(2, -2).sum(2)
+def blocks(rec: probes.Recording, cov: probes.Coverage, gs: Sequence[Tensor]) -> dict[str, Tensor]:
+    """{name: (B, K, *param.shape)}, summed over the calls of each module (raises NotCovered)."""
+    names, out = _names(cov), {}
+    for call, g in zip(rec.calls, gs):
+        if call.stale:
+            raise NotCovered("a module input was modified in place after the call")
+        for attr, block in call.rule.per_sample(call.module, call.inputs, g).items():
+            name = names.get((id(call.module), attr))
+            if name is not None:
+                out[name] = out[name] + block if name in out else block
+    return out
 
 
-def complete(model: nn.Module, key: tuple, x: Tensor, modules: Sequence[nn.Linear],
-             params: Sequence[Tensor]) -> bool:
-    """Whether the Linear layers account for every selected parameter's gradient (cached)."""
-    hit = _VERDICTS.get(model, key)
-    if hit is not None:
-        return bool(hit)
-    with torch.enable_grad(), recorded(modules) as calls:
-        leaves = [p.detach().requires_grad_(True) for p in params]
-        out = _call_with(model, params, leaves, x)
-        v = torch.randn_like(out)
-        seen = {id(c.module) for c in calls}
-        ok = len(seen) == len(calls) and len(seen) == len(modules)
-        if ok:
-            full = torch.autograd.grad(out, leaves, v, retain_graph=True, allow_unused=True)
-            gs = cotangents(out, calls, v.unsqueeze(0))
-            mine = {}
-            for c, g in zip(calls, gs):
-                mine[id(c.module.weight)] = weight_grads(c, g).sum((0, 1))
-                if c.module.bias is not None:
-                    mine[id(c.module.bias)] = bias_grads(g).sum((0, 1))
-            for p, ref in zip(params, full):
-                got = mine.get(id(p))
-                ref = torch.zeros_like(p) if ref is None else ref
-                tol = 1e-4 if p.dtype == torch.float32 else 1e-8
-                if got is None or not torch.allclose(got, ref, rtol=tol, atol=tol * (1 + float(ref.abs().max()))):
-                    ok = False
-                    break
-    _VERDICTS.put(model, key, ok)
-    return ok
+def _once(rec: probes.Recording) -> bool:
+    return len({id(c.module) for c in rec.calls}) == len(rec.calls) and not any(c.stale for c in rec.calls)
 
 
-def _call_with(model: nn.Module, params: Sequence[Tensor], leaves: Sequence[Tensor], x: Tensor) -> Tensor:
-    """model(x) with ``params`` replaced by ``leaves`` (hooks stay active, unlike under vmap)."""
-    named = {n: p for n, p in model.named_parameters()}
-    by_id = {id(p): leaf for p, leaf in zip(params, leaves)}
-    swap = {n: by_id[id(p)] for n, p in named.items() if id(p) in by_id}
-    return torch.func.functional_call(model, swap, (x,))
+def sq_sum(rec: probes.Recording, cov: probes.Coverage, gs: Sequence[Tensor],
+           signs: Optional[Tensor]) -> dict[str, Tensor]:
+    """{name: param.shape}: sum over samples b and cotangents k of s_bk * J[b, k]^2."""
+    names, out = _names(cov), {}
+    if _once(rec):
+        for call, g in zip(rec.calls, gs):
+            if has(call.rule, "sq_sum"):
+                for attr, value in call.rule.sq_sum(call.module, call.inputs, g, signs).items():  # type: ignore[attr-defined]
+                    if (id(call.module), attr) in names:
+                        out[names[(id(call.module), attr)]] = value
+    rest = [i for i, c in enumerate(rec.calls) if not (_once(rec) and has(c.rule, "sq_sum"))]
+    if rest:
+        sub = probes.Recording(rec.output, [rec.calls[i] for i in rest])
+        for name, block in blocks(sub, cov, [gs[i] for i in rest]).items():
+            w = block * block
+            if signs is not None:
+                w = w * signs.reshape(*signs.shape, *([1] * (w.dim() - 2)))
+            out[name] = w.sum((0, 1))
+    return out
+
+
+def gram(first: tuple[probes.Recording, Sequence[Tensor]], second: tuple[probes.Recording, Sequence[Tensor]],
+         cov: probes.Coverage, trace: bool) -> Tensor:
+    """sum over parameters of J1[b1, k1] . J2[b2, k2]: (B1, B2, K1, K2), or (B1, B2) summed over k1 = k2."""
+    (rec1, gs1), (rec2, gs2) = first, second
+    names = _names(cov)
+    total: Optional[Tensor] = None
+    fast = _once(rec1) and _once(rec2)
+    by_module = {id(c.module): (c, g) for c, g in zip(rec2.calls, gs2)}
+    for c1, g1 in zip(rec1.calls, gs1):
+        if fast and has(c1.rule, "gram"):
+            c2, g2 = by_module[id(c1.module)]
+            attrs = [a for a in c1.rule.attrs if (id(c1.module), a) in names]
+            part = c1.rule.gram(c1.module, c1.inputs, g1, c2.inputs, g2, attrs, trace)  # type: ignore[attr-defined]
+            total = part if total is None else total + part
+    if not fast or any(not has(c.rule, "gram") for c in rec1.calls):
+        keep = [i for i, c in enumerate(rec1.calls) if not (fast and has(c.rule, "gram"))]
+        b1 = blocks(probes.Recording(rec1.output, [rec1.calls[i] for i in keep]), cov, [gs1[i] for i in keep])
+        b2 = blocks(probes.Recording(rec2.output, [rec2.calls[i] for i in keep]), cov, [gs2[i] for i in keep])
+        for name, r1 in b1.items():
+            r1, r2 = r1.flatten(2), b2[name].flatten(2)
+            part = torch.einsum("bkp,ckp->bc" if trace else "bkp,czp->bckz", r1, r2)
+            total = part if total is None else total + part
+    assert total is not None
+    return total

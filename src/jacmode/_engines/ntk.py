@@ -9,7 +9,7 @@ K[b1, b2, y1, y2] = J(x1)[b1, y1, :] . J(x2)[b2, y2, :], a sum over the P parame
   jvp over the whole second batch, giving a column block K[b1, :, y1, :] without forming J(x2).
   Costs one Jacobian and B1*Y jvps over B2 samples; wins when a forward pass costs little next to
   Y*P (wide outputs) and loses with weight sharing (convolutions: forward flops >> P).
-* structured: per layer (covered Linear layers, see ``_engines/layerio.py``). With the layer's
+* structured: per layer (probed layers, see ``_engines/layerio.py``). For a Linear layer with
   inputs A (B, I) and output cotangents G (Y, B, O) of both batches, the weight block is
   (G1 G2^T) * (A1 A2^T) elementwise and the bias block G1 G2^T: never a P-sized row, about
   B1*B2*(Y^2*O + I) multiply-adds per layer after one reverse pass of Y cotangents per batch.
@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, jvp, vmap
 
-from . import layerio
+from . import layerio, probes
 
 
 def _jacobians(model: nn.Module, x: Tensor, names: Sequence[str], chunk: int,
@@ -80,35 +80,17 @@ def products(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], par
     return result
 
 
-def _layer_io(model: nn.Module, modules: Sequence[nn.Linear], x: Tensor,
-              n_out: int) -> list[tuple[layerio.Layer, Tensor]]:
-    with torch.enable_grad(), layerio.recorded(modules) as calls:
-        out = model(x)
-        eye = torch.eye(n_out, dtype=out.dtype, device=out.device)
-        v = eye.unsqueeze(1).expand(n_out, x.shape[0], n_out).reshape(n_out, *out.shape)
-        gs = layerio.cotangents(out, calls, v)
-    return list(zip(calls, gs))
+def _recorded(model: nn.Module, cov: probes.Coverage, x: Tensor, n_out: int) -> tuple[probes.Recording, list[Tensor]]:
+    with torch.enable_grad():
+        rec = probes.record(model, x, cov)
+        eye = torch.eye(n_out, dtype=rec.output.dtype, device=rec.output.device)
+        v = eye.unsqueeze(1).expand(n_out, x.shape[0], n_out).reshape(n_out, *rec.output.shape)
+        return rec, rec.pullback(v)
 
 
-def structured(model: nn.Module, modules: Sequence[nn.Linear], x1: Tensor, x2: Optional[Tensor],
-               params: Sequence[Tensor], n_out: int, trace: bool) -> Tensor:
-    """K per covered Linear layer from its inputs and output cotangents (see the note)."""
-    first = _layer_io(model, modules, x1, n_out)
-    second = first if x2 is None else _layer_io(model, modules, x2, n_out)
-    b2 = x1.shape[0] if x2 is None else x2.shape[0]
-    result = _empty(x1, b2, n_out, trace)
-    wanted = {id(p) for p in params}
-    for (c1, g1), (c2, g2) in zip(first, second):
-        m = c1.module
-        w, b = id(m.weight) in wanted, m.bias is not None and id(m.bias) in wanted
-        if c1.inputs.dim() == 2:
-            scale = (c1.inputs @ c2.inputs.t() if w else 0) + (1 if b else 0)
-            gram = torch.einsum("ybo,yco->bc" if trace else "ybo,zco->bcyz", g1, g2)
-            result += gram * (scale if trace or not w else scale[:, :, None, None])
-            continue
-        for on, rows1, rows2 in ((w, layerio.weight_grads(c1, g1), layerio.weight_grads(c2, g2)),
-                                 (b, layerio.bias_grads(g1), layerio.bias_grads(g2))):
-            if on:
-                r1, r2 = rows1.flatten(2), rows2.flatten(2)
-                result += torch.einsum("ybp,ycp->bc" if trace else "ybp,zcp->bcyz", r1, r2)
-    return result
+def structured(model: nn.Module, cov: probes.Coverage, x1: Tensor, x2: Optional[Tensor], n_out: int,
+               trace: bool) -> Tensor:
+    """K per covered layer from its inputs and output cotangents (see the note; raises NotCovered)."""
+    first = _recorded(model, cov, x1, n_out)
+    second = first if x2 is None else _recorded(model, cov, x2, n_out)
+    return layerio.gram(first, second, cov, trace)

@@ -23,54 +23,43 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
-from . import layerio
+from .._rules.base import NotCovered
+from . import layerio, probes
 
 Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
 
 
-def covered(model: nn.Module, x: Tensor, params: Sequence[Tensor]) -> Optional[list[nn.Linear]]:
-    """The Linear layers that give every selected parameter per layer, or None (generic engine)."""
-    if not x.is_floating_point():
-        return None
-    modules = layerio.owners(model, params)
-    if modules is None:
-        return None
-    flags = tuple(m.training for m in model.modules())
-    key = (tuple(x.shape[1:]), x.dtype, str(x.device), tuple(id(p) for p in params), flags)
-    return modules if layerio.complete(model, key, x[:2], modules, params) else None
-
-
-def _offsets(params: Sequence[Tensor]) -> dict[int, tuple[int, int]]:
+def _offsets(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
     offsets, start = {}, 0
-    for p in params:
-        offsets[id(p)] = (start, p.numel())
+    for name, p in named:
+        offsets[name] = (start, p.numel())
         start += p.numel()
     return offsets
 
 
-def per_sample_grads_layers(model: nn.Module, modules: Sequence[nn.Linear], x: Tensor,
-                            losses: Callable[[Tensor], Tensor], params: Sequence[Tensor]) -> Tensor:
-    """(B, P) per-sample gradients from one forward and one reverse pass (covered layers)."""
-    with torch.enable_grad(), layerio.recorded(modules) as calls:
-        out = model(x)
-        loss = losses(out)
-        g_out = torch.autograd.grad(loss.sum(), out, retain_graph=True)[0]
-        gs = layerio.cotangents(out, calls, g_out.unsqueeze(0))
-    offsets = _offsets(params)
-    batch = x.shape[0]
-    result = x.new_empty(batch, sum(p.numel() for p in params))
-    for c, g in zip(calls, gs):
-        m = c.module
-        if id(m.weight) in offsets:
-            lo, n = offsets[id(m.weight)]
-            target = result[:, lo:lo + n].view(batch, *m.weight.shape)
-            if c.inputs.dim() == 2:
-                torch.mul(g[0].unsqueeze(-1), c.inputs.unsqueeze(1), out=target)
-            else:
-                target.copy_(layerio.weight_grads(c, g)[0])
-        if m.bias is not None and id(m.bias) in offsets:
-            lo, n = offsets[id(m.bias)]
-            result[:, lo:lo + n].copy_(layerio.bias_grads(g)[0])
+def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
+                            losses: Callable[[Tensor], Tensor], named: Sequence[tuple[str, Tensor]]) -> Tensor:
+    """(B, P) per-sample gradients from one probed forward and one reverse pass (raises NotCovered)."""
+    with torch.enable_grad():
+        rec = probes.record(model, x, cov)
+        loss = losses(rec.output)
+        g_out = torch.autograd.grad(loss.sum(), rec.output, retain_graph=True)[0]
+        gs = rec.pullback(g_out.unsqueeze(0))
+    if any(c.stale for c in rec.calls):
+        raise NotCovered("a module input was modified in place after the call")
+    offsets, batch = _offsets(named), x.shape[0]
+    result = x.new_empty(batch, sum(p.numel() for _, p in named))
+    views = {name: result[:, lo:lo + n].view(batch, 1, *p.shape) for (name, p), (lo, n) in zip(named, offsets.values())}
+    names = {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
+    written: set[str] = set()
+    for call, g in zip(rec.calls, gs):
+        for attr in call.rule.attrs:
+            name = names.get((id(call.module), attr))
+            if name is not None:
+                call.rule.write(call.module, call.inputs, g, {attr: views[name]}, name in written)
+                written.add(name)
+    for name in set(views) - written:  # a covered module that this input never reached
+        views[name].zero_()
     return result
 
 
@@ -92,51 +81,30 @@ def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], l
     return torch.cat(rows) if rows else x.new_zeros(0, sum(p.numel() for p in params))
 
 
-def ggn_diagonal_layers(model: nn.Module, modules: Sequence[nn.Linear], x: Tensor,
-                        factor: Callable[[Tensor], Factor], params: Sequence[Tensor]) -> Tensor:
-    """(P,) GGN diagonal from one forward pass and one reverse pass of K cotangents."""
-    with torch.enable_grad(), layerio.recorded(modules) as calls:
-        out = model(x)
-        lf, signs = factor(out.detach())
-        v = lf.permute(2, 0, 1).reshape(lf.shape[2], *out.shape)  # (K, B, *out)
-        gs = layerio.cotangents(out, calls, v)
-    offsets = _offsets(params)
-    result = x.new_zeros(sum(p.numel() for p in params))
-    for c, g in zip(calls, gs):
-        m = c.module
-        g2 = g * g
-        if signs is not None:
-            g2 = g2 * signs.t().reshape(*signs.t().shape, *([1] * (g.dim() - 2)))
-        if id(m.weight) in offsets:
-            lo, n = offsets[id(m.weight)]
-            if c.inputs.dim() == 2:
-                block = g2.sum(0).t() @ (c.inputs * c.inputs)
-            else:
-                w = layerio.weight_grads(c, g)
-                block = (w * w * (1 if signs is None else signs.t()[:, :, None, None])).sum((0, 1))
-            result[lo:lo + n] += block.reshape(-1)
-        if m.bias is not None and id(m.bias) in offsets:
-            lo, n = offsets[id(m.bias)]
-            bg = layerio.bias_grads(g)
-            b2 = bg * bg * (1 if signs is None else signs.t()[:, :, None])
-            result[lo:lo + n] += b2.sum((0, 1))
-    return result
+def ggn_diagonal_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
+                        factor: Callable[[Tensor], Factor], named: Sequence[tuple[str, Tensor]]) -> Tensor:
+    """(P,) GGN diagonal from one probed forward pass and one reverse pass of K cotangents."""
+    with torch.enable_grad():
+        rec = probes.record(model, x, cov)
+        lf, signs = factor(rec.output.detach())
+        v = lf.permute(2, 0, 1).reshape(lf.shape[2], *rec.output.shape)  # (K, B, *out)
+        gs = rec.pullback(v)
+    sums = layerio.sq_sum(rec, cov, gs, signs)
+    return torch.cat([sums[n].reshape(-1) if n in sums else p.new_zeros(p.numel()) for n, p in named])
 
 
-def ggn_generic(model: nn.Module, x: Tensor, factor: Callable[[Tensor], Factor], names: Sequence[str],
+def ggn_generic(model: nn.Module, x: Tensor, factor: Factor, names: Sequence[str],
                 n_params: int, diagonal: bool, chunk: int, max_memory: Any) -> Tensor:
     """(P,) diagonal or (P, P) GGN from Jacobian chunks of ``chunk`` samples (any model)."""
     from .._jacobian import jacobian
 
+    lf, signs = factor
     result = x.new_zeros(n_params) if diagonal else x.new_zeros(n_params, n_params)
     for b0 in range(0, x.shape[0], chunk):
-        xb = x[b0:b0 + chunk]
-        jac = jacobian(model, xb, wrt=list(names), max_memory=max_memory)
+        jac = jacobian(model, x[b0:b0 + chunk], wrt=list(names), max_memory=max_memory)
         assert isinstance(jac, Tensor)
-        with torch.no_grad():
-            lf, signs = factor(model(xb))
-        jl = torch.einsum("byp,byk->bkp", jac, lf)  # (b, K, P): rows J_b^T l_bk
-        weighted = jl if signs is None else jl * signs[:, :, None]
+        jl = torch.einsum("byp,byk->bkp", jac, lf[b0:b0 + chunk])  # (b, K, P): rows J_b^T l_bk
+        weighted = jl if signs is None else jl * signs[b0:b0 + chunk, :, None]
         if diagonal:
             result += (weighted * jl).sum((0, 1))
         else:

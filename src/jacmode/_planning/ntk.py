@@ -10,7 +10,8 @@ per-sample reverse passes that form B Jacobian rows and write them,
     products    = c0 + c1 * J(B1)           + c2 * B1 * Y * B2 * F
     structured  = c0 + c1 * (B1 + B2) * Y * F + c2 * B1 * B2 * (Y^2 * sum_l (O_l + 1) + sum_l I_l)
 
-(structured: per covered Linear layer l with I_l inputs and O_l outputs). Unlike neural-tangents,
+(structured: per covered Linear layer l with I_l inputs and O_l outputs; Y^2 * P_l for other
+covered layers, whose Gram blocks come from per-sample blocks). Unlike neural-tangents,
 which counts flops only, each method has its own seconds per unit (c0, c1, c2), fitted by
 ``python -m jacmode.tools.calibrate_ntk --write`` to timings on a grid of shapes (wide P, wide Y,
 deep, convolutional), since a vectorised jvp, a matrix product and a per-sample vjp run at very
@@ -20,7 +21,7 @@ different rates. The grid, the fit and the regret of the choice are in docs/prod
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional
 
 from torch import nn
 
@@ -42,7 +43,7 @@ class Sizes:
     y: int
     p: int
     flops: float  # forward flops per sample
-    layers: Optional[Sequence[tuple[int, int]]] = None  # covered Linear layers (I, O), None: not covered
+    pair: Optional[float] = None  # structured work per pair of samples (see pair_work); None: cannot run
 
 
 def features(method: str, s: Sizes) -> tuple[float, float, float]:
@@ -52,9 +53,7 @@ def features(method: str, s: Sizes) -> tuple[float, float, float]:
         return (1.0, jac(s.b1) + jac(s.b2), float(s.b1 * s.b2 * s.y * s.y * s.p))
     if method == "products":
         return (1.0, jac(s.b1), float(s.b1 * s.y * s.b2) * max(s.flops, 1.0))
-    layers = s.layers or []
-    per_pair = s.y * s.y * sum(o + 1 for _, o in layers) + sum(i for i, _ in layers)
-    return (1.0, (s.b1 + s.b2) * s.y * max(s.flops, 1.0), float(s.b1 * s.b2 * per_pair))
+    return (1.0, (s.b1 + s.b2) * s.y * max(s.flops, 1.0), float(s.b1 * s.b2 * (s.pair or 0.0)))
 
 
 def estimate(method: str, s: Sizes) -> float:
@@ -86,16 +85,23 @@ class NtkPlan:
 
 def choose(s: Sizes, method: str, sample_chunk: int) -> NtkPlan:
     """The plan for ``method`` ("auto" picks the cheapest estimate among those that can run)."""
-    runnable = [m for m in METHODS if m != "structured" or s.layers is not None]
+    runnable = [m for m in METHODS if m != "structured" or s.pair is not None]
     costs = {m: estimate(m, s) for m in runnable}
     sizes = f"B1={s.b1}, B2={s.b2}, Y={s.y}, P={s.p}, forward {s.flops:.3g} flops/sample"
-    cover = "" if s.layers is not None else "; structured needs every selected parameter in a Linear layer"
+    cover = "" if s.pair is not None else "; structured needs a per-layer rule for every selected parameter"
     if method != "auto":
         return NtkPlan(method, costs, sample_chunk, f"method={method!r} was asked for ({sizes})")
     best = min(costs, key=lambda m: costs[m])
     return NtkPlan(best, costs, sample_chunk, f"lowest estimated time at {sizes}{cover}")
 
 
-def linear_layers(modules: Optional[Sequence[nn.Linear]]) -> Optional[list[tuple[int, int]]]:
-    """(I, O) of the covered Linear layers, or None when the structured method cannot run."""
-    return None if modules is None else [(m.in_features, m.out_features) for m in modules]
+def pair_work(cov: Any, y: int) -> float:
+    """Structured work per pair of samples: Y^2 * (O + 1) + I per Linear layer (closed-form Gram),
+    Y^2 * (its parameters) for other covered layers (Gram of per-sample blocks)."""
+    work = 0.0
+    for module in cov.modules:
+        if type(module) is nn.Linear:
+            work += y * y * (module.out_features + 1) + module.in_features
+        else:
+            work += y * y * sum(p.numel() for p in module.parameters(recurse=False))
+    return work
