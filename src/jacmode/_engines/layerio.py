@@ -71,7 +71,7 @@ def _names(cov: probes.Coverage) -> dict[tuple[int, str], str]:
 
 def blocks(rec: probes.Recording, cov: probes.Coverage, gs: Sequence[Tensor]) -> dict[str, Tensor]:
     """{name: (B, K, *param.shape)}, summed over the calls of each module (raises NotCovered)."""
-    names, out = _names(cov), {}
+    names, out = _names(cov), {}  # type: tuple[dict[tuple[int, str], str], dict[str, Tensor]]
     for call, g in zip(rec.calls, gs):
         if call.stale:
             raise NotCovered("a module input was modified in place after the call")

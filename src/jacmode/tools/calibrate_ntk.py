@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import re
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -25,6 +24,7 @@ from torch import Tensor, nn
 import jacmode as jm
 from jacmode._planning import ntk as model_ntk
 from jacmode.tools.baselines import MLP
+from jacmode.tools.timing import median_ms
 
 
 class Deep(nn.Module):
@@ -84,16 +84,6 @@ GRID: list[Case] = [  # name, model, per-sample input shape, B1, B2
 ]
 
 
-def _median_ms(fn: Callable[[], object], repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
-
-
 def measure(repeat: int = 3) -> list[dict]:
     """Time every runnable method on every grid case; also the sizes the cost model reads."""
     rows = []
@@ -102,7 +92,8 @@ def measure(repeat: int = 3) -> list[dict]:
         model = build()
         x1, x2 = torch.randn(b1, *shape), torch.randn(b2, *shape)
         plan = jm.ntk_plan(model, x1, x2)
-        times = {m: _median_ms(lambda m=m: jm.ntk(model, x1, x2, method=m), repeat) for m in plan.costs}
+        times = {m: median_ms(functools.partial(jm.ntk, model, x1, x2, method=m), budget_s=0.0, min_repeats=repeat)
+                 for m in plan.costs}
         with torch.no_grad():
             n_out = model(x1[:1]).numel()
         sizes = _sizes(model, x1, x2, n_out)
@@ -172,28 +163,33 @@ def _table(rows: list[dict], path: str) -> None:
 
 
 def plot_crossover(path: str) -> None:
-    """Time of each method against the outputs Y of MLP(64, 64, Y), B1 = B2 = 64 (1 thread)."""
+    """Time of each method against Y for MLP(64, 64, Y) and SmallCnn(8, Y), B1 = B2 = 32; auto's pick marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ys = [1, 2, 4, 8, 16, 32, 64]
-    measured: dict[str, list[float]] = {m: [] for m in model_ntk.METHODS}
-    for y in ys:
-        torch.manual_seed(0)
-        model, x = MLP(64, 64, y), torch.randn(64, 64)
-        for m in model_ntk.METHODS:
-            measured[m].append(_median_ms(lambda m=m: jm.ntk(model, x, method=m), 3))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for m, times in measured.items():
-        ax.loglog(ys, times, marker="o", label=m)
-    ax.set_xlabel("outputs per sample Y  (MLP(64, 64, Y), B1 = B2 = 64)")
-    ax.set_ylabel("ms per call (1 thread)")
-    ax.legend()
-    ax.set_title("jm.ntk: the three methods")
+    ys = [1, 2, 4, 8, 16, 32]
+    cases = [("MLP(64, 64, Y)", lambda y: MLP(64, 64, y), (64,)), ("SmallCnn(8, Y)", lambda y: SmallCnn(8, y), (1, 12, 12))]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (title, build, shape) in zip(axes, cases):
+        measured: dict[str, list[float]] = {m: [] for m in model_ntk.METHODS}
+        picks = []
+        for y in ys:
+            torch.manual_seed(0)
+            model, x = build(y), torch.randn(32, *shape)
+            for m in model_ntk.METHODS:
+                measured[m].append(median_ms(functools.partial(jm.ntk, model, x, method=m), budget_s=0.0, min_repeats=3))
+            picks.append(jm.ntk_plan(model, x).method)
+        for m, times in measured.items():
+            ax.loglog(ys, times, marker="o", label=m)
+        ax.loglog(ys, [measured[p][i] for i, p in enumerate(picks)], "kx", markersize=12, label='"auto" picks')
+        ax.set_xlabel(f"outputs per sample Y  ({title}, B1 = B2 = 32)")
+        ax.set_ylabel("ms per call (1 thread)")
+        ax.legend()
+    fig.suptitle("jm.ntk: the three methods and the choice of method='auto'")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main() -> None:
