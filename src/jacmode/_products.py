@@ -23,6 +23,7 @@ from ._engines import ntk as _ntk
 from ._engines import products as _engine
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
+from ._problem import _has_random_layers
 from ._planning.memory import available_bytes
 from ._rules.base import NotCovered
 from ._state import preserved_state
@@ -104,14 +105,21 @@ def per_sample_grads(
     with preserved_state(f), torch.no_grad():
         _out_shape(f, x)
         cov = layerio.usable(f, x, selected)
-        flat = None
+        if cov is not None and cov.uncovered and _has_random_layers(f):
+            cov = None  # two passes would draw two dropout masks
+        cols = _engine.columns(selected)
+        flat = x.new_empty(batch, n_params)
+        rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
-            with contextlib.suppress(NotCovered):
-                flat = _engine.per_sample_grads_layers(f, cov, x, losses, selected)
-        if flat is None:
+            try:
+                _engine.per_sample_grads_layers(f, cov, x, losses, selected, flat)
+            except NotCovered:
+                rest = selected
+        if rest:
             head = f(x[:1])
             _checks.check_losses(loss(head) if y is None else loss(head, y[:1]), 1)
-            flat = _engine.per_sample_grads_generic(f, x, y, loss, names, params, _chunk(opts, 4 * n_params, batch))
+            n_rest = sum(p.numel() for _, p in rest)
+            _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch))
     if flatten:
         return flat
     sizes = [p.numel() for p in params]
@@ -128,6 +136,7 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     if x2 is not None:
         _out_shape(f, x2)
     cov = layerio.usable(f, x1, selected)
+    cov = None if cov is None or cov.uncovered else cov
     if method == "structured" and cov is None:
         why = "; ".join(f"{n}: {r}" for n, r in list(probes.coverage(f, selected).uncovered.items())[:3])
         raise ValueError(
@@ -263,7 +272,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
     """
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory)
     _checks.check_ggn_loss(loss, diagonal)
-    names, params = [n for n, _ in selected], [p for _, p in selected]
+    params = [p for _, p in selected]
     n_params = sum(p.numel() for p in params)
     item = x.new_empty(0, dtype=params[0].dtype).element_size()
     if not diagonal:
@@ -273,8 +282,22 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         n_out = math.prod(_out_shape(f, x))
         factor = _factor(loss, n_out)
         cov = layerio.usable(f, x, selected) if diagonal else None
+        rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
+        result: Optional[Tensor] = None
         if cov is not None:
-            with contextlib.suppress(NotCovered):
-                return _engine.ggn_diagonal_layers(f, cov, x, factor, selected)
-        chunk = _chunk(opts, n_out * n_params * item, x.shape[0])
-        return _engine.ggn_generic(f, x, factor(f(x)), names, n_params, diagonal, chunk, max_memory)
+            try:
+                result = _engine.ggn_diagonal_layers(f, cov, x, factor, selected)
+            except NotCovered:
+                rest = selected
+        if not rest and result is not None:
+            return result
+        n_rest = sum(p.numel() for _, p in rest)
+        chunk = _chunk(opts, n_out * n_rest * item, x.shape[0])
+        part = _engine.ggn_generic(f, x, factor(f(x)), [n for n, _ in rest], n_rest, diagonal, chunk, max_memory)
+        if result is None or len(rest) == len(selected):
+            return part
+        cols = _engine.columns(selected)
+        for (name, _), (lo, n) in zip(rest, _engine.columns(rest).values()):
+            result[cols[name][0]:cols[name][0] + n] = part[lo:lo + n]
+        return result
+

@@ -37,9 +37,17 @@ def _offsets(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
     return offsets
 
 
-def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
-                            losses: Callable[[Tensor], Tensor], named: Sequence[tuple[str, Tensor]]) -> Tensor:
-    """(B, P) per-sample gradients from one probed forward and one reverse pass (raises NotCovered)."""
+def columns(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
+    """name -> (first column, number of columns) in the flat (., P) layout."""
+    return _offsets(named)
+
+
+def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, losses: Callable[[Tensor], Tensor],
+                            named: Sequence[tuple[str, Tensor]], result: Tensor) -> None:
+    """Write the covered columns of the (B, P) ``result``: one probed forward, one reverse pass.
+
+    Raises NotCovered (nothing usable written) when a recorded input went stale.
+    """
     with torch.enable_grad():
         rec = probes.record(model, x, cov)
         loss = losses(rec.output)
@@ -47,38 +55,37 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
         gs = rec.pullback(g_out.unsqueeze(0))
     if any(c.stale for c in rec.calls):
         raise NotCovered("a module input was modified in place after the call")
-    offsets, batch = _offsets(named), x.shape[0]
-    result = x.new_empty(batch, sum(p.numel() for _, p in named))
-    views = {name: result[:, lo:lo + n].view(batch, 1, *p.shape) for (name, p), (lo, n) in zip(named, offsets.values())}
+    batch, cols = x.shape[0], _offsets(named)
+    views = {name: result[:, cols[name][0]:sum(cols[name])].view(batch, 1, *p.shape)
+             for name, p in named if name in cov.covered}
     names = {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
     written: set[str] = set()
     for call, g in zip(rec.calls, gs):
         for attr in call.rule.attrs:
             name = names.get((id(call.module), attr))
-            if name is not None:
+            if name in views:
                 call.rule.write(call.module, call.inputs, g, {attr: views[name]}, name in written)
                 written.add(name)
     for name in set(views) - written:  # a covered module that this input never reached
         views[name].zero_()
-    return result
 
 
 def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., Tensor],
-                             names: Sequence[str], params: Sequence[Tensor], chunk: int) -> Tensor:
-    """(B, P) per-sample gradients by ``vmap(grad)`` of the per-sample loss, ``chunk`` samples a pass."""
+                             named: Sequence[tuple[str, Tensor]], columns: dict[str, tuple[int, int]],
+                             result: Tensor, chunk: int) -> None:
+    """Write the columns of ``named`` in the (B, P) ``result`` by ``vmap(grad)`` of the per-sample loss."""
     def one(p: dict[str, Tensor], xb: Tensor, yb: Optional[Tensor]) -> Tensor:
         out = functional_call(model, p, (xb.unsqueeze(0),))
         value = loss(out) if yb is None else loss(out, yb.unsqueeze(0))
         return value.reshape(())
 
-    primal = {n: p.detach() for n, p in zip(names, params)}
+    primal = {n: p.detach() for n, p in named}
     step = vmap(grad(one), in_dims=(None, 0, None if y is None else 0), randomness="different")
-    rows = []
     for b0 in range(0, x.shape[0], chunk):
-        yb = None if y is None else y[b0:b0 + chunk]
-        g = step(primal, x[b0:b0 + chunk], yb)
-        rows.append(torch.cat([g[n].reshape(g[n].shape[0], -1) for n in names], dim=1))
-    return torch.cat(rows) if rows else x.new_zeros(0, sum(p.numel() for p in params))
+        g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
+        for n in primal:
+            lo, size = columns[n]
+            result[b0:b0 + chunk, lo:lo + size] = g[n].reshape(g[n].shape[0], size)
 
 
 def ggn_diagonal_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,

@@ -82,7 +82,9 @@ class LinearRule(Rule):
             return sum(torch.einsum(spec, r1[n].flatten(2), r2[n].flatten(2)) for n in attrs)  # type: ignore[return-value]
         scale = (a1[:, 0] @ a2[:, 0].t() if "weight" in attrs else 0) + (1 if "bias" in attrs else 0)
         gg = torch.einsum("kbo,kco->bc" if trace else "kbo,zco->bckz", g1[:, :, 0], g2[:, :, 0])
-        return gg * (scale if trace or not isinstance(scale, Tensor) else scale[:, :, None, None])
+        if not isinstance(scale, Tensor):  # the bias alone
+            return gg
+        return gg.mul_(scale if trace else scale[:, :, None, None])
 
 
 RULES: dict[type, Rule] = {nn.Linear: LinearRule()}

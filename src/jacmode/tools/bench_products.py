@@ -109,13 +109,22 @@ def time_target(target: str, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _high_water() -> int:
+    """Peak resident bytes of this process: VmHWM (ru_maxrss survives exec from a larger parent)."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def peak_bytes(target: str, method: str) -> int:
     """Peak resident memory of one call above the set-up (after a warm-up call on 2 samples)."""
     model, x, y = problem(SIZES[target])
     METHODS[target][method](model, x[:2], y[:2])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _high_water()
     METHODS[target][method](model, x, y)
-    return 1024 * (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+    return _high_water() - before
 
 
 def main() -> None:
