@@ -329,3 +329,15 @@ def test_ntk_cost_fit_recovers_constants_and_regret() -> None:
         cost.NTK_COST.update(saved)
     plan = cost.choose(rows[0]["sizes"], "products", 4)
     assert plan.method == "products" and "asked for" in plan.reason
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu() -> None:
+    model, x = make("cnn", batch=6)
+    loss = lambda out: (out**2).sum(1)  # noqa: E731
+    gpu = make("cnn", batch=6)[0].cuda()
+    torch.testing.assert_close(jm.per_sample_grads(gpu, x.cuda(), loss).cpu(), jm.per_sample_grads(model, x, loss))
+    for method in ("contraction", "products", "structured"):
+        torch.testing.assert_close(jm.ntk(gpu, x.cuda(), method=method).cpu(), jm.ntk(model, x, method=method))
+    torch.testing.assert_close(jm.ggn(gpu, x.cuda(), "cross_entropy", diagonal=True).cpu(),
+                               jm.ggn(model, x, "cross_entropy", diagonal=True))

@@ -221,22 +221,6 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, True, max_memory)
 
 
-def _factor(loss: Any, n_out: int) -> Callable[[Tensor], _engine.Factor]:
-    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T."""
-    def factor(out: Tensor) -> _engine.Factor:
-        flat = out.reshape(out.shape[0], n_out)
-        if loss == "mse":
-            return torch.eye(n_out, dtype=out.dtype, device=out.device).expand(out.shape[0], n_out, n_out), None
-        if loss == "cross_entropy":  # H = diag(p) - p p^T = L L^T, L = diag(sqrt p) - p sqrt(p)^T
-            p = torch.softmax(flat, dim=1)
-            s = p.sqrt()
-            return torch.diag_embed(s) - p[:, :, None] * s[:, None, :], None
-        h = _checks.check_hessians(loss(out), out.shape[0], n_out)
-        values, vectors = torch.linalg.eigh(0.5 * (h + h.transpose(1, 2)))
-        return vectors * values.abs().sqrt()[:, None, :], torch.sign(values)
-    return factor
-
-
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
         diagonal: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None) -> Tensor:
     """The generalised Gauss-Newton matrix sum_b J_b^T H_b J_b, or its diagonal.
@@ -280,7 +264,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
                            "Pass diagonal=True for the diagonal (P,), select fewer parameters with wrt=[...], or raise max_memory.")
     with preserved_state(f), torch.no_grad():
         n_out = math.prod(_out_shape(f, x))
-        factor = _factor(loss, n_out)
+        factor = _engine.factor_for(loss, n_out)
         cov = layerio.usable(f, x, selected) if diagonal else None
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         result: Optional[Tensor] = None

@@ -23,10 +23,27 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from .._checks import check_hessians
 from .._rules.base import NotCovered
 from . import layerio, probes
 
 Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
+
+
+def factor_for(loss: Any, n_out: int) -> Callable[[Tensor], Factor]:
+    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T."""
+    def factor(out: Tensor) -> Factor:
+        flat = out.reshape(out.shape[0], n_out)
+        if loss == "mse":
+            return torch.eye(n_out, dtype=out.dtype, device=out.device).expand(out.shape[0], n_out, n_out), None
+        if loss == "cross_entropy":  # H = diag(p) - p p^T = L L^T, L = diag(sqrt p) - p sqrt(p)^T
+            p = torch.softmax(flat, dim=1)
+            s = p.sqrt()
+            return torch.diag_embed(s) - p[:, :, None] * s[:, None, :], None
+        h = check_hessians(loss(out), out.shape[0], n_out)
+        values, vectors = torch.linalg.eigh(0.5 * (h + h.transpose(1, 2)))
+        return vectors * values.abs().sqrt()[:, None, :], torch.sign(values)
+    return factor
 
 
 def _offsets(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
