@@ -341,3 +341,10 @@ def test_cuda_matches_cpu() -> None:
         torch.testing.assert_close(jm.ntk(gpu, x.cuda(), method=method).cpu(), jm.ntk(model, x, method=method))
     torch.testing.assert_close(jm.ggn(gpu, x.cuda(), "cross_entropy", diagonal=True).cpu(),
                                jm.ggn(model, x, "cross_entropy", diagonal=True))
+
+
+def test_ntk_contraction_within_a_small_budget_recomputes_blocks() -> None:
+    model, x1 = make("residual", batch=5)
+    x2 = torch.randn(3, 4, dtype=x1.dtype)
+    got = jm.ntk(model, x1, x2, method="contraction", max_memory="6KB", chunk_size=2)  # J(x2) > budget / 2
+    torch.testing.assert_close(got, ref_ntk(model, x1, x2))

@@ -49,10 +49,10 @@ def _budget(opts: Options, device: torch.device) -> int:
     return opts.max_memory if opts.max_memory is not None else available_bytes(device) // 2
 
 
-def _chunk(opts: Options, per_sample_bytes: int, batch: int) -> int:
+def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.device = torch.device("cpu")) -> int:
     if opts.chunk_size is not None:
         return opts.chunk_size
-    return max(1, min(batch, _budget(opts, torch.device("cpu")) // max(1, 4 * per_sample_bytes)))
+    return max(1, min(batch, _budget(opts, device) // max(1, 4 * per_sample_bytes)))
 
 
 def per_sample_grads(
@@ -119,7 +119,7 @@ def per_sample_grads(
             head = f(x[:1])
             _checks.check_losses(loss(head) if y is None else loss(head, y[:1]), 1)
             n_rest = sum(p.numel() for _, p in rest)
-            _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch))
+            _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch, x.device))
     if flatten:
         return flat
     sizes = [p.numel() for p in params]
@@ -153,7 +153,7 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
     _checks.check_fits(result, _budget(opts, x1.device), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
                        "Pass trace=True, smaller batches, or a larger max_memory.")
-    chunk = _chunk(opts, n_out * n_params * item, max(x1.shape[0], b2))
+    chunk = _chunk(opts, n_out * n_params * item, max(x1.shape[0], b2), x1.device)
     return opts, selected, n_out, cov, _ntk_plan.choose(sizes, method, chunk)
 
 
@@ -218,7 +218,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         second = x1 if x2 is None else x2
         if plan.method == "products":
             return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
-        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, True, max_memory)
+        keep = second.shape[0] * n_out * sum(p.numel() for p in params) * 4 <= _budget(opts, x1.device) // 2
+        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, keep, max_memory)
 
 
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
@@ -276,7 +277,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         if not rest and result is not None:
             return result
         n_rest = sum(p.numel() for _, p in rest)
-        chunk = _chunk(opts, n_out * n_rest * item, x.shape[0])
+        chunk = _chunk(opts, n_out * n_rest * item, x.shape[0], x.device)
         part = _engine.ggn_generic(f, x, factor(f(x)), [n for n, _ in rest], n_rest, diagonal, chunk, max_memory)
         if result is None or len(rest) == len(selected):
             return part
