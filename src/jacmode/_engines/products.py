@@ -5,14 +5,16 @@ Per-sample gradients are J_b^T g_b with g_b = d loss_b / d f(x_b): for covered l
 ``_engines/layerio.py``) one forward pass and one reverse pass of sum_b loss_b give each layer's
 cotangent G (B, O) (samples are independent, so row b only depends on loss_b), and the weight
 gradient of sample b is G_b (x) a_b, written straight into its slice of the (B, P) result
-(Opacus's method). Otherwise ``vmap(grad)`` of the per-sample loss over ``functional_call``.
+(Opacus's method). The parameters no rule covers get ``vmap(grad)`` of the per-sample loss over
+``functional_call`` (their columns only; all of them when dropout is on, so that one mask is drawn).
 
 The GGN is sum_b J_b^T H_b J_b with H_b = L_b S_b L_b^T (a factor with K columns and signs S = +-1:
 the identity for MSE, diag(sqrt p) - p sqrt(p)^T for softmax cross-entropy, an eigendecomposition
 for a callable). Its diagonal is sum_{b,k} s_bk (J_b^T l_bk)^2; for a Linear layer that is
 (sum_k s G_k^2)^T (a^2) per weight, O(B*K*(I+O)) work and O(P) memory beyond one reverse pass of K
 cotangents. The generic route forms J (B_chunk, Y, P) with :func:`jacmode.jacobian`, chunk by chunk,
-multiplies by L and accumulates squares (diagonal) or (JL)^T S (JL) (full matrix).
+multiplies by L and accumulates squares (diagonal) or (JL)^T S (JL) (full matrix); for the diagonal
+it only runs for the parameters the probes do not cover.
 """
 
 from __future__ import annotations
@@ -46,17 +48,13 @@ def factor_for(loss: Any, n_out: int) -> Callable[[Tensor], Factor]:
     return factor
 
 
-def _offsets(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
+def columns(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
+    """name -> (first column, number of columns) in the flat (., P) layout."""
     offsets, start = {}, 0
     for name, p in named:
         offsets[name] = (start, p.numel())
         start += p.numel()
     return offsets
-
-
-def columns(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
-    """name -> (first column, number of columns) in the flat (., P) layout."""
-    return _offsets(named)
 
 
 def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, losses: Callable[[Tensor], Tensor],
@@ -72,7 +70,7 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, l
         gs = rec.pullback(g_out.unsqueeze(0))
     if any(c.stale for c in rec.calls):
         raise NotCovered("a module input was modified in place after the call")
-    batch, cols = x.shape[0], _offsets(named)
+    batch, cols = x.shape[0], columns(named)
     views = {name: result[:, cols[name][0]:sum(cols[name])].view(batch, 1, *p.shape)
              for name, p in named if name in cov.covered}
     names = {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
@@ -88,7 +86,7 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, l
 
 
 def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., Tensor],
-                             named: Sequence[tuple[str, Tensor]], columns: dict[str, tuple[int, int]],
+                             named: Sequence[tuple[str, Tensor]], cols: dict[str, tuple[int, int]],
                              result: Tensor, chunk: int) -> None:
     """Write the columns of ``named`` in the (B, P) ``result`` by ``vmap(grad)`` of the per-sample loss."""
     def one(p: dict[str, Tensor], xb: Tensor, yb: Optional[Tensor]) -> Tensor:
@@ -101,7 +99,7 @@ def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], l
     for b0 in range(0, x.shape[0], chunk):
         g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
         for n in primal:
-            lo, size = columns[n]
+            lo, size = cols[n]
             result[b0:b0 + chunk, lo:lo + size] = g[n].reshape(g[n].shape[0], size)
 
 
