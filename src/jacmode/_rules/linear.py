@@ -65,8 +65,12 @@ class LinearRule(Rule):
         if signs is not None:
             g2 = g2 * signs.t()[:, :, None]
         out: Blocks = {}
-        if module.weight is not None:
-            out["weight"] = g2.sum(0).t() @ (a[:, 0] ** 2)
+        if module.weight is not None:  # a^2 a few hundred samples at a time: memory O(P), not O(B*I)
+            w, a0 = g2.sum(0), a[:, 0]
+            acc = w.new_zeros(module.weight.shape)
+            for b in range(0, a0.shape[0], 256):
+                acc.addmm_(w[b:b + 256].t(), a0[b:b + 256].square())
+            out["weight"] = acc
         if module.bias is not None:
             out["bias"] = g2.sum((0, 1))
         return out
