@@ -67,7 +67,7 @@ class LinearRule(Rule):
         out: Blocks = {}
         if module.weight is not None:  # a^2 a few hundred samples at a time: memory O(P), not O(B*I)
             w, a0 = g2.sum(0), a[:, 0]
-            acc = w.new_zeros(module.weight.shape)
+            acc = w.new_zeros(w.shape[1], a0.shape[1])
             for b in range(0, a0.shape[0], 256):
                 acc.addmm_(w[b:b + 256].t(), a0[b:b + 256].square())
             out["weight"] = acc
