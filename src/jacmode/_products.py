@@ -9,6 +9,7 @@ Each validates, checks that samples are independent (``_coupling``), keeps the m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any, Callable, Optional, Union
 
@@ -156,8 +157,12 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
     _checks.check_fits(result, _budget(opts, x1.device, result=True), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
                        "Pass trace=True, smaller batches, or a larger max_memory.")
-    chunk = _chunk(opts, n_out * n_params * item, max(x1.shape[0], b2), x1.device)
-    return opts, selected, n_out, cov, _ntk_plan.choose(sizes, method, chunk)
+    per_sample = n_out * n_params * item  # a Jacobian block; products also pushes Y tangents over B2 samples
+    plan = _ntk_plan.choose(sizes, method, 1)
+    if plan.method == "products":
+        per_sample += int(3 * n_out * b2 * fp.act)
+    chunk = _chunk(opts, per_sample, max(x1.shape[0], b2), x1.device)
+    return opts, selected, n_out, cov, dataclasses.replace(plan, sample_chunk=chunk)
 
 
 def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params",
