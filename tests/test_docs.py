@@ -9,7 +9,7 @@ import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # Pages whose ```pycon examples are checked; add a page here when it gains examples.
-PAGES = ["index.md", "structure.md"]
+PAGES = ["index.md", "structure.md", "products.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -32,4 +32,6 @@ def test_readme_python_blocks_run() -> None:
         exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["dydt"].shape == (100_000, 4)
     assert namespace["J"].shape == (64, 10, 15910)
+    assert namespace["grads"].shape == (512, 15910) and namespace["diag"].shape == (15910,)
+    assert namespace["K"].shape == (256, 256, 10, 10)
     assert namespace["u_xx"].shape == (10_000, 1) and namespace["d4"].shape == (100_000, 4)

@@ -18,20 +18,27 @@ from ._errors import CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
 from ._planning.autotune import autotune_cache
 from ._planning.plan import Plan
+from ._planning.ntk import NtkPlan
+from ._products import ggn, ntk, ntk_plan, per_sample_grads
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CoupledBatchError",
     "JacmodeWarning",
+    "NtkPlan",
     "Plan",
     "autotune_cache",
     "clear_cache",
     "derivative",
     "divergence",
+    "ggn",
     "hessian",
     "jacobian",
     "laplacian",
+    "ntk",
+    "ntk_plan",
     "partial",
+    "per_sample_grads",
     "plan",
 ]
