@@ -14,7 +14,8 @@ Example:
 
 from ._cache import clear_cache
 from ._derivatives import derivative, divergence, hessian, laplacian, partial
-from ._errors import CoupledBatchError, JacmodeWarning
+from ._data import jacobians
+from ._errors import BatchError, CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
 from ._planning.autotune import autotune_cache
 from ._planning.plan import Plan
@@ -22,6 +23,7 @@ from ._planning.plan import Plan
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchError",
     "CoupledBatchError",
     "JacmodeWarning",
     "Plan",
@@ -31,6 +33,7 @@ __all__ = [
     "divergence",
     "hessian",
     "jacobian",
+    "jacobians",
     "laplacian",
     "partial",
     "plan",
