@@ -19,6 +19,8 @@ from ._errors import BatchError, CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
 from ._planning.autotune import autotune_cache
 from ._planning.plan import Plan
+from ._planning.ntk import NtkPlan
+from ._products import ggn, ntk, ntk_plan, per_sample_grads
 
 __version__ = "0.1.0"
 
@@ -26,15 +28,20 @@ __all__ = [
     "BatchError",
     "CoupledBatchError",
     "JacmodeWarning",
+    "NtkPlan",
     "Plan",
     "autotune_cache",
     "clear_cache",
     "derivative",
     "divergence",
+    "ggn",
     "hessian",
     "jacobian",
     "jacobians",
     "laplacian",
+    "ntk",
+    "ntk_plan",
     "partial",
+    "per_sample_grads",
     "plan",
 ]

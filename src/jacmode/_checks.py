@@ -321,3 +321,122 @@ def check_rows_out(out: Any) -> Tensor:
                          f"got shape {tuple(out.shape)}{'' if out.dim() == 0 else ', not contiguous'}. "
                          "Allocate it with torch.empty((N, Y, P)).")
     return out
+
+
+# --- per_sample_grads, ntk, ggn (jacmode._products) ---
+
+NTK_METHODS = ("auto", "contraction", "products", "structured")
+GGN_LOSSES = ("mse", "cross_entropy")
+
+
+def check_product_options(*, wrt: Any, chunk_size: Any, max_memory: Any, flatten: Any = True) -> Options:
+    """``wrt``, ``chunk_size``, ``max_memory`` (and ``flatten``) of per_sample_grads, ntk, ggn."""
+    opts = check_options(wrt=wrt, mode="auto", batched=True, structure="auto", chunk_size=chunk_size,
+                         create_graph=False, flatten=flatten, max_memory=max_memory)
+    if opts.wrt != "params":
+        raise ValueError(
+            "wrt: per_sample_grads, ntk and ggn differentiate with respect to parameters, got "
+            "wrt='inputs'. Pass wrt='params' (all trainable parameters) or a list of parameter "
+            "names; for input derivatives use jm.jacobian(f, x)."
+        )
+    return opts
+
+
+def check_loss(loss: Any, *, name: str = "loss") -> None:
+    """A per-sample loss must be callable."""
+    if not callable(loss):
+        raise TypeError(
+            f"{name}: expected a callable mapping f(x) (B, *out) to per-sample losses (B,), got "
+            f"{type(loss).__name__} ({_fmt(loss)}). E.g. "
+            "`lambda out, y: F.cross_entropy(out, y, reduction='none')` with y=labels."
+        )
+
+
+def check_losses(value: Any, batch: int) -> Tensor:
+    """The loss must return one floating tensor of shape (B,): one loss per sample."""
+    if not isinstance(value, Tensor) or not value.is_floating_point():
+        raise TypeError(
+            f"loss: expected a floating tensor of per-sample losses, shape ({batch},), got "
+            f"{type(value).__name__}{'' if not isinstance(value, Tensor) else ' of dtype ' + str(value.dtype)}."
+        )
+    if tuple(value.shape) != (batch,):
+        raise ValueError(
+            f"loss: expected per-sample losses of shape ({batch},), got {tuple(value.shape)}. "
+            "Do not reduce over the batch: pass reduction='none' (e.g. F.mse_loss(out, y, "
+            "reduction='none').sum(1)), and sum any per-sample output dimensions."
+        )
+    return value
+
+
+def check_target(y: Any, batch: int, name: str = "y") -> None:
+    """Targets must be a tensor with one row per sample."""
+    if y is None:
+        return
+    if not isinstance(y, Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor of targets or None, got {type(y).__name__} ({_fmt(y)}).")
+    if y.dim() == 0 or y.shape[0] != batch:
+        raise ValueError(
+            f"{name}: expected one target per sample, shape ({batch}, ...), got {tuple(y.shape)}. "
+            "Pass the targets of the same batch as x."
+        )
+
+
+def check_second_input(x1: Tensor, x2: Any) -> None:
+    """``x2`` of ntk must be a batch like ``x1`` (same per-sample shape, dtype, device)."""
+    if x2 is None:
+        return
+    check_input(x2, wrt="params", batched=True, name="x2")
+    if x2.shape[1:] != x1.shape[1:] or x2.dtype != x1.dtype or x2.device != x1.device:
+        raise ValueError(
+            f"x2: expected a batch of samples like x1 (per-sample shape {tuple(x1.shape[1:])}, "
+            f"{x1.dtype}, {x1.device}), got shape {tuple(x2.shape)}, {x2.dtype}, {x2.device}. "
+            "Convert it, or pass x2=None for the kernel of x1 with itself."
+        )
+
+
+def check_ntk_method(method: Any, trace: Any) -> None:
+    """``method`` of ntk, and ``trace`` a bool."""
+    if not isinstance(method, str) or method not in NTK_METHODS:
+        raise ValueError(
+            f"method: expected one of {NTK_METHODS}, got {method!r}. 'auto' picks the fastest "
+            "from the sizes (see jm.ntk_plan)."
+        )
+    if not isinstance(trace, bool):
+        raise TypeError(f"trace: expected True or False, got {type(trace).__name__} ({_fmt(trace)}).")
+
+
+def check_ggn_loss(loss: Any, diagonal: Any) -> None:
+    """``loss`` of ggn: 'mse', 'cross_entropy' or a callable returning (B, Y, Y) Hessians."""
+    if isinstance(loss, str):
+        if loss not in GGN_LOSSES:
+            raise ValueError(
+                f"loss: expected one of {GGN_LOSSES} or a callable returning the per-sample "
+                f"Hessians (B, Y, Y) of the loss with respect to f(x), got {loss!r}."
+            )
+    elif not callable(loss):
+        raise TypeError(
+            f"loss: expected 'mse', 'cross_entropy' or a callable out -> (B, Y, Y), got "
+            f"{type(loss).__name__} ({_fmt(loss)})."
+        )
+    if not isinstance(diagonal, bool):
+        raise TypeError(f"diagonal: expected True or False, got {type(diagonal).__name__} ({_fmt(diagonal)}).")
+
+
+def check_hessians(value: Any, batch: int, n_out: int) -> Tensor:
+    """A Hessian callable of ggn must return (B, Y, Y)."""
+    if not isinstance(value, Tensor) or not value.is_floating_point():
+        raise TypeError(f"loss: the Hessian callable must return a floating tensor (B, Y, Y), got {type(value).__name__}.")
+    if tuple(value.shape) != (batch, n_out, n_out):
+        raise ValueError(
+            f"loss: the Hessian callable must return per-sample Hessians of shape ({batch}, {n_out}, "
+            f"{n_out}) (B, Y, Y with Y = outputs per sample), got {tuple(value.shape)}."
+        )
+    return value
+
+
+def check_fits(needed: int, budget: int, what: str, fix: str) -> None:
+    """Refuse, before allocating, a result larger than the memory budget."""
+    if needed > budget:
+        raise MemoryError(
+            f"{what} needs {needed / 2**20:.1f} MiB but the memory budget is {budget / 2**20:.1f} MiB. {fix}"
+        )

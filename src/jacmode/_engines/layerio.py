@@ -1,0 +1,133 @@
+"""Per-layer products from the probe engine: which layers serve, and their per-sample reductions.
+
+NOTE: [Layer products]
+The probe engine (``_engines/probes.py``) gives, for each call of a covered module, its inputs and
+the cotangents G (K, B, *out_layer) of K output cotangents. Per-sample gradients, the GGN diagonal
+and NTK blocks need three reductions of the per-sample blocks J (B, K, *param):
+``write`` (the blocks themselves, K = 1), ``sq_sum`` (sum over B, K of s * J^2) and ``gram``
+(J1 . J2 over the parameter, (B1, B2, K1, K2)). A rule may define the last two in closed form
+(Linear: (sum_k s G^2)^T a^2 and (G1 G2^T) * (A1 A2^T), see ``_rules/linear.py``) so that no
+per-sample block is formed; otherwise, and for a module called more than once (its blocks add up
+before they are squared), they are computed here from ``per_sample``.
+
+``usable`` answers once per model and signature whether the probes account for every selected
+parameter: no uncovered parameter, and for a random v the sum over samples of the blocks equals one
+``autograd.grad`` of f(x) (this catches parameters also used outside their module).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .._cache import WeakCache
+from .._rules.base import Blocks, NotCovered, has
+from . import probes
+
+_VERDICTS = WeakCache("probe completeness")
+Named = Sequence[tuple[str, Tensor]]
+
+
+def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverage]:
+    """The coverage when the probe engine serves every selected parameter, else None (cached)."""
+    if not x.is_floating_point() or x.shape[0] == 0:
+        return None
+    cov = probes.coverage(model, named)
+    if cov.uncovered:
+        return None
+    flags = tuple(m.training for m in model.modules())
+    key = (tuple(x.shape[1:]), x.dtype, str(x.device), tuple(n for n, _ in named), flags)
+    verdict = _VERDICTS.get(model, key)
+    if verdict is None:
+        verdict = _complete(model, x[:2], cov, named)
+        _VERDICTS.put(model, key, verdict)
+    return cov if verdict else None
+
+
+def _complete(model: nn.Module, x: Tensor, cov: probes.Coverage, named: Named) -> bool:
+    params = [p for _, p in named]
+    with torch.enable_grad():
+        rec = probes.record(model, x, cov)
+        v = torch.randn_like(rec.output)
+        full = torch.autograd.grad(rec.output, params, v, retain_graph=True, allow_unused=True)
+        try:
+            sums = {name: block.sum((0, 1)) for name, block in blocks(rec, cov, rec.pullback(v[None])).items()}
+        except NotCovered:
+            return False
+    for (name, p), ref in zip(named, full):
+        ref = torch.zeros_like(p) if ref is None else ref
+        tol = 1e-4 if p.dtype == torch.float32 else 1e-8
+        got = sums.get(name)
+        if got is None or not torch.allclose(got, ref, rtol=tol, atol=tol * (1 + float(ref.abs().max()))):
+            return False
+    return True
+
+
+def _names(cov: probes.Coverage) -> dict[tuple[int, str], str]:
+    return {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
+
+
+def blocks(rec: probes.Recording, cov: probes.Coverage, gs: Sequence[Tensor]) -> dict[str, Tensor]:
+    """{name: (B, K, *param.shape)}, summed over the calls of each module (raises NotCovered)."""
+    names, out = _names(cov), {}
+    for call, g in zip(rec.calls, gs):
+        if call.stale:
+            raise NotCovered("a module input was modified in place after the call")
+        for attr, block in call.rule.per_sample(call.module, call.inputs, g).items():
+            name = names.get((id(call.module), attr))
+            if name is not None:
+                out[name] = out[name] + block if name in out else block
+    return out
+
+
+def _once(rec: probes.Recording) -> bool:
+    return len({id(c.module) for c in rec.calls}) == len(rec.calls) and not any(c.stale for c in rec.calls)
+
+
+def sq_sum(rec: probes.Recording, cov: probes.Coverage, gs: Sequence[Tensor],
+           signs: Optional[Tensor]) -> dict[str, Tensor]:
+    """{name: param.shape}: sum over samples b and cotangents k of s_bk * J[b, k]^2."""
+    names, out = _names(cov), {}
+    if _once(rec):
+        for call, g in zip(rec.calls, gs):
+            if has(call.rule, "sq_sum"):
+                for attr, value in call.rule.sq_sum(call.module, call.inputs, g, signs).items():  # type: ignore[attr-defined]
+                    if (id(call.module), attr) in names:
+                        out[names[(id(call.module), attr)]] = value
+    rest = [i for i, c in enumerate(rec.calls) if not (_once(rec) and has(c.rule, "sq_sum"))]
+    if rest:
+        sub = probes.Recording(rec.output, [rec.calls[i] for i in rest])
+        for name, block in blocks(sub, cov, [gs[i] for i in rest]).items():
+            w = block * block
+            if signs is not None:
+                w = w * signs.reshape(*signs.shape, *([1] * (w.dim() - 2)))
+            out[name] = w.sum((0, 1))
+    return out
+
+
+def gram(first: tuple[probes.Recording, Sequence[Tensor]], second: tuple[probes.Recording, Sequence[Tensor]],
+         cov: probes.Coverage, trace: bool) -> Tensor:
+    """sum over parameters of J1[b1, k1] . J2[b2, k2]: (B1, B2, K1, K2), or (B1, B2) summed over k1 = k2."""
+    (rec1, gs1), (rec2, gs2) = first, second
+    names = _names(cov)
+    total: Optional[Tensor] = None
+    fast = _once(rec1) and _once(rec2)
+    by_module = {id(c.module): (c, g) for c, g in zip(rec2.calls, gs2)}
+    for c1, g1 in zip(rec1.calls, gs1):
+        if fast and has(c1.rule, "gram"):
+            c2, g2 = by_module[id(c1.module)]
+            attrs = [a for a in c1.rule.attrs if (id(c1.module), a) in names]
+            part = c1.rule.gram(c1.module, c1.inputs, g1, c2.inputs, g2, attrs, trace)  # type: ignore[attr-defined]
+            total = part if total is None else total + part
+    if not fast or any(not has(c.rule, "gram") for c in rec1.calls):
+        keep = [i for i, c in enumerate(rec1.calls) if not (fast and has(c.rule, "gram"))]
+        b1 = blocks(probes.Recording(rec1.output, [rec1.calls[i] for i in keep]), cov, [gs1[i] for i in keep])
+        b2 = blocks(probes.Recording(rec2.output, [rec2.calls[i] for i in keep]), cov, [gs2[i] for i in keep])
+        for name, r1 in b1.items():
+            r1, r2 = r1.flatten(2), b2[name].flatten(2)
+            part = torch.einsum("bkp,ckp->bc" if trace else "bkp,czp->bckz", r1, r2)
+            total = part if total is None else total + part
+    assert total is not None
+    return total

@@ -1,0 +1,165 @@
+"""Probe engine: per-layer inputs and output cotangents of any module graph, in one forward and one reverse pass.
+
+Interface (used by the parameter Jacobian and by per-sample gradients, NTK and GGN products):
+
+* ``cov = coverage(model, named_params)`` -- which selected parameters a rule covers (``cov.covered``:
+  name -> (module, attr)) and why the others are not (``cov.uncovered``: name -> reason: no rule for
+  the module type, tied / shared by several modules, parametrized, a module instance the rule refuses).
+* ``rec = record(model, x, cov)`` -- ONE forward pass of ``model(x)`` with temporary forward hooks on
+  the covered modules (removed in ``finally``, also when the model raises). Each hook records the
+  module's inputs and returns ``out + z`` with ``z`` a zero probe that requires grad; ``rec.output``
+  is the model output (B, *out), ``rec.calls`` one :class:`Call` per module call (a module called
+  twice gives two calls, whose blocks add up).
+* ``rec.pullback(V)`` -- cotangents V (K, B, *out) (K = Y one-hot rows for a Jacobian, 1 for a loss
+  gradient, Y columns of a GGN factor) pulled back in ONE reverse pass vectorised over K
+  (``autograd.grad(..., is_grads_batched=True)``) to every probe; returns one G (K, B, *out_layer)
+  per call, aligned with ``rec.calls``.
+* ``call.rule.per_sample(call.module, call.inputs, G)`` -> {attr: (B, K, *param.shape)} and
+  ``call.rule.write(...)`` (into views of a result) turn them into per-sample blocks (``_rules/``).
+
+NOTE: [Probes, not outputs]
+Cotangents are taken with respect to the probe z added to each covered module's output, never
+with respect to the output itself: an in-place operation after the layer (``ReLU(inplace=True)``)
+rewrites that output, and autograd would then hand back the cotangent of the rewritten tensor.
+The probe sits between the layer and whatever follows, so residual connections, concatenations,
+functional activations and custom ``forward`` code need no rules: autograd carries them. A module
+input modified in place after the call is detected by its version counter (``Call.stale``).
+Parameters that a rule covers but the model also uses elsewhere (``x @ emb.weight.T``) are not
+visible to hooks; ``_engines/layerwise.py`` therefore checks completeness once per model and
+signature. Hooks do not fire inside ``torch.func`` transforms: run this engine outside them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+
+from .._rules.base import Rule
+from .._rules.modules import rule_for
+
+
+@dataclass
+class Coverage:
+    """Which selected parameters the rules cover, and why the others are not covered."""
+
+    covered: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
+    uncovered: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def modules(self) -> dict[nn.Module, list[str]]:
+        """covered module -> its selected attributes."""
+        out: dict[nn.Module, list[str]] = {}
+        for module, attr in self.covered.values():
+            out.setdefault(module, []).append(attr)
+        return out
+
+
+def coverage(model: nn.Module, named_params: Sequence[tuple[str, Tensor]]) -> Coverage:
+    """Sort the selected parameters into covered (module, attr) and uncovered (with a reason)."""
+    owners: dict[int, list[tuple[nn.Module, str, str]]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for attr, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, attr, prefix))
+    cov = Coverage()
+    for name, p in named_params:
+        found = owners.get(id(p), [])
+        if len({id(m) for m, _, _ in found}) != 1 or len({a for _, a, _ in found}) != 1:
+            cov.uncovered[name] = "shared by several modules or attributes (tied weights)"
+            continue
+        module, attr, _ = found[0]
+        rule = rule_for(module)
+        if "parametrizations." in name or parametrize.is_parametrized(module):
+            cov.uncovered[name] = "parametrized module"
+            continue
+        if rule is None or attr not in rule.attrs:
+            what = type(module).__name__ + ("" if rule is None else f".{attr}")
+            cov.uncovered[name] = f"no per-sample rule for {what}"
+            continue
+        why = rule.unsupported(module)
+        if why is not None:
+            cov.uncovered[name] = why
+            continue
+        cov.covered[name] = (module, attr)
+    return cov
+
+
+@dataclass
+class Call:
+    """One call of a covered module: its inputs, the probe on its output, the input versions."""
+
+    module: nn.Module
+    rule: Rule
+    inputs: tuple[Any, ...]
+    probe: Tensor
+    versions: tuple[int, ...]
+
+    @property
+    def stale(self) -> bool:
+        """Whether an input was modified in place after the call (the recorded values are wrong)."""
+        now = tuple(t._version for t in self.inputs if isinstance(t, Tensor))
+        return now != self.versions
+
+
+@dataclass
+class Recording:
+    """The output of one probed forward pass and its calls (see the module docstring)."""
+
+    output: Tensor
+    calls: list[Call]
+
+    def pullback(
+        self, V: Tensor, retain_graph: bool = False, create_graph: bool = False, batched: bool = True
+    ) -> list[Tensor]:
+        """G (K, B, *out_layer) per call for cotangents V (K, B, *out) of the output."""
+        probes = [c.probe for c in self.calls]
+        if not probes:
+            return []
+        if batched and V.shape[0] > 1:
+            grads = torch.autograd.grad(
+                self.output, probes, V, retain_graph=retain_graph, create_graph=create_graph,
+                allow_unused=True, is_grads_batched=True,
+            )
+        else:  # one direction at a time on the same tape
+            rows = [
+                torch.autograd.grad(self.output, probes, v, retain_graph=retain_graph or k < V.shape[0] - 1,
+                                    create_graph=create_graph, allow_unused=True)
+                for k, v in enumerate(V)
+            ]
+            grads = tuple(
+                torch.stack([r[i] if r[i] is not None else torch.zeros_like(p) for r in rows])
+                for i, p in enumerate(probes)
+            )
+        return [
+            g if g is not None else V.new_zeros(V.shape[0], *p.shape) for g, p in zip(grads, probes)
+        ]
+
+
+def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequence[nn.Module]] = None) -> Recording:
+    """Run ``model(x)`` once with probes on the covered modules (or on ``modules``); hooks removed after."""
+    calls: list[Call] = []
+
+    def hook(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:
+        if not isinstance(out, Tensor) or not out.is_floating_point():
+            return None
+        rule = rule_for(module)
+        assert rule is not None
+        z = torch.zeros_like(out, requires_grad=True)
+        versions = tuple(t._version for t in args if isinstance(t, Tensor))
+        calls.append(Call(module, rule, args, z, versions))
+        return out + z
+
+    handles = [m.register_forward_hook(hook) for m in (modules if modules is not None else cov.modules)]
+    try:
+        with torch.enable_grad():
+            output = model(x)
+    finally:
+        for h in handles:
+            h.remove()
+    if not isinstance(output, Tensor):
+        raise TypeError(f"model: expected a Tensor output, got {type(output).__name__}")
+    return Recording(output, calls)

@@ -1,0 +1,112 @@
+"""Per-sample gradients and the Gauss-Newton matrix, per layer where possible, generic otherwise.
+
+NOTE: [Products without the Jacobian]
+Per-sample gradients are J_b^T g_b with g_b = d loss_b / d f(x_b): for covered layers (see
+``_engines/layerio.py``) one forward pass and one reverse pass of sum_b loss_b give each layer's
+cotangent G (B, O) (samples are independent, so row b only depends on loss_b), and the weight
+gradient of sample b is G_b (x) a_b, written straight into its slice of the (B, P) result
+(Opacus's method). Otherwise ``vmap(grad)`` of the per-sample loss over ``functional_call``.
+
+The GGN is sum_b J_b^T H_b J_b with H_b = L_b S_b L_b^T (a factor with K columns and signs S = +-1:
+the identity for MSE, diag(sqrt p) - p sqrt(p)^T for softmax cross-entropy, an eigendecomposition
+for a callable). Its diagonal is sum_{b,k} s_bk (J_b^T l_bk)^2; for a Linear layer that is
+(sum_k s G_k^2)^T (a^2) per weight, O(B*K*(I+O)) work and O(P) memory beyond one reverse pass of K
+cotangents. The generic route forms J (B_chunk, Y, P) with :func:`jacmode.jacobian`, chunk by chunk,
+multiplies by L and accumulates squares (diagonal) or (JL)^T S (JL) (full matrix).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad, vmap
+
+from .._rules.base import NotCovered
+from . import layerio, probes
+
+Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
+
+
+def _offsets(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
+    offsets, start = {}, 0
+    for name, p in named:
+        offsets[name] = (start, p.numel())
+        start += p.numel()
+    return offsets
+
+
+def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
+                            losses: Callable[[Tensor], Tensor], named: Sequence[tuple[str, Tensor]]) -> Tensor:
+    """(B, P) per-sample gradients from one probed forward and one reverse pass (raises NotCovered)."""
+    with torch.enable_grad():
+        rec = probes.record(model, x, cov)
+        loss = losses(rec.output)
+        g_out = torch.autograd.grad(loss.sum(), rec.output, retain_graph=True)[0]
+        gs = rec.pullback(g_out.unsqueeze(0))
+    if any(c.stale for c in rec.calls):
+        raise NotCovered("a module input was modified in place after the call")
+    offsets, batch = _offsets(named), x.shape[0]
+    result = x.new_empty(batch, sum(p.numel() for _, p in named))
+    views = {name: result[:, lo:lo + n].view(batch, 1, *p.shape) for (name, p), (lo, n) in zip(named, offsets.values())}
+    names = {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
+    written: set[str] = set()
+    for call, g in zip(rec.calls, gs):
+        for attr in call.rule.attrs:
+            name = names.get((id(call.module), attr))
+            if name is not None:
+                call.rule.write(call.module, call.inputs, g, {attr: views[name]}, name in written)
+                written.add(name)
+    for name in set(views) - written:  # a covered module that this input never reached
+        views[name].zero_()
+    return result
+
+
+def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., Tensor],
+                             names: Sequence[str], params: Sequence[Tensor], chunk: int) -> Tensor:
+    """(B, P) per-sample gradients by ``vmap(grad)`` of the per-sample loss, ``chunk`` samples a pass."""
+    def one(p: dict[str, Tensor], xb: Tensor, yb: Optional[Tensor]) -> Tensor:
+        out = functional_call(model, p, (xb.unsqueeze(0),))
+        value = loss(out) if yb is None else loss(out, yb.unsqueeze(0))
+        return value.reshape(())
+
+    primal = {n: p.detach() for n, p in zip(names, params)}
+    step = vmap(grad(one), in_dims=(None, 0, None if y is None else 0), randomness="different")
+    rows = []
+    for b0 in range(0, x.shape[0], chunk):
+        yb = None if y is None else y[b0:b0 + chunk]
+        g = step(primal, x[b0:b0 + chunk], yb)
+        rows.append(torch.cat([g[n].reshape(g[n].shape[0], -1) for n in names], dim=1))
+    return torch.cat(rows) if rows else x.new_zeros(0, sum(p.numel() for p in params))
+
+
+def ggn_diagonal_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
+                        factor: Callable[[Tensor], Factor], named: Sequence[tuple[str, Tensor]]) -> Tensor:
+    """(P,) GGN diagonal from one probed forward pass and one reverse pass of K cotangents."""
+    with torch.enable_grad():
+        rec = probes.record(model, x, cov)
+        lf, signs = factor(rec.output.detach())
+        v = lf.permute(2, 0, 1).reshape(lf.shape[2], *rec.output.shape)  # (K, B, *out)
+        gs = rec.pullback(v)
+    sums = layerio.sq_sum(rec, cov, gs, signs)
+    return torch.cat([sums[n].reshape(-1) if n in sums else p.new_zeros(p.numel()) for n, p in named])
+
+
+def ggn_generic(model: nn.Module, x: Tensor, factor: Factor, names: Sequence[str],
+                n_params: int, diagonal: bool, chunk: int, max_memory: Any) -> Tensor:
+    """(P,) diagonal or (P, P) GGN from Jacobian chunks of ``chunk`` samples (any model)."""
+    from .._jacobian import jacobian
+
+    lf, signs = factor
+    result = x.new_zeros(n_params) if diagonal else x.new_zeros(n_params, n_params)
+    for b0 in range(0, x.shape[0], chunk):
+        jac = jacobian(model, x[b0:b0 + chunk], wrt=list(names), max_memory=max_memory)
+        assert isinstance(jac, Tensor)
+        jl = torch.einsum("byp,byk->bkp", jac, lf[b0:b0 + chunk])  # (b, K, P): rows J_b^T l_bk
+        weighted = jl if signs is None else jl * signs[b0:b0 + chunk, :, None]
+        if diagonal:
+            result += (weighted * jl).sum((0, 1))
+        else:
+            result += weighted.reshape(-1, n_params).t() @ jl.reshape(-1, n_params)
+    return result

@@ -1,0 +1,280 @@
+"""The entry points per_sample_grads, ntk, ntk_plan and ggn: what users build from Jacobians.
+
+Each validates, checks that samples are independent (``_coupling``), keeps the model as found
+(``_state``), then runs a per-layer engine where the selected parameters live in covered layers
+(``_engines/layerio.py``) or the generic one otherwise (see ``_engines/products.py`` and
+``_engines/ntk.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import Tensor, nn
+
+from . import _checks
+from ._checks import Options, Wrt
+from ._coupling import probe
+from ._engines import layerio, probes
+from ._engines import ntk as _ntk
+from ._engines import products as _engine
+from ._planning import ntk as _ntk_plan
+from ._planning.footprint import footprint
+from ._planning.memory import available_bytes
+from ._rules.base import NotCovered
+from ._state import preserved_state
+
+Memory = Optional[Union[int, float, str]]
+
+
+def _setup(f: Any, x: Any, wrt: Wrt, chunk_size: Any, max_memory: Any,
+           flatten: Any = True) -> tuple[Options, list[tuple[str, nn.Parameter]]]:
+    _checks.check_function(f)
+    opts = _checks.check_product_options(wrt=wrt, chunk_size=chunk_size, max_memory=max_memory, flatten=flatten)
+    _checks.check_input(x, wrt="params", batched=True)
+    _checks.check_devices(f, x)
+    return opts, _checks.check_param_selection(f, opts.param_names)
+
+
+def _out_shape(f: Any, x: Tensor) -> tuple[int, ...]:
+    return probe(f, x, check=x.shape[0] > 1,
+                 validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
+
+
+def _budget(opts: Options, device: torch.device) -> int:
+    return opts.max_memory if opts.max_memory is not None else available_bytes(device) // 2
+
+
+def _chunk(opts: Options, per_sample_bytes: int, batch: int) -> int:
+    if opts.chunk_size is not None:
+        return opts.chunk_size
+    return max(1, min(batch, _budget(opts, torch.device("cpu")) // max(1, 4 * per_sample_bytes)))
+
+
+def per_sample_grads(
+    f: nn.Module, x: Tensor, loss: Callable[..., Tensor], *, y: Optional[Tensor] = None,
+    wrt: Wrt = "params", flatten: bool = True, chunk_size: Optional[int] = None, max_memory: Memory = None,
+) -> Union[Tensor, dict[str, Tensor]]:
+    """Gradient of each sample's loss with respect to the parameters, without the (B, Y, P) Jacobian.
+
+    Where every selected parameter lives in a Linear layer, one forward and one reverse pass give
+    each layer's input a and loss cotangent g per sample, and sample b's weight gradient is
+    g_b (x) a_b (Opacus's method); otherwise ``vmap(grad)`` of the per-sample loss.
+
+    Args:
+        f: the model, an ``nn.Module`` mapping x (B, *in) to (B, *out).
+        x: the batch, shape (B, *in); samples must be independent.
+        loss: ``loss(out)``, or ``loss(out, y)`` when ``y`` is given, mapping f(x) (B, *out) to
+            per-sample losses (B,) (no reduction over the batch).
+        y: targets, one row per sample, passed to ``loss``.
+        wrt: "params" or a list of parameter names (a subset).
+        flatten: False returns a dict name -> (B, *param.shape).
+        chunk_size: samples per vectorised pass of the generic engine.
+        max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
+
+    Returns:
+        (B, P), the parameters flattened and concatenated in ``named_parameters()`` order.
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> x, y = torch.randn(5, 3), torch.randn(5, 2)
+        >>> g = jm.per_sample_grads(net, x, lambda out, y: ((out - y) ** 2).sum(1), y=y)
+        >>> g.shape                                   # (B, P), P = 3*8 + 8 + 8*2 + 2
+        torch.Size([5, 50])
+        >>> total = torch.autograd.grad(((net(x) - y) ** 2).sum(), list(net.parameters()))
+        >>> torch.allclose(g.sum(0), torch.cat([t.reshape(-1) for t in total]), atol=1e-5)
+        True
+    """
+    opts, selected = _setup(f, x, wrt, chunk_size, max_memory, flatten)
+    _checks.check_loss(loss)
+    _checks.check_target(y, x.shape[0])
+    names, params = [n for n, _ in selected], [p for _, p in selected]
+    n_params, batch = sum(p.numel() for p in params), x.shape[0]
+    _checks.check_fits(batch * n_params * x.new_empty(0, dtype=params[0].dtype).element_size(),
+                       _budget(opts, x.device), f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
+                       "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
+
+    def losses(out: Tensor) -> Tensor:
+        return _checks.check_losses(loss(out) if y is None else loss(out, y), out.shape[0])
+
+    with preserved_state(f), torch.no_grad():
+        _out_shape(f, x)
+        cov = layerio.usable(f, x, selected)
+        flat = None
+        if cov is not None:
+            with contextlib.suppress(NotCovered):
+                flat = _engine.per_sample_grads_layers(f, cov, x, losses, selected)
+        if flat is None:
+            head = f(x[:1])
+            _checks.check_losses(loss(head) if y is None else loss(head, y[:1]), 1)
+            flat = _engine.per_sample_grads_generic(f, x, y, loss, names, params, _chunk(opts, 4 * n_params, batch))
+    if flatten:
+        return flat
+    sizes = [p.numel() for p in params]
+    return {n: t.reshape(batch, *p.shape) for n, t, p in zip(names, flat.split(sizes, dim=1), params)}
+
+
+def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chunk_size: Any,
+               max_memory: Any) -> tuple[Options, list[tuple[str, nn.Parameter]], int, Any, _ntk_plan.NtkPlan]:
+    opts, selected = _setup(f, x1, wrt, chunk_size, max_memory)
+    _checks.check_second_input(x1, x2)
+    _checks.check_ntk_method(method, trace)
+    params = [p for _, p in selected]
+    n_out = math.prod(_out_shape(f, x1))
+    if x2 is not None:
+        _out_shape(f, x2)
+    cov = layerio.usable(f, x1, selected)
+    if method == "structured" and cov is None:
+        why = "; ".join(f"{n}: {r}" for n, r in list(probes.coverage(f, selected).uncovered.items())[:3])
+        raise ValueError(
+            "method: 'structured' needs a per-layer rule for every selected parameter (Linear, "
+            f"convolution, normalisation, embedding layers), which this model lacks ({why or 'a parameter is used outside its module'}). "
+            "Use method='auto', or select the covered parameters with wrt=[...]."
+        )
+    n_params = sum(p.numel() for p in params)
+    b2 = x1.shape[0] if x2 is None else x2.shape[0]
+    fp = footprint(f, ("ntk", tuple(x1.shape[1:]), x1.dtype, str(x1.device)), f, x1[:1], 1)
+    sizes = _ntk_plan.Sizes(x1.shape[0], b2, n_out, n_params, fp.flops + fp.conv_flops,
+                            None if cov is None else _ntk_plan.pair_work(cov, n_out))
+    item = x1.new_empty(0, dtype=params[0].dtype).element_size()
+    result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
+    _checks.check_fits(result, _budget(opts, x1.device), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
+                       "Pass trace=True, smaller batches, or a larger max_memory.")
+    chunk = _chunk(opts, n_out * n_params * item, max(x1.shape[0], b2))
+    return opts, selected, n_out, cov, _ntk_plan.choose(sizes, method, chunk)
+
+
+def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params",
+             method: str = "auto", trace: bool = False, chunk_size: Optional[int] = None,
+             max_memory: Memory = None) -> _ntk_plan.NtkPlan:
+    """Say which method :func:`ntk` would use for these arguments, and why, without running it.
+
+    Returns:
+        An ``NtkPlan``: the method, the estimated time of every method that can run, the samples
+        per Jacobian block and a one-line reason (its ``repr``; see docs/products.md).
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> net = torch.nn.Sequential(torch.nn.Linear(784, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10))
+        >>> p = jm.ntk_plan(net, torch.randn(256, 784))
+        >>> p.method, sorted(p.costs)
+        ('structured', ['contraction', 'products', 'structured'])
+    """
+    with preserved_state(f), torch.no_grad():
+        return _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)[-1]
+
+
+def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params", method: str = "auto",
+        trace: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None) -> Tensor:
+    """The empirical neural tangent kernel K[b1, b2] = J(x1)_b1 J(x2)_b2^T over the parameters.
+
+    Args:
+        f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
+        x1: the first batch, (B1, *in). x2: the second batch, (B2, *in); None for x1 itself.
+        wrt: "params" or a list of parameter names (the kernel of that subset).
+        method: "contraction" (Jacobian blocks multiplied chunk by chunk), "products" (rows of
+            J(x1) pushed forward through f(x2): no Jacobian of x2), "structured" (per Linear
+            layer: (G1 G2^T) * (A1 A2^T), never a P-sized row) or "auto" (the lowest estimated
+            time; see :func:`ntk_plan` and docs/products.md).
+        trace: sum over the output diagonal: K[b1, b2] = sum_y J(x1)_b1y . J(x2)_b2y.
+        chunk_size: samples per Jacobian block (contraction, products).
+        max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
+
+    Returns:
+        (B1, B2, Y, Y), or (B1, B2) with ``trace=True``.
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        >>> x1, x2 = torch.randn(4, 3), torch.randn(6, 3)
+        >>> k = jm.ntk(net, x1, x2)
+        >>> k.shape                                     # (B1, B2, Y, Y)
+        torch.Size([4, 6, 2, 2])
+        >>> J1, J2 = jm.jacobian(net, x1, wrt="params"), jm.jacobian(net, x2, wrt="params")
+        >>> torch.allclose(k, torch.einsum("byp,czp->bcyz", J1, J2), atol=1e-5)
+        True
+        >>> jm.ntk(net, x1, x2, trace=True, method="products").shape
+        torch.Size([4, 6])
+    """
+    with preserved_state(f), torch.no_grad():
+        opts, selected, n_out, cov, plan = _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)
+        names, params = [n for n, _ in selected], [p for _, p in selected]
+        if plan.method == "structured" and cov is not None:
+            with contextlib.suppress(NotCovered):
+                return _ntk.structured(f, cov, x1, x2, n_out, trace)
+        second = x1 if x2 is None else x2
+        if plan.method == "products":
+            return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
+        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, True, max_memory)
+
+
+def _factor(loss: Any, n_out: int) -> Callable[[Tensor], _engine.Factor]:
+    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T."""
+    def factor(out: Tensor) -> _engine.Factor:
+        flat = out.reshape(out.shape[0], n_out)
+        if loss == "mse":
+            return torch.eye(n_out, dtype=out.dtype, device=out.device).expand(out.shape[0], n_out, n_out), None
+        if loss == "cross_entropy":  # H = diag(p) - p p^T = L L^T, L = diag(sqrt p) - p sqrt(p)^T
+            p = torch.softmax(flat, dim=1)
+            s = p.sqrt()
+            return torch.diag_embed(s) - p[:, :, None] * s[:, None, :], None
+        h = _checks.check_hessians(loss(out), out.shape[0], n_out)
+        values, vectors = torch.linalg.eigh(0.5 * (h + h.transpose(1, 2)))
+        return vectors * values.abs().sqrt()[:, None, :], torch.sign(values)
+    return factor
+
+
+def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
+        diagonal: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None) -> Tensor:
+    """The generalised Gauss-Newton matrix sum_b J_b^T H_b J_b, or its diagonal.
+
+    H_b is the Hessian of sample b's loss with respect to its output f(x_b) (Y values).
+
+    Args:
+        f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
+        x: the batch, (B, *in).
+        loss: "mse" (per-sample loss 0.5 * ||f(x_b) - y_b||^2, H = I), "cross_entropy" (softmax
+            over the Y outputs, H = diag(p) - p p^T with p = softmax(f(x_b))), or a callable
+            mapping f(x) to the per-sample Hessians (B, Y, Y). The targets do not enter H.
+        wrt: "params" or a list of parameter names.
+        diagonal: return the diagonal (P,) without ever forming (P, P).
+        chunk_size: samples per Jacobian block of the generic engine.
+        max_memory: workspace budget in bytes or as "2GB"; the full (P, P) matrix must fit it.
+
+    Returns:
+        (P, P), or (P,) with ``diagonal=True``; summed over samples, not averaged.
+
+    Raises:
+        MemoryError: the (P, P) matrix exceeds the memory budget (pass diagonal=True).
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+        >>> x = torch.randn(10, 3)
+        >>> G = jm.ggn(net, x, "cross_entropy")
+        >>> G.shape                                     # (P, P), P = 3*8 + 8 + 8*4 + 4
+        torch.Size([68, 68])
+        >>> torch.allclose(jm.ggn(net, x, "cross_entropy", diagonal=True), G.diagonal(), atol=1e-6)
+        True
+    """
+    opts, selected = _setup(f, x, wrt, chunk_size, max_memory)
+    _checks.check_ggn_loss(loss, diagonal)
+    names, params = [n for n, _ in selected], [p for _, p in selected]
+    n_params = sum(p.numel() for p in params)
+    item = x.new_empty(0, dtype=params[0].dtype).element_size()
+    if not diagonal:
+        _checks.check_fits(n_params * n_params * item, _budget(opts, x.device), f"ggn: the (P, P) = ({n_params}, {n_params}) matrix",
+                           "Pass diagonal=True for the diagonal (P,), select fewer parameters with wrt=[...], or raise max_memory.")
+    with preserved_state(f), torch.no_grad():
+        n_out = math.prod(_out_shape(f, x))
+        factor = _factor(loss, n_out)
+        cov = layerio.usable(f, x, selected) if diagonal else None
+        if cov is not None:
+            with contextlib.suppress(NotCovered):
+                return _engine.ggn_diagonal_layers(f, cov, x, factor, selected)
+        chunk = _chunk(opts, n_out * n_params * item, x.shape[0])
+        return _engine.ggn_generic(f, x, factor(f(x)), names, n_params, diagonal, chunk, max_memory)

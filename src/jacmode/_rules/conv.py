@@ -1,0 +1,62 @@
+"""Rules for ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` (stride, padding and its modes, dilation, groups).
+
+NOTE: [Convolution blocks]
+out[b, o, l] = sum_(c, w) W[o, c, w] xpad[b, g(o) c, l * stride + w * dilation] + bias[o]. The windows
+of the padded input are strided views (``Tensor.unfold`` along each spatial dim, then every
+dilation-th element of a window), so nothing is copied before one einsum over the output positions L:
+J_W[b, k, g, o, c, w] = sum_L G[k, b, g, o, L] xwin[b, g, c, L, w]. The bias block sums G over L.
+Works for any number of spatial dims; the same windows serve Opacus-style ``unfold`` samplers.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .base import Blocks, NotCovered, Rule
+
+
+def windows(module: nn.modules.conv._ConvNd, a: Tensor) -> Tensor:
+    """(B, C, *L, *kernel) view of the (padded) input's windows."""
+    pad = module._reversed_padding_repeated_twice
+    if any(pad):
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        a = F.pad(a, pad, mode=mode)
+    n = len(module.kernel_size)
+    for d in range(n):
+        size = module.dilation[d] * (module.kernel_size[d] - 1) + 1
+        a = a.unfold(2 + d, size, module.stride[d])
+    if any(dil > 1 for dil in module.dilation):
+        a = a[(...,) + tuple(slice(None, None, dil) for dil in module.dilation)]
+    return a
+
+
+class ConvRule(Rule):
+    def unsupported(self, module: nn.Module) -> Optional[str]:
+        return None
+
+    def per_sample(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor) -> Blocks:
+        assert isinstance(module, nn.modules.conv._ConvNd)
+        a, (K, B) = inputs[0], G.shape[:2]
+        n = len(module.kernel_size)
+        if a.dim() != n + 2 or a.shape[0] != B:
+            raise NotCovered(f"convolution input {tuple(a.shape)} is not batched by the {B} samples")
+        blocks: Blocks = {}
+        if module.bias is not None:
+            blocks["bias"] = G.flatten(3).sum(-1).transpose(0, 1) if n else G.transpose(0, 1)
+        if module.weight is not None:
+            groups, (c_out, c_in) = module.groups, module.weight.shape[:2]
+            win = windows(module, a)
+            win = win.reshape(B, groups, c_in, *win.shape[2:])
+            g = G.reshape(K, B, groups, c_out // groups, *G.shape[3:])
+            L, W = string.ascii_lowercase[-n:], string.ascii_uppercase[:n]
+            w = torch.einsum(f"kbgo{L},bgc{L}{W}->bkgoc{W}", g, win)
+            blocks["weight"] = w.reshape(B, K, *module.weight.shape)
+        return blocks
+
+
+RULES: dict[type, Rule] = {nn.Conv1d: ConvRule(), nn.Conv2d: ConvRule(), nn.Conv3d: ConvRule()}

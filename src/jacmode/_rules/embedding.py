@@ -1,0 +1,52 @@
+"""Rule for ``nn.Embedding``: the cotangents of the looked-up rows land on the rows they came from.
+
+NOTE: [Embedding blocks]
+out[b, t] = W[idx[b, t]], so J_W[b, k] is zero except rows idx[b, t], which receive G[k, b, t]
+(summed when a sample repeats an index): one ``scatter_add_`` into a zeroed block. ``padding_idx``
+rows get nothing, as in torch. ``max_norm`` (rewrites the weight during the forward pass) and
+``scale_grad_by_freq`` (scales by counts over the whole batch) are not covered.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from .base import Blocks, Rule, batch_view, cotangent_view
+
+
+class EmbeddingRule(Rule):
+    attrs = ("weight",)
+
+    def unsupported(self, module: nn.Module) -> Optional[str]:
+        if module.max_norm is not None:
+            return "Embedding with max_norm rewrites its weight during the forward pass"
+        if module.scale_grad_by_freq:
+            return "Embedding with scale_grad_by_freq scales by counts over the whole batch"
+        return None
+
+    def _scatter(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, block: Tensor) -> None:
+        idx = batch_view(inputs[0], G.shape[1], 0)  # (B, T)
+        g = cotangent_view(G, 1).transpose(0, 1)  # (B, K, T, E)
+        pad: Optional[int] = getattr(module, "padding_idx", None)
+        if pad is not None:
+            keep = idx.ne(pad)
+            g = g * keep[:, None, :, None].to(g.dtype)
+        index = idx[:, None, :, None].expand(g.shape)
+        block.scatter_add_(2, index, g)
+
+    def per_sample(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor) -> Blocks:
+        K, B = G.shape[:2]
+        block = G.new_zeros(B, K, *module.weight.shape)  # type: ignore[misc]
+        self._scatter(module, inputs, G, block)
+        return {"weight": block}
+
+    def write(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, targets: Blocks, accumulate: bool) -> None:
+        if "weight" in targets:
+            if not accumulate:
+                targets["weight"].zero_()
+            self._scatter(module, inputs, G, targets["weight"])
+
+
+RULES: dict[type, Rule] = {nn.Embedding: EmbeddingRule()}

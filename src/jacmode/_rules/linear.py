@@ -1,0 +1,88 @@
+"""Rules for ``nn.Linear`` (any number of leading dims) and ``nn.Bilinear``-free affine maps.
+
+NOTE: [Linear blocks]
+out[..., o] = sum_i W[o, i] a[..., i] + bias[o]. With the leading dims of one sample folded into T,
+J_W[b, k] = sum_t G[k, b, t, :] (x) a[b, t, :] and J_bias[b, k] = sum_t G[k, b, t, :]. Without leading
+dims (T = 1) the weight block is a plain outer product, written into the result by one broadcast
+``torch.mul(..., out=)``; with T > 1 it is a batched matrix product.
+
+Products without the blocks (T = 1; with T > 1 they reduce ``per_sample``): the GGN diagonal
+sum_(b,k) s_bk J_W[b, k]^2 = (sum_k s_bk G[k, b]^2)^T (a[b]^2), O(B*K*(I+O)) work; the NTK block
+J_W1[b1, k1] . J_W2[b2, k2] = (G1[k1, b1] . G2[k2, b2]) * (a1[b1] . a2[b2]), and the bias block
+G1 . G2 (BackPACK's DiagGGN and neural-tangents' structured NTK for dense layers).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from .base import Blocks, Rule, batch_view, cotangent_view
+
+
+class LinearRule(Rule):
+    def _factors(self, inputs: tuple[Any, ...], G: Tensor) -> tuple[Tensor, Tensor]:
+        a = batch_view(inputs[0], G.shape[1], 1)  # (B, T, I)
+        return a, cotangent_view(G, 1)  # (K, B, T, O)
+
+    def per_sample(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor) -> Blocks:
+        a, g = self._factors(inputs, G)
+        blocks: Blocks = {}
+        if module.weight is not None:
+            if a.shape[1] == 1:
+                blocks["weight"] = g[:, :, 0].transpose(0, 1).unsqueeze(-1) * a[:, None, 0, None, :]
+            else:
+                blocks["weight"] = g.permute(1, 0, 3, 2) @ a.unsqueeze(1)
+        if module.bias is not None:
+            blocks["bias"] = g.sum(2).transpose(0, 1)
+        return blocks
+
+    def write(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, targets: Blocks, accumulate: bool) -> None:
+        a, g = self._factors(inputs, G)
+        w = targets.get("weight")
+        if w is not None and not accumulate and a.shape[1] == 1:
+            torch.mul(g[:, :, 0].transpose(0, 1).unsqueeze(-1), a[:, None, 0, None, :], out=w)
+        elif w is not None:
+            block = g.permute(1, 0, 3, 2) @ a.unsqueeze(1)
+            w.add_(block) if accumulate else w.copy_(block)
+        b = targets.get("bias")
+        if b is not None:
+            block = g[:, :, 0] if g.shape[2] == 1 else g.sum(2)
+            b.add_(block.transpose(0, 1)) if accumulate else b.copy_(block.transpose(0, 1))
+
+    def sq_sum(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, signs: Optional[Tensor]) -> Blocks:
+        """{attr: param.shape}: sum over B and K of s[b, k] * J[b, k]^2 (signs (B, K) or None: all 1)."""
+        a, g = self._factors(inputs, G)
+        if a.shape[1] != 1:
+            blocks = self.per_sample(module, inputs, G)  # (B, K, *shape)
+            s = 1.0 if signs is None else signs[..., None, None]
+            return {"weight": (blocks["weight"] ** 2 * s).sum((0, 1)), **(
+                {"bias": (blocks["bias"] ** 2 * (1.0 if signs is None else signs[..., None])).sum((0, 1))}
+                if "bias" in blocks else {})}
+        g2 = g[:, :, 0] ** 2  # (K, B, O)
+        if signs is not None:
+            g2 = g2 * signs.t()[:, :, None]
+        out: Blocks = {}
+        if module.weight is not None:
+            out["weight"] = g2.sum(0).t() @ (a[:, 0] ** 2)
+        if module.bias is not None:
+            out["bias"] = g2.sum((0, 1))
+        return out
+
+    def gram(self, module: nn.Module, inputs1: tuple[Any, ...], G1: Tensor, inputs2: tuple[Any, ...], G2: Tensor,
+             attrs: Sequence[str], trace: bool) -> Tensor:
+        """sum over ``attrs`` of J1[b1, k1] . J2[b2, k2]: (B1, B2, K1, K2), or (B1, B2) summed over k1 = k2."""
+        a1, g1 = self._factors(inputs1, G1)
+        a2, g2 = self._factors(inputs2, G2)
+        if a1.shape[1] != 1 or a2.shape[1] != 1:
+            r1, r2 = self.per_sample(module, inputs1, G1), self.per_sample(module, inputs2, G2)
+            spec = "bkp,ckp->bc" if trace else "bkp,czp->bckz"
+            return sum(torch.einsum(spec, r1[n].flatten(2), r2[n].flatten(2)) for n in attrs)  # type: ignore[return-value]
+        scale = (a1[:, 0] @ a2[:, 0].t() if "weight" in attrs else 0) + (1 if "bias" in attrs else 0)
+        gg = torch.einsum("kbo,kco->bc" if trace else "kbo,zco->bckz", g1[:, :, 0], g2[:, :, 0])
+        return gg * (scale if trace or not isinstance(scale, Tensor) else scale[:, :, None, None])
+
+
+RULES: dict[type, Rule] = {nn.Linear: LinearRule()}
