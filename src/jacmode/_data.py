@@ -8,7 +8,6 @@ the whole result (see ``_streams/``).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterable, Iterator, Optional, Union, overload
 
 import numpy as np
@@ -17,12 +16,11 @@ from torch import Tensor
 
 from . import _checks
 from ._checks import Wrt
-from ._errors import BatchError, JacmodeWarning
 from ._jacobian import jacobian
 from ._streams import collective
-from ._streams.batches import Piece, rows
-from ._streams.pages import file_backed, release
-from ._streams.rounds import Done, run_rounds
+from ._streams.batches import distributed_sampler, rows, unpack
+from ._streams.collect import into, rows_over, sum_over
+from ._streams.rounds import run_rounds
 
 Out = Union[Tensor, np.ndarray]
 
@@ -104,7 +102,7 @@ def jacobians(
     if out is None:
         return _stream(f, batches, progress, kw)
     target = _checks.check_rows_out(out)
-    _into(target, batches, lambda p, dest: _flat(jacobian(f, p.x, out=dest, **kw)), progress,
+    into(target, batches, lambda p, dest: _flat(jacobian(f, p.x, out=dest, **kw)), progress,
           "jacobians")
     return out
 
@@ -130,73 +128,76 @@ def _stream(f: Callable[[Tensor], Tensor], batches: Iterable[Any], progress: Opt
             yield from (d.value for d in done)  # type: ignore[misc]
 
 
-def _into(out: Tensor, batches: Iterable[Any], compute: Callable[[Piece, Optional[Tensor]], Tensor],
-          progress: Optional[bool], desc: str) -> None:
-    """Write per-sample results into ``out`` row by row; say which rows are final on failure."""
+
+
+# --- per_sample_grads, ntk, ggn over data sets: the thin dispatch of _products.py lands here ---
+
+def _product_checks(f: Any, batches: Any, name: str, progress: Any, **kw: Any) -> None:
+    """Validate what can be validated before the first batch is read."""
+    _checks.check_function(f)
+    _checks.check_batches(batches, name)
+    _checks.check_progress(progress)
+    opts = _checks.check_product_options(**kw)
+    _checks.check_param_selection(f, opts.param_names)
+
+
+def per_sample_grads_over(per_sample_grads: Callable[..., Any], f: Any, batches: Iterable[Any],
+                          loss: Callable[..., Tensor], *, y: Optional[Tensor], flatten: bool,
+                          progress: Optional[bool], **kw: Any) -> Union[Tensor, dict[str, Tensor]]:
+    """per_sample_grads over a data set: (N, P) rows in data set order; targets from (x, y) batches."""
+    _product_checks(f, batches, "x", progress, flatten=flatten, **kw)
+    _checks.check_loss(loss)
+    if y is not None:
+        raise ValueError("y: with a data set as x, the targets come from its (x, y) batches; "
+                         "drop y= (or yield (x, y) tuples, e.g. a DataLoader over TensorDataset(x, y)).")
+    flat = rows_over(batches, lambda xb, yb: per_sample_grads(f, xb, loss, y=yb, **kw),
+                     progress=progress, desc="per_sample_grads")
+    if flatten:
+        return flat
+    selected = _checks.check_param_selection(f, _checks.check_product_options(**kw).param_names)
+    blocks = flat.split([p.numel() for _, p in selected], dim=1)
+    return {n: t.reshape(len(flat), *p.shape) for (n, p), t in zip(selected, blocks)}
+
+
+def ggn_over(ggn: Callable[..., Tensor], f: Any, batches: Iterable[Any], loss: Any, *,
+             progress: Optional[bool], **kw: Any) -> Tensor:
+    """ggn over a data set: the sum over batches (all_reduce over ranks); targets are not needed."""
+    diagonal = kw.pop("diagonal")
+    _product_checks(f, batches, "x", progress, **kw)
+    _checks.check_ggn_loss(loss, diagonal)
+    return sum_over(batches, lambda xb, _: ggn(f, xb, loss, diagonal=diagonal, **kw),
+                    progress=progress, desc="ggn")
+
+
+def _columns(x2: Any, name: str) -> Callable[[], Iterator[Tensor]]:
+    """Every batch of the column side of a Gram matrix, re-readable, on every rank."""
     world, _ = collective.world()
-    spill = file_backed(out)
-    written = 0
-
-    def run(piece: Piece) -> Tensor:
-        if piece.start + piece.step * (piece.count - 1) >= len(out):
-            raise ValueError(f"out: has {len(out)} rows but the data set has more samples "
-                             f"(batch {piece.index} reaches row {piece.start + piece.count - 1}). "
-                             "Allocate one row per sample.")
-        dest = out[piece.start: piece.start + piece.count] if world == 1 else None
-        return compute(piece, dest)
-
-    try:
-        for done in run_rounds(batches, run, gather=world > 1, progress=progress, desc=desc):
-            for d in done:
-                view = out[rows(d.start, d.step, d.count)]
-                if d.value is not None and d.value.data_ptr() != view.data_ptr():
-                    view.copy_(d.value)
-                if spill and d.step == 1:
-                    release(view)
-                written = max(written, d.start + d.step * (d.count - 1) + 1)
-    except BatchError as err:
-        err.rows_written = written
-        raise
-    if written < len(out):
-        warnings.warn(f"out: has {len(out)} rows but the data set had {written} samples; rows "
-                      f"{written}.. were not written.", JacmodeWarning, stacklevel=3)
+    if world > 1 and distributed_sampler(x2) is not None:
+        raise ValueError(f"{name}: the columns of the kernel need every sample on every rank, but "
+                         "this DataLoader has a DistributedSampler. Pass x2 = a DataLoader over "
+                         "the same data set without the sampler.")
+    if iter(x2) is x2:
+        raise ValueError(f"{name}: a one-shot iterator cannot be read once per block of rows; "
+                         "pass a list of batches or a DataLoader.")
+    return lambda: (unpack(item, i)[0] for i, item in enumerate(x2))
 
 
-def rows_over(batches: Iterable[Any], compute: Callable[[Tensor, Optional[Tensor]], Tensor], *,
-              progress: Optional[bool], desc: str) -> Tensor:
-    """Per-sample results (B_i, ...) of every batch, stacked in the rows of the whole data set."""
-    parts: list[Done] = []
-    for done in run_rounds(batches, lambda p: compute(p.x, p.y), gather=True, progress=progress,
-                           desc=desc):
-        parts.extend(d for d in done if d.value is not None)
-    if not parts:
-        raise ValueError(f"{desc}: the data set yielded no samples; pass at least one batch.")
-    n = max(d.start + d.step * (d.count - 1) + 1 for d in parts)
-    first = parts[0].value
-    assert first is not None
-    result = first.new_empty((n, *first.shape[1:]))
-    for d in parts:
-        result[rows(d.start, d.step, d.count)] = d.value  # type: ignore[assignment]
-    return result
+def ntk_over(ntk: Callable[..., Tensor], f: Any, x1: Any, x2: Any, *, trace: bool,
+             progress: Optional[bool], **kw: Any) -> Tensor:
+    """ntk with x1 and/or x2 data sets: Gram blocks, rows of x1's batches split over ranks."""
+    method = kw.pop("method")
+    one, two = is_batches(x1), x2 is not None and is_batches(x2)
+    _product_checks(f, x1 if one else x2, "x1" if one else "x2", progress, **kw)
 
+    def block(a: Tensor, b: Tensor) -> Tensor:
+        return ntk(f, a, b, method=method, trace=trace, **kw)
 
-def sum_over(batches: Iterable[Any], compute: Callable[[Tensor, Optional[Tensor]], Tensor], *,
-             progress: Optional[bool], desc: str) -> Tensor:
-    """The sum over batches of ``compute(x, y)`` (all ranks' batches under torch.distributed)."""
-    total: Optional[Tensor] = None
-    seen: dict[str, Any] = {}
-    for done in run_rounds(batches, lambda p: compute(p.x, p.y), gather=False, progress=progress,
-                           desc=desc, seen_like=seen):
-        for d in done:
-            if d.value is not None:
-                total = d.value.clone() if total is None else total.add_(d.value)
-    world, _ = collective.world()
-    if world > 1:
-        if total is None and seen.get("like") is not None:
-            dtype, shape = seen["like"]
-            total = torch.zeros(shape, dtype=dtype)
-        if total is not None:
-            total = collective.sum_over_ranks(total)
-    if total is None:
-        raise ValueError(f"{desc}: the data set yielded no samples; pass at least one batch.")
-    return total
+    if one:
+        if x2 is not None and not two:
+            return rows_over(x1, lambda xb, _: block(xb, x2), progress=progress, desc="ntk")
+        cols = _columns(x1 if x2 is None else x2, "x1" if x2 is None else "x2")
+        return rows_over(x1, lambda xb, _: torch.cat([block(xb, c) for c in cols()], dim=1),
+                         progress=progress, desc="ntk")
+    _checks.check_input(x1, wrt="params", batched=True, name="x1")
+    k = rows_over(x2, lambda xb, _: block(xb, x1), progress=progress, desc="ntk")  # K(x2, x1)
+    return (k.transpose(0, 1) if trace else k.permute(1, 0, 3, 2)).contiguous()

@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from . import _checks
+from . import _checks, _data
 from ._checks import Options, Wrt
 from ._coupling import probe
 from ._engines import layerio, probes
@@ -57,6 +57,7 @@ def _chunk(opts: Options, per_sample_bytes: int, batch: int) -> int:
 def per_sample_grads(
     f: nn.Module, x: Tensor, loss: Callable[..., Tensor], *, y: Optional[Tensor] = None,
     wrt: Wrt = "params", flatten: bool = True, chunk_size: Optional[int] = None, max_memory: Memory = None,
+    progress: Optional[bool] = None,
 ) -> Union[Tensor, dict[str, Tensor]]:
     """Gradient of each sample's loss with respect to the parameters, without the (B, Y, P) Jacobian.
 
@@ -89,6 +90,9 @@ def per_sample_grads(
         >>> torch.allclose(g.sum(0), torch.cat([t.reshape(-1) for t in total]), atol=1e-5)
         True
     """
+    if _data.is_batches(x):  # a data set: batch by batch, rows in order (docs/datasets.md)
+        return _data.per_sample_grads_over(per_sample_grads, f, x, loss, y=y, flatten=flatten, progress=progress,
+                                           wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory, flatten)
     _checks.check_loss(loss)
     _checks.check_target(y, x.shape[0])
@@ -169,7 +173,8 @@ def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt 
 
 
 def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params", method: str = "auto",
-        trace: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None) -> Tensor:
+        trace: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
+        progress: Optional[bool] = None) -> Tensor:
     """The empirical neural tangent kernel K[b1, b2] = J(x1)_b1 J(x2)_b2^T over the parameters.
 
     Args:
@@ -200,6 +205,9 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         >>> jm.ntk(net, x1, x2, trace=True, method="products").shape
         torch.Size([4, 6])
     """
+    if _data.is_batches(x1) or _data.is_batches(x2):  # data sets: Gram blocks (docs/datasets.md)
+        return _data.ntk_over(ntk, f, x1, x2, method=method, trace=trace, progress=progress, wrt=wrt,
+                              chunk_size=chunk_size, max_memory=max_memory)
     with preserved_state(f), torch.no_grad():
         opts, selected, n_out, cov, plan = _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)
         names, params = [n for n, _ in selected], [p for _, p in selected]
@@ -229,7 +237,8 @@ def _factor(loss: Any, n_out: int) -> Callable[[Tensor], _engine.Factor]:
 
 
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
-        diagonal: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None) -> Tensor:
+        diagonal: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
+        progress: Optional[bool] = None) -> Tensor:
     """The generalised Gauss-Newton matrix sum_b J_b^T H_b J_b, or its diagonal.
 
     H_b is the Hessian of sample b's loss with respect to its output f(x_b) (Y values).
@@ -261,6 +270,9 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         >>> torch.allclose(jm.ggn(net, x, "cross_entropy", diagonal=True), G.diagonal(), atol=1e-6)
         True
     """
+    if _data.is_batches(x):  # a data set: summed batch by batch (docs/datasets.md)
+        return _data.ggn_over(ggn, f, x, loss, diagonal=diagonal, progress=progress, wrt=wrt,
+                              chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory)
     _checks.check_ggn_loss(loss, diagonal)
     names, params = [n for n, _ in selected], [p for _, p in selected]
