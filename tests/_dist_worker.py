@@ -48,6 +48,11 @@ def results() -> dict[str, torch.Tensor]:
         "sum_plain": _data.sum_over(plain, sq_sum(net), progress=False, desc="t"),
         "sum_sampled": _data.sum_over(sampled, sq_sum(net), progress=False, desc="t"),
         "rows_sampled": _data.rows_over(sampled, lambda x, y: net(x) - y, progress=False, desc="t"),
+        "ggn_diag": jm.ggn(net, plain, diagonal=True),
+        "ggn_sampled": jm.ggn(net, sampled, "cross_entropy"),
+        "psg": jm.per_sample_grads(net, sampled, lambda o, y: ((o - y) ** 2).sum(1)),
+        "ntk": jm.ntk(net, plain, [data.tensors[0][:7], data.tensors[0][7:9]]),
+        "ntk_trace": jm.ntk(net, sampled, plain, trace=True),
     }
     return res
 
@@ -86,7 +91,17 @@ def dying() -> dict[str, torch.Tensor]:
     return {}
 
 
-CASES = {"results": results, "failing": failing, "dying": dying}
+def results_then_failing() -> dict[str, torch.Tensor]:
+    """Both in one process group (one launch): the group stays usable after a BatchError."""
+    res = results()
+    try:
+        failing()
+    except jm.BatchError as err:
+        res["error"] = torch.tensor(list(str(err).encode()), dtype=torch.uint8)
+    return res
+
+
+CASES = {"results": results_then_failing, "dying": dying}
 
 
 def main(rank: int, world: int, port: int, case: str, outdir: str) -> None:
