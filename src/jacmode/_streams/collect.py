@@ -11,15 +11,20 @@ from torch import Tensor
 from .._errors import BatchError, JacmodeWarning
 from . import collective
 from .batches import Piece, rows
-from .pages import file_backed, release
+from .pages import FileWriter, file_region, release
 from .rounds import Done, run_rounds
 
 
 def into(out: Tensor, batches: Iterable[Any], compute: Callable[[Piece, Optional[Tensor]], Tensor],
-          progress: Optional[bool], desc: str) -> None:
-    """Write per-sample results into ``out`` row by row; say which rows are final on failure."""
+         progress: Optional[bool], desc: str) -> None:
+    """Write per-sample results into ``out`` row by row; say which rows are final on failure.
+
+    In one process each batch is computed straight into its rows of ``out``, or, when ``out``
+    is a memmap, into a reused buffer written to the file (see ``pages.py``).
+    """
     world, _ = collective.world()
-    spill = file_backed(out)
+    region = file_region(out)
+    writer = FileWriter(out, region) if region is not None else None
     written = 0
 
     def run(piece: Piece) -> Tensor:
@@ -27,21 +32,32 @@ def into(out: Tensor, batches: Iterable[Any], compute: Callable[[Piece, Optional
             raise ValueError(f"out: has {len(out)} rows but the data set has more samples "
                              f"(batch {piece.index} reaches row {piece.start + piece.count - 1}). "
                              "Allocate one row per sample.")
-        dest = out[piece.start: piece.start + piece.count] if world == 1 else None
-        return compute(piece, dest)
+        if world > 1:
+            return compute(piece, None)
+        if writer is None:
+            return compute(piece, out[piece.start: piece.start + piece.count])
+        return compute(piece, writer.buffer(piece.count))
 
     try:
         for done in run_rounds(batches, run, gather=world > 1, progress=progress, desc=desc):
             for d in done:
-                view = out[rows(d.start, d.step, d.count)]
-                if d.value is not None and d.value.data_ptr() != view.data_ptr():
-                    view.copy_(d.value)
-                if spill and d.step == 1:
-                    release(view)
+                if d.value is None:
+                    continue
+                if writer is not None and d.step == 1:
+                    writer.write(d.start, d.value)
+                else:
+                    view = out[rows(d.start, d.step, d.count)]
+                    if d.value.data_ptr() != view.data_ptr():
+                        view.copy_(d.value)
+                    if region is not None:
+                        release(view)
                 written = max(written, d.start + d.step * (d.count - 1) + 1)
     except BatchError as err:
         err.rows_written = written
         raise
+    finally:
+        if writer is not None:
+            writer.close()
     if written < len(out):
         warnings.warn(f"out: has {len(out)} rows but the data set had {written} samples; rows "
                       f"{written}.. were not written.", JacmodeWarning, stacklevel=3)
