@@ -90,7 +90,7 @@ class FileWriter:
         self._turn ^= 1
 
     def _pwrite(self, at: int, value: Tensor) -> None:
-        data = memoryview(value.numpy()).cast("B")
+        data = memoryview(value.numpy()).cast("B")  # type: ignore[arg-type]
         while len(data):
             n = os.pwrite(self.fd, data, at)
             data, at = data[n:], at + n
