@@ -57,12 +57,16 @@ def test_budget_below_one_direction_raises():
         jm.jacobian(mlp_1_4(), torch.randn(100, 1), wrt="params", max_memory=10)
 
 
+class OwnLinear(nn.Linear):
+    """A Linear subclass: no per-module rule."""
+
+
 class Generic(nn.Module):
-    """An MLP that is not an nn.Sequential: the generic vmap engines, not the layer-wise ones."""
+    """An MLP of layers without rules: the generic vmap engines, not the layer-wise ones."""
 
     def __init__(self, d: int, h: int, y: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d, h), nn.Tanh(), nn.Linear(h, y))
+        self.net = nn.Sequential(OwnLinear(d, h), nn.Tanh(), OwnLinear(h, y))
 
     def forward(self, x):
         return self.net(x)

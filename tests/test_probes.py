@@ -8,6 +8,7 @@ from torch import nn
 
 from jacmode._engines.probes import coverage, record
 from jacmode._rules.base import has
+from jacmode._rules.modules import rule_for
 
 torch.manual_seed(0)
 
@@ -187,4 +188,5 @@ def test_stale_input_detected_and_rules_leave_room() -> None:
     model = Mut()
     rec = record(model, torch.randn(2, 2), coverage(model, list(model.named_parameters())))
     assert rec.calls[0].stale
-    assert not has(rec.calls[0].rule, "gram")
+    assert has(rec.calls[0].rule, "gram")  # Linear defines the NTK product (issue 13); convolutions do not
+    assert not has(rule_for(nn.Conv2d(1, 1, 1)), "gram")

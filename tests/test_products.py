@@ -277,3 +277,29 @@ def test_probes_serve_every_model_but_the_tied_one(name: str) -> None:
     model, x = make(name)
     usable = layerio.usable(model, x, list(model.named_parameters()))
     assert (usable is None) == (name == "tied")
+
+
+def test_ntk_cost_fit_recovers_constants_and_regret() -> None:
+    from jacmode._planning import ntk as cost
+    from jacmode.tools import calibrate_ntk
+
+    truth = {"contraction": (1e-3, 1e-9, 2e-11, 1e-9), "products": (1e-3, 2e-9, 3e-11, 0.0),
+             "structured": (5e-4, 1e-11, 5e-11, 0.0)}
+    rows = []
+    for b, y, p, flops in [(16, 1, 100, 200.0), (64, 10, 5000, 1e4), (256, 4, 20000, 4e4), (32, 64, 3000, 6e3),
+                           (128, 2, 800, 1e5), (8, 16, 90000, 2e5)]:
+        sizes = cost.Sizes(b, b, y, p, flops, pair=float(y * y * 30 + 50))
+        times = {m: 1e3 * sum(c * f for c, f in zip(truth[m], cost.features(m, sizes))) for m in truth}
+        rows.append({"name": f"{b}", "times": times, "sizes": sizes})
+    fitted = calibrate_ntk.fit(rows)
+    for m in truth:
+        for c, t in zip(fitted[m], truth[m]):
+            assert abs(c - t) <= 1e-6 * max(t, 1e-12) + 1e-15
+    saved = dict(cost.NTK_COST)
+    try:
+        cost.NTK_COST.update(fitted)
+        assert all(ratio == pytest.approx(1.0) for *_, ratio in calibrate_ntk.regret(rows))
+    finally:
+        cost.NTK_COST.update(saved)
+    plan = cost.choose(rows[0]["sizes"], "products", 4)
+    assert plan.method == "products" and "asked for" in plan.reason

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -20,8 +20,10 @@ from torch.func import functional_call
 from . import _checks
 from ._checks import Options
 from ._coupling import probe
-from ._engines import backprop as _backprop
+from ._cache import problem_key
+from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
+from ._engines.probes import Coverage, coverage
 
 
 @dataclass
@@ -44,6 +46,9 @@ class Problem:
     random: bool = False  # random layers in training mode (dropout)
     layers: Optional[list[nn.Module]] = None  # Linear/activation stack: layer-wise fast paths
     tensors: list[Tensor] = field(default_factory=list)  # params: the selected parameters
+    model: Optional[nn.Module] = None  # params: the module
+    probes: Optional[Coverage] = None  # params: what the layer-wise probe engine covers (verified)
+    subset_fn: Optional[Callable[[list[str]], tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]]] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -121,11 +126,39 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
         fn = lambda z: functional_call(model, unflatten(z), (x,)).reshape(n_out)  # noqa: E731
     sample_fn = lambda z, xb: functional_call(model, unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
     tensors: list[Tensor] = [p for _, p in selected]
-    layers = None
-    if batched and structure == "independent" and x.is_floating_point():
-        layers = _taylor.layers_of(model, tuple(x.shape[1:]))
-        layers = layers if _backprop.applies(layers, tensors) else None
+
+    def subset_fn(wanted: list[str]) -> tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]:
+        """(flat values of the parameters ``wanted``, (z_w, x_b) -> (Y,)) for the generic engine."""
+        chosen = [(n, p) for n, p in selected if n in wanted]
+        ks, kz = [p.shape for _, p in chosen], [p.numel() for _, p in chosen]
+        zk = torch.cat([keep(p).reshape(-1) for _, p in chosen])
+
+        def one(zk: Tensor, xb: Tensor) -> Tensor:
+            values = {n: t.view(s) for (n, _), t, s in zip(chosen, zk.split(kz), ks)}
+            return functional_call(model, values, (xb.unsqueeze(0),)).reshape(n_out)
+
+        return zk, one
+
+    probes = None
+    if batched and structure == "independent" and selected and not _in_transform():
+        probes = _probe_coverage(model, x, selected, opts, random)
     return Problem(kind="params", fn=fn, z=z, batch=batch, n_in=z.numel(), n_out=n_out,
                    in_shape=(z.numel(),), out_shape=out_shape, sample_fn=sample_fn,
                    params=list(zip(names, shapes)), batched=batched, structure=structure, x=x, random=random,
-                   layers=layers, tensors=tensors)
+                   tensors=tensors, probes=probes, subset_fn=subset_fn, model=model)
+
+
+def _in_transform() -> bool:
+    """Inside a torch.func transform, where forward hooks do not see the transformed tensors."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
+                    random: bool) -> Optional[Coverage]:
+    """The verified coverage of the probe engine, or None when the generic engine runs everything."""
+    cov = coverage(model, selected)
+    if not cov.covered or (cov.uncovered and (random or opts.create_graph)):
+        return None
+    key = (*problem_key(model, x, True, "params", "independent", True), tuple(n for n, _ in selected))
+    return cov if _layerwise.verified(model, x, selected, cov, key) else None

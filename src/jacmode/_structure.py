@@ -8,7 +8,8 @@ elementwise diagonal. Forward mode fills columns n, reverse mode fills rows y.
   For an ``nn.Sequential`` of Linear layers and known activations, forward mode pushes the
   tangents layer by layer (``_forward.layerwise_columns``), the PINN networks' fast path.
 * per-sample: vmap over samples of vmap over outputs of vjp (parameters, independent samples);
-  for Linear/activation stacks, explicit layer-wise backpropagation (``_backprop``).
+  for parameters that the per-module rules cover, the layer-wise probe engine
+  (``_engines/layerwise.py``), with the generic engine for the parameters no rule covers.
 * whole-batch: the batch is one point; directions are one-hot over (b, d) or (b, y) and only the
   diagonal block of each product is kept. Exact with coupled samples. For parameters in forward
   mode, each tangent is shared by all samples and gives a whole column at once.
@@ -28,11 +29,12 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ._engines.backprop import param_jacobian
+from ._engines import layerwise
 from ._engines.forward import forward_columns, layerwise_columns
 from ._engines.reverse import per_sample_rows, reverse_rows
 from ._planning.plan import Plan
 from ._problem import Problem
+from ._rules.base import NotCovered
 from ._state import RngReplay
 
 
@@ -81,15 +83,11 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
         engine(p.fn, z, 1, seeds, lambda s, e, blk: res.keep(blk[0]), 1, rng)
         return res.target()
 
-    if plan.strategy == "per-sample" and p.layers is not None:
-        grad = torch.is_grad_enabled()
-        step_b = plan.sample_chunk or B
-        if step_b >= B:
-            return param_jacobian(p.layers, p.x, p.tensors, out, differentiable=grad)
-        flat = out if out is not None else z.new_empty(B, Y, N)  # chunks of samples: max_memory
-        for b0 in range(0, B, step_b):
-            param_jacobian(p.layers, p.x[b0 : b0 + step_b], p.tensors, flat[b0 : b0 + step_b], differentiable=grad)
-        return flat
+    if plan.strategy == "per-sample" and p.probes is not None:
+        try:
+            return _layerwise(p, plan, out)
+        except NotCovered:
+            pass  # the generic engine below, for every parameter
 
     if plan.strategy == "per-sample":
         res = _Result((B, Y, N), z, out)
@@ -110,6 +108,42 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
     else:
         engine(p.fn, z, plan.directions, seeds, place, step, rng)
     return res.target()
+
+
+def _layerwise(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
+    """Per-sample parameter Jacobian by probes and rules; the generic engine for the uncovered rest."""
+    assert p.probes is not None and p.model is not None and p.subset_fn is not None
+    B, Y, N = p.batch, p.n_out, p.n_in
+    named = [(n, t) for (n, _), t in zip(p.params, p.tensors)]
+    if torch.is_grad_enabled():  # create_graph: differentiable blocks, every parameter covered
+        flat = layerwise.blocks(p.model, p.x, named, p.probes)
+        return out.copy_(flat) if out is not None else flat
+    result = out if out is not None else p.z.new_empty(B, Y, N)
+    step_b = plan.sample_chunk or B
+    for b0 in range(0, B, step_b):  # chunks of samples: max_memory
+        layerwise.fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b])
+    rest = [n for n, _ in named if n in p.probes.uncovered]
+    if rest:
+        starts, cols = 0, []
+        for n, t in named:
+            if n in p.probes.uncovered:
+                cols.append(torch.arange(starts, starts + t.numel(), device=result.device))
+            starts += t.numel()
+        idx = torch.cat(cols)
+        zk, one = p.subset_fn(rest)
+
+        def place(b0: int, b1: int, y0: int, y1: int, blk: Tensor) -> None:
+            result[b0:b1, y0:y1, idx] = blk
+
+        try:
+            per_sample_rows(one, zk, p.x, Y, place, step_b, Y)
+        except RuntimeError:  # vmap cannot run these parameters' layers: autograd, sample by sample
+            with torch.enable_grad():
+                zg = zk.detach().requires_grad_(True)
+                for b in range(B):
+                    row = one(zg, p.x[b])
+                    place(b, b + 1, 0, Y, torch.stack([torch.autograd.grad(o, zg, retain_graph=True)[0] for o in row])[None])
+    return result
 
 
 Layout = tuple[Callable[[int, int], Tensor], Callable[[int, int, Tensor], None]]

@@ -1,1 +1,1 @@
-"""Engines: forward and reverse (mirror images), Taylor mode, nested modes, layer-wise backprop, loops, fallbacks."""
+"""Engines: forward and reverse (mirror images), Taylor mode, nested modes, layer-wise probes for parameters, loops, fallbacks."""

@@ -10,9 +10,8 @@ and NTK blocks need three reductions of the per-sample blocks J (B, K, *param):
 per-sample block is formed; otherwise, and for a module called more than once (its blocks add up
 before they are squared), they are computed here from ``per_sample``.
 
-``usable`` answers once per model and signature whether the probes account for every selected
-parameter: no uncovered parameter, and for a random v the sum over samples of the blocks equals one
-``autograd.grad`` of f(x) (this catches parameters also used outside their module).
+``usable`` says whether the probes account for every selected parameter: no uncovered parameter,
+and the completeness check of ``_engines/layerwise.py`` passes (cached per model and signature).
 """
 
 from __future__ import annotations
@@ -22,47 +21,26 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._cache import WeakCache
-from .._rules.base import Blocks, NotCovered, has
-from . import probes
+from .._cache import problem_key
+from .._rules.base import NotCovered, has
+from . import layerwise, probes
 
-_VERDICTS = WeakCache("probe completeness")
 Named = Sequence[tuple[str, Tensor]]
 
 
 def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverage]:
-    """The coverage when the probe engine serves every selected parameter, else None (cached)."""
+    """The coverage when the probe engine serves every selected parameter, else None.
+
+    Completeness is ``_engines/layerwise.py``'s check, cached per model, per-sample signature and
+    selection.
+    """
     if not x.is_floating_point() or x.shape[0] == 0:
         return None
     cov = probes.coverage(model, named)
-    if cov.uncovered:
+    if cov.uncovered or not cov.covered:
         return None
-    flags = tuple(m.training for m in model.modules())
-    key = (tuple(x.shape[1:]), x.dtype, str(x.device), tuple(n for n, _ in named), flags)
-    verdict = _VERDICTS.get(model, key)
-    if verdict is None:
-        verdict = _complete(model, x[:2], cov, named)
-        _VERDICTS.put(model, key, verdict)
-    return cov if verdict else None
-
-
-def _complete(model: nn.Module, x: Tensor, cov: probes.Coverage, named: Named) -> bool:
-    params = [p for _, p in named]
-    with torch.enable_grad():
-        rec = probes.record(model, x, cov)
-        v = torch.randn_like(rec.output)
-        full = torch.autograd.grad(rec.output, params, v, retain_graph=True, allow_unused=True)
-        try:
-            sums = {name: block.sum((0, 1)) for name, block in blocks(rec, cov, rec.pullback(v[None])).items()}
-        except NotCovered:
-            return False
-    for (name, p), ref in zip(named, full):
-        ref = torch.zeros_like(p) if ref is None else ref
-        tol = 1e-4 if p.dtype == torch.float32 else 1e-8
-        got = sums.get(name)
-        if got is None or not torch.allclose(got, ref, rtol=tol, atol=tol * (1 + float(ref.abs().max()))):
-            return False
-    return True
+    key = (*problem_key(model, x, True, "params", "products", False), tuple(n for n, _ in named))
+    return cov if layerwise.verified(model, x[:8], named, cov, key) else None
 
 
 def _names(cov: probes.Coverage) -> dict[tuple[int, str], str]:
@@ -71,7 +49,7 @@ def _names(cov: probes.Coverage) -> dict[tuple[int, str], str]:
 
 def blocks(rec: probes.Recording, cov: probes.Coverage, gs: Sequence[Tensor]) -> dict[str, Tensor]:
     """{name: (B, K, *param.shape)}, summed over the calls of each module (raises NotCovered)."""
-    names, out = _names(cov), {}
+    names, out = _names(cov), {}  # type: tuple[dict[tuple[int, str], str], dict[str, Tensor]]
     for call, g in zip(rec.calls, gs):
         if call.stale:
             raise NotCovered("a module input was modified in place after the call")

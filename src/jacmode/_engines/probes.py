@@ -117,6 +117,7 @@ class Recording:
     ) -> list[Tensor]:
         """G (K, B, *out_layer) per call for cotangents V (K, B, *out) of the output."""
         probes = [c.probe for c in self.calls]
+        retain_graph = retain_graph or create_graph
         if not probes:
             return []
         if batched and V.shape[0] > 1:
@@ -156,7 +157,7 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
     handles = [m.register_forward_hook(hook) for m in (modules if modules is not None else cov.modules)]
     try:
         with torch.enable_grad():
-            output = model(x)
+            output = model(x.clone())  # never the caller's x: the model may modify its input
     finally:
         for h in handles:
             h.remove()

@@ -31,15 +31,14 @@ def engine(p: Problem, mode: str, strategy: str) -> str:
     """Which calibrated engine runs a candidate: "forward", "reverse", or their "-layerwise" kin.
 
     Through an ``nn.Sequential`` of Linear layers and known activations, forward mode over
-    broadcast seeds pushes the tangents layer by layer (``_taylor``) and per-sample parameter
-    Jacobians are backpropagated explicitly (``_backprop``): no dual tensors, no vmap, and their
-    own measured costs.
+    broadcast seeds pushes the tangents layer by layer (``_taylor``); per-sample parameter
+    Jacobians of modules with rules run the probe engine (``_engines/layerwise.py``): no dual
+    tensors, no vmap, and their own measured costs.
     """
-    if getattr(p, "layers", None) is not None:
-        if mode == "forward" and strategy == "broadcast":
-            return "forward-layerwise"
-        if strategy == "per-sample":
-            return "reverse-layerwise"
+    if strategy == "per-sample" and getattr(p, "probes", None) is not None:
+        return "reverse-layerwise"
+    if getattr(p, "layers", None) is not None and mode == "forward" and strategy == "broadcast":
+        return "forward-layerwise"
     return mode
 
 
@@ -47,7 +46,7 @@ def pass_workspace(p: Problem, fp: Footprint, mode: str, strategy: str, k: int, 
     """Estimated workspace in bytes of one pass of k directions (over s samples, per-sample)."""
     isz = p.z.element_size()
     S = samples_per_direction(p, strategy)
-    if strategy == "per-sample":  # explicit backprop writes the blocks straight into the result
+    if strategy == "per-sample":  # the probe engine writes the blocks straight into the result
         copies = 0 if engine(p, mode, strategy) == "reverse-layerwise" else p.n_in * isz
         return workspace(mode, k=k, samples=s, act=fp.act, peak=fp.peak, per_sample=True,
                                  seed_bytes=p.n_out * isz, block_bytes=0, param_bytes=copies)

@@ -6,13 +6,14 @@ outputs per sample, P parameters and F, the flops of one forward pass per sample
 ``_planning/footprint.py``, convolutions included). With J(B) = B * Y * (F + P), the work of the
 per-sample reverse passes that form B Jacobian rows and write them,
 
-    contraction = c0 + c1 * (J(B1) + J(B2)) + c2 * B1 * B2 * Y^2 * P
-    products    = c0 + c1 * J(B1)           + c2 * B1 * Y * B2 * F
-    structured  = c0 + c1 * (B1 + B2) * Y * F + c2 * B1 * B2 * (Y^2 * sum_l (O_l + 1) + sum_l I_l)
+    contraction = c0 + c1 * (J(B1) + J(B2)) + c2 * B1 * B2 * Y^2 * P                     + c3 * R
+    products    = c0 + c1 * J(B1)           + c2 * B1 * Y * B2 * F                     + c3 * R
+    structured  = c0 + c1 * (B1 + B2) * Y * F + c2 * B1 * B2 * (Y^2 * sum_l (O_l + 1) + sum_l I_l) + c3 * R
 
 (structured: per covered Linear layer l with I_l inputs and O_l outputs; Y^2 * P_l for other
-covered layers, whose Gram blocks come from per-sample blocks). Unlike neural-tangents,
-which counts flops only, each method has its own seconds per unit (c0, c1, c2), fitted by
+covered layers, whose Gram blocks come from per-sample blocks), R = B1 * B2 * Y^2 the entries of
+the result, written (and for products transposed) once. Unlike neural-tangents, which counts
+flops only, each method has its own seconds per unit (c0, c1, c2, c3), fitted by
 ``python -m jacmode.tools.calibrate_ntk --write`` to timings on a grid of shapes (wide P, wide Y,
 deep, convolutional), since a vectorised jvp, a matrix product and a per-sample vjp run at very
 different rates. The grid, the fit and the regret of the choice are in docs/products.md.
@@ -25,11 +26,11 @@ from typing import Any, Optional
 
 from torch import nn
 
-# seconds per unit, per method: (c0, c1, c2); fitted by jacmode.tools.calibrate_ntk (1 thread)
-NTK_COST: dict[str, tuple[float, float, float]] = {
-    "contraction": (3e-4, 1.0e-9, 2.0e-11),
-    "products": (3e-4, 1.0e-9, 3.0e-10),
-    "structured": (3e-4, 1.0e-9, 1.0e-10),
+# seconds per unit, per method: (c0, c1, c2, c3); fitted by jacmode.tools.calibrate_ntk (1 thread)
+NTK_COST: dict[str, tuple[float, ...]] = {
+    "contraction": (0.00233, 1.2e-10, 1.49e-11, 0),
+    "products": (0.0017, 3.7e-10, 1.79e-11, 1.38e-08),
+    "structured": (0.00095, 3.95e-12, 5.56e-11, 0),
 }
 METHODS = ("contraction", "products", "structured")
 
@@ -46,14 +47,15 @@ class Sizes:
     pair: Optional[float] = None  # structured work per pair of samples (see pair_work); None: cannot run
 
 
-def features(method: str, s: Sizes) -> tuple[float, float, float]:
-    """The three terms (1, work of the passes, work of the products) of ``method``."""
+def features(method: str, s: Sizes) -> tuple[float, ...]:
+    """The four terms (1, work of the passes, work of the products, result entries) of ``method``."""
     jac = lambda b: b * s.y * (s.flops + s.p)  # noqa: E731
+    result = float(s.b1 * s.b2 * s.y * s.y)
     if method == "contraction":
-        return (1.0, jac(s.b1) + jac(s.b2), float(s.b1 * s.b2 * s.y * s.y * s.p))
+        return (1.0, jac(s.b1) + jac(s.b2), float(s.b1 * s.b2 * s.y * s.y * s.p), result)
     if method == "products":
-        return (1.0, jac(s.b1), float(s.b1 * s.y * s.b2) * max(s.flops, 1.0))
-    return (1.0, (s.b1 + s.b2) * s.y * max(s.flops, 1.0), float(s.b1 * s.b2 * (s.pair or 0.0)))
+        return (1.0, jac(s.b1), float(s.b1 * s.y * s.b2) * max(s.flops, 1.0), result)
+    return (1.0, (s.b1 + s.b2) * s.y * max(s.flops, 1.0), float(s.b1 * s.b2 * (s.pair or 0.0)), result)
 
 
 def estimate(method: str, s: Sizes) -> float:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Any, Optional
 
 from .._problem import Problem
 from .calibrated import COST, SPILL_BYTES
@@ -243,7 +243,7 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
         versus = f"{mode} ({_dirs(n)}) is the only mode whose smallest pass fits the memory budget"
     else:
         versus = f"{mode} ({_dirs(n)}) is the only mode f supports"
-    layerwise = p.layers is not None and (mode, strategy) in (("forward", "broadcast"), ("reverse", "per-sample"))
+    layerwise = p.layers is not None and (mode, strategy) == ("forward", "broadcast")
     extra = {
         "broadcast": "; samples are independent, so each seed is shared by all B samples",
         "per-sample": "; parameters are shared, so each sample gets its own rows",
@@ -252,6 +252,17 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
     }.get(strategy, "")
     if layerwise:
         extra += " (Linear/activation stack: propagated layer by layer, no vmap)"
+    elif strategy == "per-sample" and mode == "reverse" and p.probes is not None:
+        extra += f" ({probes_reason(p.probes)})"
     elif strategy == "per-sample":
         extra += " (vmap over samples)"
     return f"{axes}: {versus}{extra}"
+
+
+def probes_reason(cov: Any) -> str:
+    """Which parameters the layer-wise probe engine covers, and why the others take the generic one."""
+    text = f"layer-wise probes and per-module rules for {len(cov.covered)} parameter tensors, no vmap"
+    if cov.uncovered:
+        rest = "; ".join(f"{n}: {why}" for n, why in cov.uncovered.items())
+        text += f"; vmap over samples for {rest}"
+    return text

@@ -184,6 +184,38 @@ def params_autograd_jacobian(model: nn.Module, x: Tensor) -> Tensor:
     return _concat(torch.autograd.functional.jacobian(batch_out, tuple(params.values()), vectorize=True))
 
 
+def params_hand_rule(model: nn.Module, x: Tensor) -> Tensor:
+    """The floor: problem 1's Jacobian derived by hand for exactly this model (fc1 -> ReLU -> fc2).
+
+    out = W2 relu(W1 x + b1) + b2, so per sample b and output y: d/dW2[o, i] = [o = y] r[b, i],
+    d/db2 = e_y, d/db1 = W2[y] * relu'(h[b]) =: g[b, y], d/dW1 = g[b, y] (x) x[b]; written into one
+    preallocated (B, Y, P) tensor.
+    """
+    fc1, fc2 = cast(nn.Linear, model.fc1), cast(nn.Linear, model.fc2)
+    with torch.no_grad():
+        h = fc1(x)
+        r = torch.relu(h)
+        B, H, D, Y = x.shape[0], h.shape[1], x.shape[1], int(fc2.out_features)
+        J = x.new_empty(B, Y, H * D + H + Y * H + Y)
+        g = fc2.weight * (h > 0).to(x.dtype).unsqueeze(1)  # (B, Y, H)
+        torch.mul(g.unsqueeze(-1), x[:, None, None, :], out=J[..., : H * D].view(B, Y, H, D))
+        J[..., H * D : H * D + H] = g
+        w2 = J[..., H * D + H : H * D + H + Y * H].view(B, Y, Y, H)
+        w2.zero_()
+        w2.diagonal(dim1=1, dim2=2).copy_(r.unsqueeze(-1).expand(B, H, Y))
+        b2 = J[..., H * D + H + Y * H :]
+        b2.zero_()
+        b2.diagonal(dim1=1, dim2=2).fill_(1)
+    return J
+
+
+def allocate_fill(model: nn.Module, x: Tensor) -> Tensor:
+    """The memory floor of any method: allocate a tensor of the (B, Y, P) result and fill it."""
+    n_out = model(x[:1]).numel()
+    n_params = sum(p.numel() for p in model.parameters())
+    return x.new_empty(x.shape[0], n_out, n_params).fill_(1.0)
+
+
 def _jacmode_params(mode: str) -> Method:
     def method(model: nn.Module, x: Tensor) -> Tensor:
         return cast(Tensor, jm.jacobian(model, x, wrt="params", mode=mode))

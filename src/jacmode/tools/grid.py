@@ -8,10 +8,15 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .._rules.modules import RULES
+
 
 class _MeanTokens(nn.Module):
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h.mean(dim=-2)
+
+
+_BLIND: dict[type, type] = {}
 
 
 class _Opaque(nn.Module):
@@ -20,6 +25,9 @@ class _Opaque(nn.Module):
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
         self.net = net
+        for m in net.modules():  # subclasses have no per-module rule: no layer-wise probes either
+            if type(m) in RULES:
+                m.__class__ = _BLIND.setdefault(type(m), type("Opaque" + type(m).__name__, (type(m),), {}))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
