@@ -98,6 +98,11 @@ def results_then_failing() -> dict[str, torch.Tensor]:
         failing()
     except jm.BatchError as err:
         res["error"] = torch.tensor(list(str(err).encode()), dtype=torch.uint8)
+    net, data = problem()
+    try:  # a sum: the ranks work apart, then one status exchange
+        jm.ggn(net, DataLoader(_Flaky(*data.tensors), batch_size=4), diagonal=True)
+    except jm.BatchError as err:
+        res["sum_error"] = torch.tensor(list(str(err).encode()), dtype=torch.uint8)
     return res
 
 

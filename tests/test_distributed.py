@@ -65,6 +65,8 @@ def test_two_ranks_return_what_one_process_returns_and_fail_together(tmp_path: o
         assert error.startswith("batch 3 on rank 1 failed: " + (
             "OSError: unreadable sample 12" if r == 1 else "an error on rank 1 (see its traceback)"))
         assert "out= holds final values in rows 0..7; later rows do not" in error
+        error = bytes(got.pop("sum_error").tolist()).decode()
+        assert error.startswith("batch 3 on rank 1 failed: ")
         assert set(got) == set(one)
         for key in one:
             torch.testing.assert_close(got[key], one[key], rtol=1e-10, atol=1e-12, msg=key)

@@ -32,7 +32,7 @@ def into(out: Tensor, batches: Iterable[Any], compute: Callable[[Piece, Optional
             raise ValueError(f"out: has {len(out)} rows but the data set has more samples "
                              f"(batch {piece.index} reaches row {piece.start + piece.count - 1}). "
                              "Allocate one row per sample.")
-        if world > 1:
+        if world > 1 or piece.x.device != out.device:  # gathered, or a GPU model and CPU out=
             return compute(piece, None)
         if writer is None:
             return compute(piece, out[piece.start: piece.start + piece.count])
@@ -43,12 +43,13 @@ def into(out: Tensor, batches: Iterable[Any], compute: Callable[[Piece, Optional
             for d in done:
                 if d.value is None:
                     continue
+                value = d.value.to(out.device)
                 if writer is not None and d.step == 1:
-                    writer.write(d.start, d.value)
+                    writer.write(d.start, value)
                 else:
                     view = out[rows(d.start, d.step, d.count)]
-                    if d.value.data_ptr() != view.data_ptr():
-                        view.copy_(d.value)
+                    if value.data_ptr() != view.data_ptr():
+                        view.copy_(value)
                     if region is not None:
                         release(view)
                 written = max(written, d.start + d.step * (d.count - 1) + 1)

@@ -62,7 +62,7 @@ def status_row(status: int, batch: int, start: int, step: int, count: int,
 def like(table: list[list[int]]) -> Optional[tuple[torch.dtype, list[int]]]:
     """Dtype and shape of the values in a round's table, from any rank that has one."""
     for row in table:
-        if row[0] == OK and row[6] > 0 and row[5] >= 0:
+        if row[6] > 0 and row[5] >= 0:
             return DTYPES[row[5]], row[7:7 + row[6]]
     return None
 
