@@ -185,18 +185,29 @@ def test_product_arguments_are_checked_before_reading_data(problem) -> None:
 # --- progress bar ---
 
 def test_progress_shows_samples_per_second_or_nothing(problem, capsys, monkeypatch) -> None:
+    pytest.importorskip("tqdm")
     net, x, _ = problem
     jm.ggn(net, x.split(5), diagonal=True, progress=True)
     err = capsys.readouterr().err
     assert "ggn: 100%" in err and "23/23" in err and "samples/s" in err
     jm.ggn(net, x.split(5), diagonal=True)  # stderr is not a terminal here
+    jm.ggn(net, x.split(5), diagonal=True, progress=False)
     assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    list(jm.jacobians(net, x.split(5)))  # None on a terminal: the bar
+    assert "jacobians: 100%" in capsys.readouterr().err
+
+
+def test_progress_without_tqdm(problem, capsys, monkeypatch) -> None:
+    net, x, _ = problem
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with pytest.raises(ImportError, match=r"progress=True needs tqdm.*pip install 'jacmode\[progress\]'"):
         jm.ggn(net, x.split(5), diagonal=True, progress=True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jm.ggn(net, x.split(5), diagonal=True)  # None: silently no bar
+        jm.ggn(net, x.split(5), diagonal=True)  # None on a terminal without tqdm: no bar, no noise
+    assert capsys.readouterr().err == ""
 
 
 # --- the split by rank, without a process group ---

@@ -33,5 +33,5 @@ def progress_bar(progress: Optional[bool], total: Optional[int], desc: str, rank
         return _Silent()
     if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
         return _Silent()
-    return tqdm(total=total, desc=desc, unit=" samples", dynamic_ncols=True,
+    return tqdm(total=total, desc=desc, unit=" samples",
                 file=sys.stderr)
