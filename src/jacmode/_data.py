@@ -73,7 +73,9 @@ def jacobians(
         out: (N, Y, P) with N the number of samples, for ``wrt`` parameters.
         progress: None shows a tqdm bar (samples per second) when stderr is a terminal, True
             always (needs tqdm: ``pip install 'jacmode[progress]'``), False never.
-        mode, chunk_size, max_memory: as in :func:`jacmode.jacobian`, per batch.
+        mode: as in :func:`jacmode.jacobian`, for each batch.
+        chunk_size: as in :func:`jacmode.jacobian`, for each batch.
+        max_memory: as in :func:`jacmode.jacobian`, for each batch.
 
     Returns:
         Without ``out``: an iterator of (B_i, Y, P) tensors, one per batch (under

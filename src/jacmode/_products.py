@@ -67,7 +67,8 @@ def per_sample_grads(
 
     Args:
         f: the model, an ``nn.Module`` mapping x (B, *in) to (B, *out).
-        x: the batch, shape (B, *in); samples must be independent.
+        x: the batch, shape (B, *in); samples must be independent. Or a data set (an iterable of
+            (x, y) batches, y then taken from it): rows in order (see docs/datasets.md).
         loss: ``loss(out)``, or ``loss(out, y)`` when ``y`` is given, mapping f(x) (B, *out) to
             per-sample losses (B,) (no reduction over the batch).
         y: targets, one row per sample, passed to ``loss``.
@@ -75,6 +76,7 @@ def per_sample_grads(
         flatten: False returns a dict name -> (B, *param.shape).
         chunk_size: samples per vectorised pass of the generic engine.
         max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
+        progress: for a data set, None shows a progress bar on a terminal, True always, False never.
 
     Returns:
         (B, P), the parameters flattened and concatenated in ``named_parameters()`` order.
@@ -180,6 +182,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
     Args:
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
         x1: the first batch, (B1, *in). x2: the second batch, (B2, *in); None for x1 itself.
+            Either may be a data set (an iterable of batches): the kernel in blocks, rows by
+            x1's batches (see docs/datasets.md).
         wrt: "params" or a list of parameter names (the kernel of that subset).
         method: "contraction" (Jacobian blocks multiplied chunk by chunk), "products" (rows of
             J(x1) pushed forward through f(x2): no Jacobian of x2), "structured" (per Linear
@@ -188,6 +192,7 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         trace: sum over the output diagonal: K[b1, b2] = sum_y J(x1)_b1y . J(x2)_b2y.
         chunk_size: samples per Jacobian block (contraction, products).
         max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
+        progress: for data sets, None shows a progress bar on a terminal, True always, False never.
 
     Returns:
         (B1, B2, Y, Y), or (B1, B2) with ``trace=True``.
@@ -245,7 +250,8 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
 
     Args:
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
-        x: the batch, (B, *in).
+        x: the batch, (B, *in), or a data set (an iterable of batches): summed over its batches
+            (see docs/datasets.md).
         loss: "mse" (per-sample loss 0.5 * ||f(x_b) - y_b||^2, H = I), "cross_entropy" (softmax
             over the Y outputs, H = diag(p) - p p^T with p = softmax(f(x_b))), or a callable
             mapping f(x) to the per-sample Hessians (B, Y, Y). The targets do not enter H.
@@ -253,6 +259,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         diagonal: return the diagonal (P,) without ever forming (P, P).
         chunk_size: samples per Jacobian block of the generic engine.
         max_memory: workspace budget in bytes or as "2GB"; the full (P, P) matrix must fit it.
+        progress: for a data set, None shows a progress bar on a terminal, True always, False never.
 
     Returns:
         (P, P), or (P,) with ``diagonal=True``; summed over samples, not averaged.
