@@ -236,3 +236,20 @@ def test_splits_that_would_be_wrong_are_refused() -> None:
     with pytest.raises(ValueError, match="a shuffling DataLoader yields a different order on every rank"):
         check_split(DataLoader(data, shuffle=True), 2, 0)
     check_split(DataLoader(data, shuffle=True), 1, 0)
+
+
+def test_the_worked_example_runs_in_one_process(capsys) -> None:
+    """examples/datasets_distributed.py without torchrun: one process, the same code path."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "datasets_distributed.py"
+    spec = importlib.util.spec_from_file_location("datasets_distributed", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    res = module.main(samples=300, batch_size=100, progress=False)
+    assert res["ggn_diag"].shape == (15910,) and res["grads"].shape == (300, 15910)
+    assert res["ntk_trace"].shape == (300, 50)
+    assert "1 process(es), 1 thread(s) each: ggn diagonal over 300 samples" in capsys.readouterr().out
+    torch.set_num_threads(1)
