@@ -253,3 +253,13 @@ def test_the_worked_example_runs_in_one_process(capsys) -> None:
     assert res["ntk_trace"].shape == (300, 50)
     assert "1 process(es), 1 thread(s) each: ggn diagonal over 300 samples" in capsys.readouterr().out
     torch.set_num_threads(1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_model_streams_into_a_cpu_memmap(problem, tmp_path) -> None:
+    net, x, y = problem
+    ref = ref_param_jacobian(net, x)
+    mm = np.lib.format.open_memmap(str(tmp_path / "J.npy"), mode="w+", dtype=np.float64, shape=tuple(ref.shape))
+    jm.jacobians(net.cuda(), DataLoader(TensorDataset(x.cuda(), y.cuda()), batch_size=4), out=mm)
+    torch.testing.assert_close(torch.from_numpy(np.array(mm)), ref, rtol=1e-9, atol=1e-11)
+    torch.testing.assert_close(jm.ggn(net, [x.cuda()], diagonal=True).cpu(), jm.ggn(net.cpu(), x, diagonal=True))
