@@ -32,4 +32,6 @@ def test_readme_python_blocks_run() -> None:
         exec(compile(block, "README.md", "exec"), namespace)
     assert namespace["dydt"].shape == (100_000, 4)
     assert namespace["J"].shape == (64, 10, 15910)
+    assert namespace["grads"].shape == (512, 15910) and namespace["diag"].shape == (15910,)
+    assert namespace["K"].shape == (256, 256, 10, 10)
     assert namespace["u_xx"].shape == (10_000, 1) and namespace["d4"].shape == (100_000, 4)

@@ -62,6 +62,30 @@ class Twice(nn.Module):
         return self.fc(torch.tanh(self.fc(x)))
 
 
+class Gate(nn.Module):
+    """A custom layer with a parameter: no per-sample rule."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.scale)
+
+
+class Mixed(nn.Module):
+    """A custom layer between Linear layers: probes and the generic engine together."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(3, 5)
+        self.act = Gate(5)
+        self.fc2 = nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
 def _mlp() -> nn.Module:
     return MLP(12, 5, 3)
 
@@ -72,6 +96,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "cnn": (Cnn, (1, 5, 5)),
     "tied": (Tied, (4,)),
     "twice": (Twice, (3,)),
+    "mixed": (Mixed, (3,)),
 }
 
 
@@ -130,7 +155,7 @@ def ref_ntk(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tenso
 def test_ntk_every_method(name: str, method: str) -> None:
     model, x1 = make(name, batch=3)
     x2 = torch.randn(4, *x1.shape[1:], dtype=x1.dtype)
-    if method == "structured" and name == "tied":
+    if method == "structured" and name in ("tied", "mixed"):
         with pytest.raises(ValueError, match="per-layer rule"):
             jm.ntk(model, x1, x2, method=method)
         return
@@ -277,6 +302,7 @@ def test_probes_serve_every_model_but_the_tied_one(name: str) -> None:
     model, x = make(name)
     usable = layerio.usable(model, x, list(model.named_parameters()))
     assert (usable is None) == (name == "tied")
+    assert usable is None or bool(usable.uncovered) == (name == "mixed")
 
 
 def test_ntk_cost_fit_recovers_constants_and_regret() -> None:
@@ -303,3 +329,22 @@ def test_ntk_cost_fit_recovers_constants_and_regret() -> None:
         cost.NTK_COST.update(saved)
     plan = cost.choose(rows[0]["sizes"], "products", 4)
     assert plan.method == "products" and "asked for" in plan.reason
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu() -> None:
+    model, x = make("cnn", batch=6)
+    loss = lambda out: (out**2).sum(1)  # noqa: E731
+    gpu = make("cnn", batch=6)[0].cuda()
+    torch.testing.assert_close(jm.per_sample_grads(gpu, x.cuda(), loss).cpu(), jm.per_sample_grads(model, x, loss))
+    for method in ("contraction", "products", "structured"):
+        torch.testing.assert_close(jm.ntk(gpu, x.cuda(), method=method).cpu(), jm.ntk(model, x, method=method))
+    torch.testing.assert_close(jm.ggn(gpu, x.cuda(), "cross_entropy", diagonal=True).cpu(),
+                               jm.ggn(model, x, "cross_entropy", diagonal=True))
+
+
+def test_ntk_contraction_within_a_small_budget_recomputes_blocks() -> None:
+    model, x1 = make("residual", batch=5)
+    x2 = torch.randn(3, 4, dtype=x1.dtype)
+    got = jm.ntk(model, x1, x2, method="contraction", max_memory="6KB", chunk_size=2)  # J(x2) > budget / 2
+    torch.testing.assert_close(got, ref_ntk(model, x1, x2))

@@ -23,6 +23,7 @@ from ._engines import ntk as _ntk
 from ._engines import products as _engine
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
+from ._problem import _has_random_layers
 from ._planning.memory import available_bytes
 from ._rules.base import NotCovered
 from ._state import preserved_state
@@ -48,10 +49,10 @@ def _budget(opts: Options, device: torch.device) -> int:
     return opts.max_memory if opts.max_memory is not None else available_bytes(device) // 2
 
 
-def _chunk(opts: Options, per_sample_bytes: int, batch: int) -> int:
+def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.device = torch.device("cpu")) -> int:
     if opts.chunk_size is not None:
         return opts.chunk_size
-    return max(1, min(batch, _budget(opts, torch.device("cpu")) // max(1, 4 * per_sample_bytes)))
+    return max(1, min(batch, _budget(opts, device) // max(1, 4 * per_sample_bytes)))
 
 
 def per_sample_grads(
@@ -110,14 +111,21 @@ def per_sample_grads(
     with preserved_state(f), torch.no_grad():
         _out_shape(f, x)
         cov = layerio.usable(f, x, selected)
-        flat = None
+        if cov is not None and cov.uncovered and _has_random_layers(f):
+            cov = None  # two passes would draw two dropout masks
+        cols = _engine.columns(selected)
+        flat = x.new_empty(batch, n_params)
+        rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
-            with contextlib.suppress(NotCovered):
-                flat = _engine.per_sample_grads_layers(f, cov, x, losses, selected)
-        if flat is None:
+            try:
+                _engine.per_sample_grads_layers(f, cov, x, losses, selected, flat)
+            except NotCovered:
+                rest = selected
+        if rest:
             head = f(x[:1])
             _checks.check_losses(loss(head) if y is None else loss(head, y[:1]), 1)
-            flat = _engine.per_sample_grads_generic(f, x, y, loss, names, params, _chunk(opts, 4 * n_params, batch))
+            n_rest = sum(p.numel() for _, p in rest)
+            _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch, x.device))
     if flatten:
         return flat
     sizes = [p.numel() for p in params]
@@ -134,6 +142,7 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     if x2 is not None:
         _out_shape(f, x2)
     cov = layerio.usable(f, x1, selected)
+    cov = None if cov is None or cov.uncovered else cov
     if method == "structured" and cov is None:
         why = "; ".join(f"{n}: {r}" for n, r in list(probes.coverage(f, selected).uncovered.items())[:3])
         raise ValueError(
@@ -150,7 +159,7 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
     _checks.check_fits(result, _budget(opts, x1.device), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
                        "Pass trace=True, smaller batches, or a larger max_memory.")
-    chunk = _chunk(opts, n_out * n_params * item, max(x1.shape[0], b2))
+    chunk = _chunk(opts, n_out * n_params * item, max(x1.shape[0], b2), x1.device)
     return opts, selected, n_out, cov, _ntk_plan.choose(sizes, method, chunk)
 
 
@@ -222,23 +231,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         second = x1 if x2 is None else x2
         if plan.method == "products":
             return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
-        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, True, max_memory)
-
-
-def _factor(loss: Any, n_out: int) -> Callable[[Tensor], _engine.Factor]:
-    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T."""
-    def factor(out: Tensor) -> _engine.Factor:
-        flat = out.reshape(out.shape[0], n_out)
-        if loss == "mse":
-            return torch.eye(n_out, dtype=out.dtype, device=out.device).expand(out.shape[0], n_out, n_out), None
-        if loss == "cross_entropy":  # H = diag(p) - p p^T = L L^T, L = diag(sqrt p) - p sqrt(p)^T
-            p = torch.softmax(flat, dim=1)
-            s = p.sqrt()
-            return torch.diag_embed(s) - p[:, :, None] * s[:, None, :], None
-        h = _checks.check_hessians(loss(out), out.shape[0], n_out)
-        values, vectors = torch.linalg.eigh(0.5 * (h + h.transpose(1, 2)))
-        return vectors * values.abs().sqrt()[:, None, :], torch.sign(values)
-    return factor
+        keep = second.shape[0] * n_out * sum(p.numel() for p in params) * 4 <= _budget(opts, x1.device) // 2
+        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, keep, max_memory)
 
 
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
@@ -282,7 +276,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
                               chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory)
     _checks.check_ggn_loss(loss, diagonal)
-    names, params = [n for n, _ in selected], [p for _, p in selected]
+    params = [p for _, p in selected]
     n_params = sum(p.numel() for p in params)
     item = x.new_empty(0, dtype=params[0].dtype).element_size()
     if not diagonal:
@@ -290,10 +284,24 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
                            "Pass diagonal=True for the diagonal (P,), select fewer parameters with wrt=[...], or raise max_memory.")
     with preserved_state(f), torch.no_grad():
         n_out = math.prod(_out_shape(f, x))
-        factor = _factor(loss, n_out)
+        factor = _engine.factor_for(loss, n_out)
         cov = layerio.usable(f, x, selected) if diagonal else None
+        rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
+        result: Optional[Tensor] = None
         if cov is not None:
-            with contextlib.suppress(NotCovered):
-                return _engine.ggn_diagonal_layers(f, cov, x, factor, selected)
-        chunk = _chunk(opts, n_out * n_params * item, x.shape[0])
-        return _engine.ggn_generic(f, x, factor(f(x)), names, n_params, diagonal, chunk, max_memory)
+            try:
+                result = _engine.ggn_diagonal_layers(f, cov, x, factor, selected)
+            except NotCovered:
+                rest = selected
+        if not rest and result is not None:
+            return result
+        n_rest = sum(p.numel() for _, p in rest)
+        chunk = _chunk(opts, n_out * n_rest * item, x.shape[0], x.device)
+        part = _engine.ggn_generic(f, x, factor(f(x)), [n for n, _ in rest], n_rest, diagonal, chunk, max_memory)
+        if result is None or len(rest) == len(selected):
+            return part
+        cols = _engine.columns(selected)
+        for (name, _), (lo, n) in zip(rest, _engine.columns(rest).values()):
+            result[cols[name][0]:cols[name][0] + n] = part[lo:lo + n]
+        return result
+

@@ -10,8 +10,9 @@ and NTK blocks need three reductions of the per-sample blocks J (B, K, *param):
 per-sample block is formed; otherwise, and for a module called more than once (its blocks add up
 before they are squared), they are computed here from ``per_sample``.
 
-``usable`` says whether the probes account for every selected parameter: no uncovered parameter,
-and the completeness check of ``_engines/layerwise.py`` passes (cached per model and signature).
+``usable`` says which selected parameters the probes serve (the completeness check of
+``_engines/layerwise.py`` must pass, cached per model and signature); the callers run the generic
+engine for the others (per-sample gradients, GGN diagonal) or for everything (NTK).
 """
 
 from __future__ import annotations
@@ -29,15 +30,15 @@ Named = Sequence[tuple[str, Tensor]]
 
 
 def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverage]:
-    """The coverage when the probe engine serves every selected parameter, else None.
+    """The probe engine's coverage (``uncovered`` may be non-empty), or None when it serves nothing.
 
-    Completeness is ``_engines/layerwise.py``'s check, cached per model, per-sample signature and
-    selection.
+    Completeness of the covered parameters is ``_engines/layerwise.py``'s check, cached per model,
+    per-sample signature and selection.
     """
     if not x.is_floating_point() or x.shape[0] == 0:
         return None
     cov = probes.coverage(model, named)
-    if cov.uncovered or not cov.covered:
+    if not cov.covered:
         return None
     key = (*problem_key(model, x, True, "params", "products", False), tuple(n for n, _ in named))
     return cov if layerwise.verified(model, x[:8], named, cov, key) else None
@@ -98,7 +99,7 @@ def gram(first: tuple[probes.Recording, Sequence[Tensor]], second: tuple[probes.
             c2, g2 = by_module[id(c1.module)]
             attrs = [a for a in c1.rule.attrs if (id(c1.module), a) in names]
             part = c1.rule.gram(c1.module, c1.inputs, g1, c2.inputs, g2, attrs, trace)  # type: ignore[attr-defined]
-            total = part if total is None else total + part
+            total = part.contiguous() if total is None else total.add_(part)
     if not fast or any(not has(c.rule, "gram") for c in rec1.calls):
         keep = [i for i, c in enumerate(rec1.calls) if not (fast and has(c.rule, "gram"))]
         b1 = blocks(probes.Recording(rec1.output, [rec1.calls[i] for i in keep]), cov, [gs1[i] for i in keep])
@@ -106,6 +107,6 @@ def gram(first: tuple[probes.Recording, Sequence[Tensor]], second: tuple[probes.
         for name, r1 in b1.items():
             r1, r2 = r1.flatten(2), b2[name].flatten(2)
             part = torch.einsum("bkp,ckp->bc" if trace else "bkp,czp->bckz", r1, r2)
-            total = part if total is None else total + part
+            total = part.contiguous() if total is None else total.add_(part)
     assert total is not None
     return total

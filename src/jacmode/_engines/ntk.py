@@ -44,10 +44,14 @@ def _empty(x1: Tensor, b2: int, y: int, trace: bool) -> Tensor:
 
 def contraction(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], n_out: int,
                 trace: bool, chunk: int, keep_second: bool, max_memory: Any) -> Tensor:
-    """K from Jacobian blocks; the second batch's blocks are kept if ``keep_second``, else redone."""
+    """K from Jacobian blocks; the second batch's blocks are kept if ``keep_second``, else redone.
+
+    With ``x2 is x1`` and kept blocks, each block is formed once.
+    """
     result = _empty(x1, x2.shape[0], n_out, trace)
     second = list(_jacobians(model, x2, names, chunk, max_memory)) if keep_second else None
-    for b0, j1 in _jacobians(model, x1, names, chunk, max_memory):
+    first = second if second is not None and x2 is x1 else _jacobians(model, x1, names, chunk, max_memory)
+    for b0, j1 in first:
         for c0, j2 in second if second is not None else _jacobians(model, x2, names, chunk, max_memory):
             b1, c1 = b0 + j1.shape[0], c0 + j2.shape[0]
             if trace:

@@ -5,14 +5,16 @@ Per-sample gradients are J_b^T g_b with g_b = d loss_b / d f(x_b): for covered l
 ``_engines/layerio.py``) one forward pass and one reverse pass of sum_b loss_b give each layer's
 cotangent G (B, O) (samples are independent, so row b only depends on loss_b), and the weight
 gradient of sample b is G_b (x) a_b, written straight into its slice of the (B, P) result
-(Opacus's method). Otherwise ``vmap(grad)`` of the per-sample loss over ``functional_call``.
+(Opacus's method). The parameters no rule covers get ``vmap(grad)`` of the per-sample loss over
+``functional_call`` (their columns only; all of them when dropout is on, so that one mask is drawn).
 
 The GGN is sum_b J_b^T H_b J_b with H_b = L_b S_b L_b^T (a factor with K columns and signs S = +-1:
 the identity for MSE, diag(sqrt p) - p sqrt(p)^T for softmax cross-entropy, an eigendecomposition
 for a callable). Its diagonal is sum_{b,k} s_bk (J_b^T l_bk)^2; for a Linear layer that is
 (sum_k s G_k^2)^T (a^2) per weight, O(B*K*(I+O)) work and O(P) memory beyond one reverse pass of K
 cotangents. The generic route forms J (B_chunk, Y, P) with :func:`jacmode.jacobian`, chunk by chunk,
-multiplies by L and accumulates squares (diagonal) or (JL)^T S (JL) (full matrix).
+multiplies by L and accumulates squares (diagonal) or (JL)^T S (JL) (full matrix); for the diagonal
+it only runs for the parameters the probes do not cover.
 """
 
 from __future__ import annotations
@@ -23,13 +25,31 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from .._checks import check_hessians
 from .._rules.base import NotCovered
 from . import layerio, probes
 
 Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
 
 
-def _offsets(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
+def factor_for(loss: Any, n_out: int) -> Callable[[Tensor], Factor]:
+    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T."""
+    def factor(out: Tensor) -> Factor:
+        flat = out.reshape(out.shape[0], n_out)
+        if loss == "mse":
+            return torch.eye(n_out, dtype=out.dtype, device=out.device).expand(out.shape[0], n_out, n_out), None
+        if loss == "cross_entropy":  # H = diag(p) - p p^T = L L^T, L = diag(sqrt p) - p sqrt(p)^T
+            p = torch.softmax(flat, dim=1)
+            s = p.sqrt()
+            return torch.diag_embed(s) - p[:, :, None] * s[:, None, :], None
+        h = check_hessians(loss(out), out.shape[0], n_out)
+        values, vectors = torch.linalg.eigh(0.5 * (h + h.transpose(1, 2)))
+        return vectors * values.abs().sqrt()[:, None, :], torch.sign(values)
+    return factor
+
+
+def columns(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
+    """name -> (first column, number of columns) in the flat (., P) layout."""
     offsets, start = {}, 0
     for name, p in named:
         offsets[name] = (start, p.numel())
@@ -37,9 +57,12 @@ def _offsets(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
     return offsets
 
 
-def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
-                            losses: Callable[[Tensor], Tensor], named: Sequence[tuple[str, Tensor]]) -> Tensor:
-    """(B, P) per-sample gradients from one probed forward and one reverse pass (raises NotCovered)."""
+def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, losses: Callable[[Tensor], Tensor],
+                            named: Sequence[tuple[str, Tensor]], result: Tensor) -> None:
+    """Write the covered columns of the (B, P) ``result``: one probed forward, one reverse pass.
+
+    Raises NotCovered (nothing usable written) when a recorded input went stale.
+    """
     with torch.enable_grad():
         rec = probes.record(model, x, cov)
         loss = losses(rec.output)
@@ -47,38 +70,37 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
         gs = rec.pullback(g_out.unsqueeze(0))
     if any(c.stale for c in rec.calls):
         raise NotCovered("a module input was modified in place after the call")
-    offsets, batch = _offsets(named), x.shape[0]
-    result = x.new_empty(batch, sum(p.numel() for _, p in named))
-    views = {name: result[:, lo:lo + n].view(batch, 1, *p.shape) for (name, p), (lo, n) in zip(named, offsets.values())}
+    batch, cols = x.shape[0], columns(named)
+    views = {name: result[:, cols[name][0]:sum(cols[name])].view(batch, 1, *p.shape)
+             for name, p in named if name in cov.covered}
     names = {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
     written: set[str] = set()
     for call, g in zip(rec.calls, gs):
         for attr in call.rule.attrs:
             name = names.get((id(call.module), attr))
-            if name is not None:
+            if name in views:
                 call.rule.write(call.module, call.inputs, g, {attr: views[name]}, name in written)
                 written.add(name)
     for name in set(views) - written:  # a covered module that this input never reached
         views[name].zero_()
-    return result
 
 
 def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., Tensor],
-                             names: Sequence[str], params: Sequence[Tensor], chunk: int) -> Tensor:
-    """(B, P) per-sample gradients by ``vmap(grad)`` of the per-sample loss, ``chunk`` samples a pass."""
+                             named: Sequence[tuple[str, Tensor]], cols: dict[str, tuple[int, int]],
+                             result: Tensor, chunk: int) -> None:
+    """Write the columns of ``named`` in the (B, P) ``result`` by ``vmap(grad)`` of the per-sample loss."""
     def one(p: dict[str, Tensor], xb: Tensor, yb: Optional[Tensor]) -> Tensor:
         out = functional_call(model, p, (xb.unsqueeze(0),))
         value = loss(out) if yb is None else loss(out, yb.unsqueeze(0))
         return value.reshape(())
 
-    primal = {n: p.detach() for n, p in zip(names, params)}
+    primal = {n: p.detach() for n, p in named}
     step = vmap(grad(one), in_dims=(None, 0, None if y is None else 0), randomness="different")
-    rows = []
     for b0 in range(0, x.shape[0], chunk):
-        yb = None if y is None else y[b0:b0 + chunk]
-        g = step(primal, x[b0:b0 + chunk], yb)
-        rows.append(torch.cat([g[n].reshape(g[n].shape[0], -1) for n in names], dim=1))
-    return torch.cat(rows) if rows else x.new_zeros(0, sum(p.numel() for p in params))
+        g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
+        for n in primal:
+            lo, size = cols[n]
+            result[b0:b0 + chunk, lo:lo + size] = g[n].reshape(g[n].shape[0], size)
 
 
 def ggn_diagonal_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,

@@ -28,9 +28,9 @@ from torch import nn
 
 # seconds per unit, per method: (c0, c1, c2, c3); fitted by jacmode.tools.calibrate_ntk (1 thread)
 NTK_COST: dict[str, tuple[float, ...]] = {
-    "contraction": (0.00233, 1.2e-10, 1.49e-11, 0),
-    "products": (0.0017, 3.7e-10, 1.79e-11, 1.38e-08),
-    "structured": (0.00095, 3.95e-12, 5.56e-11, 0),
+    "contraction": (0.00145, 1.48e-10, 1.46e-11, 0),
+    "products": (0.00141, 3.89e-10, 1.48e-11, 1.14e-08),
+    "structured": (0.000819, 6.58e-12, 5.85e-11, 0),
 }
 METHODS = ("contraction", "products", "structured")
 

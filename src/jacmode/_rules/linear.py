@@ -65,8 +65,12 @@ class LinearRule(Rule):
         if signs is not None:
             g2 = g2 * signs.t()[:, :, None]
         out: Blocks = {}
-        if module.weight is not None:
-            out["weight"] = g2.sum(0).t() @ (a[:, 0] ** 2)
+        if module.weight is not None:  # a^2 a few hundred samples at a time: memory O(P), not O(B*I)
+            w, a0 = g2.sum(0), a[:, 0]
+            acc = w.new_zeros(w.shape[1], a0.shape[1])
+            for b in range(0, a0.shape[0], 256):
+                acc.addmm_(w[b:b + 256].t(), a0[b:b + 256].square())
+            out["weight"] = acc
         if module.bias is not None:
             out["bias"] = g2.sum((0, 1))
         return out
@@ -82,7 +86,9 @@ class LinearRule(Rule):
             return sum(torch.einsum(spec, r1[n].flatten(2), r2[n].flatten(2)) for n in attrs)  # type: ignore[return-value]
         scale = (a1[:, 0] @ a2[:, 0].t() if "weight" in attrs else 0) + (1 if "bias" in attrs else 0)
         gg = torch.einsum("kbo,kco->bc" if trace else "kbo,zco->bckz", g1[:, :, 0], g2[:, :, 0])
-        return gg * (scale if trace or not isinstance(scale, Tensor) else scale[:, :, None, None])
+        if not isinstance(scale, Tensor):  # the bias alone
+            return gg
+        return gg.mul_(scale if trace else scale[:, :, None, None])
 
 
 RULES: dict[type, Rule] = {nn.Linear: LinearRule()}

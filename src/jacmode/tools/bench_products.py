@@ -15,7 +15,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import resource
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 import jacmode as jm
 from jacmode.tools.baselines import MLP
+from jacmode.tools.bench import _maxrss_growth, _rss_peak
 
 Method = Callable[[nn.Module, Tensor, Tensor], Tensor]
 SIZES = {"per_sample_grads": 512, "ntk": 256, "ggn_diagonal": 1000}
@@ -110,12 +110,19 @@ def time_target(target: str, rounds: int) -> dict[str, float]:
 
 
 def peak_bytes(target: str, method: str) -> int:
-    """Peak resident memory of one call above the set-up (after a warm-up call on 2 samples)."""
+    """Peak resident memory of one call above the set-up (after a warm-up call on 2 samples).
+
+    Measured as the bench command does (``tools/bench.py``): VmHWM after resetting it, or the growth
+    of ru_maxrss where /proc is missing.
+    """
     model, x, y = problem(SIZES[target])
     METHODS[target][method](model, x[:2], y[:2])
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    try:
+        growth = _rss_peak()
+    except OSError:
+        growth = _maxrss_growth()
     METHODS[target][method](model, x, y)
-    return 1024 * (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+    return growth()
 
 
 def main() -> None:

@@ -199,6 +199,7 @@ def main() -> None:
     parser.add_argument("--table", help="write the regret table (markdown) to this file")
     parser.add_argument("--save", help="save the timings to this JSON file")
     parser.add_argument("--load", help="refit timings saved with --save instead of timing")
+    parser.add_argument("--check", action="store_true", help="regret of the stored constants on fresh timings (no fit)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.load:
@@ -208,11 +209,12 @@ def main() -> None:
     if args.save:
         Path(args.save).write_text(json.dumps([dict(r, sizes=dataclasses.asdict(r["sizes"])) for r in rows]))
     constants = fit(rows)
-    print("fitted:", constants)
-    model_ntk.NTK_COST.update(constants)
+    if not args.check:
+        print("fitted:", constants)
+        model_ntk.NTK_COST.update(constants)
     for name, choice, best, ratio in regret(rows):
         print(f"{name:32s} auto={choice:12s} fastest={best:12s} regret {ratio:.2f}")
-    if args.write:
+    if args.write and not args.check:
         _write(constants)
     if args.table:
         _table(rows, args.table)
