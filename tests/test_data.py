@@ -150,6 +150,10 @@ def test_bad_batches_and_out_are_reported(problem, tmp_path) -> None:
         jm.jacobians(net, [x], out=readonly)
     with pytest.raises(TypeError, match="progress: expected None, True or False"):
         jm.jacobians(net, [x], progress="yes")
+    with pytest.raises(ValueError, match="out: only supported for parameter Jacobians"):
+        jm.jacobians(net, [x], wrt="inputs", out=torch.zeros(N, 3, 6))
+    got = torch.cat(list(jm.jacobians(net, x.split(10), wrt="inputs")))
+    torch.testing.assert_close(got, jm.jacobian(net, x))
 
 
 # --- products over data sets equal one big batch ---

@@ -103,6 +103,9 @@ def jacobians(
         _checks.check_param_selection(f, opts.param_names)
     if out is None:
         return _stream(f, batches, progress, kw)
+    if opts.wrt != "params":
+        raise ValueError("out: only supported for parameter Jacobians (wrt='params' or a list of "
+                         "names); iterate jm.jacobians(f, batches, wrt='inputs') instead.")
     target = _checks.check_rows_out(out)
     into(target, batches, lambda p, dest: _flat(jacobian(f, p.x, out=dest, **kw)), progress,
           "jacobians")
@@ -128,8 +131,6 @@ def _stream(f: Callable[[Tensor], Tensor], batches: Iterable[Any], progress: Opt
             yield block
         else:
             yield from (d.value for d in done)  # type: ignore[misc]
-
-
 
 
 # --- per_sample_grads, ntk, ggn over data sets: the thin dispatch of _products.py lands here ---
