@@ -54,7 +54,7 @@ def main(samples: int = 60_000, batch_size: int = 1_000, threads: int = 1,
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if rank == 0:
         print(f"{world} process(es), {threads} thread(s) each: ggn diagonal over {samples} samples "
-              f"in batches of {batch_size}: {seconds:.2f} s; |diag| = {ggn_diag.norm():.6e}; "
+              f"in batches of {batch_size}: {seconds:.2f} s (first call, with its one-off probes); |diag| = {ggn_diag.norm():.6e}; "
               f"ntk {tuple(results['ntk_trace'].shape)}, per-sample grads {tuple(results['grads'].shape)}")
         if save:
             torch.save({k: v.cpu() for k, v in results.items()} | {"seconds": torch.tensor(seconds)}, save)
