@@ -86,7 +86,7 @@ def models() -> dict:
 
 def engines(model: nn.Module, x: torch.Tensor) -> tuple[bool, set]:
     """(whether the probe engine runs, the parameters it leaves to vmap), from plan()'s reason."""
-    reason = jm.plan(model, x, wrt="params").reason
+    reason = jm.plan(model, x, wrt="params", mode="reverse").reason
     if "layer-wise probes" not in reason:
         return False, set()
     rest = reason.split("vmap over samples for ")[1].split("; ") if "vmap over samples for" in reason else []
@@ -99,7 +99,7 @@ def test_matches_users_loop_and_leaves_model_as_found(name: str) -> None:
     model, x = models()[name]
     model, x = model.double(), x.double() if x.is_floating_point() else x
     before = snapshot(model)
-    J = jm.jacobian(model, x, wrt="params")
+    J = jm.jacobian(model, x, wrt="params", mode="reverse")  # tiny models: auto may pick forward mode
     assert_unchanged(model, before)
     torch.testing.assert_close(J, ref_param_jacobian(model, x))
     covered, uncovered = engines(model, x)
@@ -107,7 +107,7 @@ def test_matches_users_loop_and_leaves_model_as_found(name: str) -> None:
         assert covered and not uncovered
     if name == "mixed":
         assert covered and uncovered == {"scale", "act.weight"}
-        assert "act.weight: no per-sample rule for PReLU" in jm.plan(model, x, wrt="params").reason
+        assert "act.weight: no per-sample rule for PReLU" in jm.plan(model, x, wrt="params", mode="reverse").reason
     if name in ("outside", "seq-first"):  # the completeness check sends the whole call to the generic engine
         assert not covered
 
@@ -118,16 +118,16 @@ def test_options_subsets_frozen_flatten_out_chunks_create_graph() -> None:
     names = ["inp.weight", "norm.weight", "out.bias"]
     ref = ref_param_jacobian(model, x, names)
     model.inp.weight.requires_grad_(False)  # frozen but selected: still differentiated
-    torch.testing.assert_close(jm.jacobian(model, x, wrt=names), ref)
-    d = jm.jacobian(model, x, wrt=names, flatten=False)
+    torch.testing.assert_close(jm.jacobian(model, x, wrt=names, mode="reverse"), ref)
+    d = jm.jacobian(model, x, wrt=names, flatten=False, mode="reverse")
     assert d["norm.weight"].shape == (5, 3, 6)
     buf = torch.full_like(ref, float("nan"))
-    assert jm.jacobian(model, x, wrt=names, out=buf) is buf
+    assert jm.jacobian(model, x, wrt=names, out=buf, mode="reverse") is buf
     torch.testing.assert_close(buf, ref)
-    plan = jm.plan(model, x, wrt=names, max_memory=2_000)
+    plan = jm.plan(model, x, wrt=names, max_memory=2_000, mode="reverse")
     assert plan.sample_chunk is not None and plan.sample_chunk < 5
-    torch.testing.assert_close(jm.jacobian(model, x, wrt=names, max_memory=2_000), ref)
-    J = jm.jacobian(model, x, wrt=names[1:], create_graph=True)
+    torch.testing.assert_close(jm.jacobian(model, x, wrt=names, max_memory=2_000, mode="reverse"), ref)
+    J = jm.jacobian(model, x, wrt=names[1:], create_graph=True, mode="reverse")
     torch.testing.assert_close(J.detach(), ref[..., 24:])
     g = torch.autograd.grad(J.square().sum(), model.mid.weight)[0]
     params = dict(model.named_parameters())
@@ -149,7 +149,7 @@ def test_dropout_one_mask_per_sample_shared_by_its_outputs() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Tanh(), nn.Linear(8, 3)).double().train()
     x = torch.randn(4, 4, dtype=torch.float64)
-    J = jm.jacobian(model, x, wrt="params")
+    J = jm.jacobian(model, x, wrt="params", mode="reverse")
     mask_cols = J[:, :, : 8 * 4].reshape(4, 3, 8, 4).abs().sum((1, 3)) != 0  # units kept, per sample
     assert mask_cols.any() and not mask_cols.all()
     for b in range(4):  # every output direction of a sample saw the same mask: one forward pass
@@ -178,8 +178,8 @@ def test_hooks_removed_when_model_raises_midway() -> None:
 
     model = Fails()
     x = torch.randn(3, 2)
-    jm.jacobian(model, x, wrt="params")
+    jm.jacobian(model, x, wrt="params", mode="reverse")
     model.armed = True
     with pytest.raises(RuntimeError, match="halfway"):
-        jm.jacobian(model, x, wrt="params")
+        jm.jacobian(model, x, wrt="params", mode="reverse")
     assert not model.fc._forward_hooks

@@ -37,10 +37,9 @@ def probe_blocks(model: nn.Module, x: torch.Tensor, V: torch.Tensor, use_write: 
     K, B = V.shape[:2]
     params = dict(named)
     blocks = {n: torch.zeros(B, K, *params[n].shape, dtype=V.dtype) for n in cov.covered}
-    by_module = {(id(m), a): n for n, (m, a) in cov.covered.items()}
     seen: set[int] = set()
     for call, G in zip(rec.calls, Gs):
-        targets = {a: blocks[by_module[(id(call.module), a)]] for a in cov.modules[call.module]}
+        targets = {a: blocks[n] for a, n in cov.modules[call.module].items()}
         if use_write:
             with torch.no_grad():
                 call.rule.write(call.module, call.inputs, G, targets, accumulate=id(call.module) in seen)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -348,3 +350,37 @@ def test_ntk_contraction_within_a_small_budget_recomputes_blocks() -> None:
     x2 = torch.randn(3, 4, dtype=x1.dtype)
     got = jm.ntk(model, x1, x2, method="contraction", max_memory="6KB", chunk_size=2)  # J(x2) > budget / 2
     torch.testing.assert_close(got, ref_ntk(model, x1, x2))
+
+
+class _Stack(nn.Module):
+    """A class with functional activations, of any depth and width (hypothesis draws them)."""
+
+    def __init__(self, sizes: list[int], act: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.act = getattr(torch, act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:-1]:
+            x = self.act(layer(x))
+        return self.layers[-1](x)
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.integers(1, 6), min_size=2, max_size=4), st.integers(1, 5), st.integers(1, 4),
+       st.sampled_from(["tanh", "sin", "relu"]), st.integers(0, 2**16))
+def test_products_agree_with_each_other_and_autograd(sizes: list[int], batch: int, y: int, act: str, seed: int) -> None:
+    torch.manual_seed(seed)
+    model = _Stack(sizes + [y], act).double()
+    x = torch.randn(batch, sizes[0], dtype=torch.float64)
+    params = list(model.parameters())
+    grads = jm.per_sample_grads(model, x, lambda out: (out**2).sum(1))
+    total = torch.autograd.grad((model(x) ** 2).sum(), params)
+    torch.testing.assert_close(grads.sum(0), torch.cat([g.reshape(-1) for g in total]))
+    kernels = [jm.ntk(model, x, method=m) for m in ("structured", "contraction", "products")]
+    for k in kernels[1:]:
+        torch.testing.assert_close(k, kernels[0])
+    full = jm.ggn(model, x, "cross_entropy")
+    torch.testing.assert_close(jm.ggn(model, x, "cross_entropy", diagonal=True), full.diagonal())
+    # trace of the GGN for MSE is the trace of the NTK: both are sum_b ||J_b||_F^2
+    torch.testing.assert_close(jm.ggn(model, x, diagonal=True).sum(), torch.einsum("bbyy->", kernels[0]))

@@ -20,7 +20,7 @@ from torch.func import functional_call
 from . import _checks
 from ._checks import Options
 from ._coupling import probe
-from ._cache import problem_key
+from ._cache import WeakCache, problem_key
 from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
 from ._engines.probes import Coverage, coverage
@@ -156,9 +156,24 @@ def _in_transform() -> bool:
 
 def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
                     random: bool) -> Optional[Coverage]:
-    """The verified coverage of the probe engine, or None when the generic engine runs everything."""
-    cov = coverage(model, selected)
+    """The verified coverage of the probe engine, or None when the generic engine runs everything.
+
+    Cached per model and signature (shapes, flags, the selected parameter objects), so that a call
+    walks the model's modules once, in the first call only.
+    """
+    key = (*problem_key(model, x, True, "params", "independent", True), opts.create_graph,
+           tuple((n, id(p)) for n, p in selected))
+    hit = _COVERAGE.get(model, key)
+    if hit is not None:
+        return hit[0]
+    cov: Optional[Coverage] = coverage(model, selected)
+    assert cov is not None
     if not cov.covered or (cov.uncovered and (random or opts.create_graph)):
-        return None
-    key = (*problem_key(model, x, True, "params", "independent", True), tuple(n for n, _ in selected))
-    return cov if _layerwise.verified(model, x, selected, cov, key) else None
+        cov = None
+    elif not _layerwise.complete(model, x, selected, cov):
+        cov = None
+    _COVERAGE.put(model, key, (cov,))
+    return cov
+
+
+_COVERAGE = WeakCache("probe coverage")

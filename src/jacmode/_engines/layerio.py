@@ -22,26 +22,31 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._cache import problem_key
+from .._cache import WeakCache, problem_key
 from .._rules.base import NotCovered, has
 from . import layerwise, probes
 
 Named = Sequence[tuple[str, Tensor]]
+_COVERAGE = WeakCache("products coverage")
 
 
 def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverage]:
     """The probe engine's coverage (``uncovered`` may be non-empty), or None when it serves nothing.
 
-    Completeness of the covered parameters is ``_engines/layerwise.py``'s check, cached per model,
-    per-sample signature and selection.
+    Completeness of the covered parameters is ``_engines/layerwise.py``'s check on a few samples;
+    the verdict and the coverage are cached per model, per-sample signature and selection.
     """
     if not x.is_floating_point() or x.shape[0] == 0:
         return None
-    cov = probes.coverage(model, named)
-    if not cov.covered:
-        return None
-    key = (*problem_key(model, x, True, "params", "products", False), tuple(n for n, _ in named))
-    return cov if layerwise.verified(model, x[:8], named, cov, key) else None
+    key = (*problem_key(model, x, True, "params", "products", False), tuple((n, id(p)) for n, p in named))
+    hit = _COVERAGE.get(model, key)
+    if hit is None:
+        cov: Optional[probes.Coverage] = probes.coverage(model, named)
+        if cov is not None and not (cov.covered and layerwise.complete(model, x[:8], named, cov)):
+            cov = None
+        hit = (cov,)
+        _COVERAGE.put(model, key, hit)
+    return hit[0]
 
 
 def _names(cov: probes.Coverage) -> dict[tuple[int, str], str]:

@@ -8,7 +8,7 @@ of the (B, Y, P) result or of ``out=`` (a module called twice adds its second ca
 rule covers are left to the caller (the generic vmap engine fills their columns). With
 ``differentiable`` the blocks are plain torch functions of the parameters and are concatenated.
 
-Completeness is checked once per model and signature (:func:`verified`): for a random v (B, Y),
+Completeness is checked once per model and signature (:func:`complete`, cached by the caller): for a random v (B, Y),
 ``sum_b J_b^T v_b`` from the rules (one probe pass with K = 1) must equal ``autograd.grad`` of the
 output with v, and so must the sum over a random half of the samples (this catches layers that see
 the samples regrouped, e.g. sequence-first reshapes). Any mismatch, a stale recorded input or a
@@ -22,12 +22,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._cache import WeakCache
 from .._rules.base import NotCovered
 from .probes import Coverage, Recording, record
-
-_VERDICTS = WeakCache("layer-wise completeness")
-
 
 def _check_calls(rec: Recording, batch: int) -> None:
     for c in rec.calls:
@@ -56,15 +52,14 @@ def fill(
     V = torch.eye(n_out, dtype=rec.output.dtype, device=rec.output.device).view(n_out, 1, *rec.output.shape[1:])
     Gs = rec.pullback(V.expand(n_out, *rec.output.shape))
     cols = _columns([n for n, _ in named], [p.numel() for _, p in named])
-    owner = {(id(m), a): n for n, (m, a) in cov.covered.items()}
-    shapes = dict(named)
+    shapes = {n: p.shape for n, p in named}
     seen: set[int] = set()
     with torch.no_grad():
         for call, G in zip(rec.calls, Gs):
             targets = {}
-            for attr in cov.modules[call.module]:
-                lo, n = cols[owner[(id(call.module), attr)]]
-                targets[attr] = result[..., lo : lo + n].view(batch, n_out, *shapes[owner[(id(call.module), attr)]].shape)
+            for attr, name in cov.modules[call.module].items():
+                lo, n = cols[name]
+                targets[attr] = result[..., lo : lo + n].view(batch, n_out, *shapes[name])
             call.rule.write(call.module, call.inputs, G, targets, accumulate=id(call.module) in seen)
             seen.add(id(call.module))
         for name, (module, _) in cov.covered.items():
@@ -83,11 +78,10 @@ def blocks(
     n_out = rec.output.numel() // max(batch, 1)
     V = torch.eye(n_out, dtype=rec.output.dtype, device=rec.output.device).view(n_out, 1, *rec.output.shape[1:])
     Gs = rec.pullback(V.expand(n_out, *rec.output.shape), create_graph=True)
-    owner = {(id(m), a): n for n, (m, a) in cov.covered.items()}
     parts: dict[str, Tensor] = {}
     for call, G in zip(rec.calls, Gs):
         for attr, blk in call.rule.per_sample(call.module, call.inputs, G).items():
-            name = owner.get((id(call.module), attr))
+            name = cov.modules[call.module].get(attr)
             if name is not None:
                 parts[name] = parts[name] + blk if name in parts else blk
     flat = [
@@ -97,16 +91,8 @@ def blocks(
     return torch.cat(flat, dim=-1)
 
 
-def verified(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, key: tuple) -> bool:
-    """Whether the rules' blocks are complete for this model and signature (cached; see the note)."""
-    verdict = _VERDICTS.get(model, key)
-    if verdict is None:
-        verdict = _verify(model, x, named, cov)
-        _VERDICTS.put(model, key, verdict)
-    return bool(verdict)
-
-
-def _verify(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage) -> bool:
+def complete(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage) -> bool:
+    """Whether the rules' blocks are complete for this model and input (see the note; callers cache it)."""
     params = {n: p for n, p in named if n in cov.covered}
     flags = {n: p.requires_grad for n, p in params.items()}
     try:
@@ -124,10 +110,9 @@ def _verify(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], co
             full = torch.autograd.grad(out, list(params.values()), v, retain_graph=True, allow_unused=True)
             part = torch.autograd.grad(out, list(params.values()), v * half, allow_unused=True)
         sums: dict[str, list[Tensor]] = {n: [x.new_zeros(p.shape, dtype=out.dtype)] * 2 for n, p in params.items()}
-        owner = {(id(m), a): n for n, (m, a) in cov.covered.items()}
         for call, G in zip(rec.calls, Gs):
             for attr, blk in call.rule.per_sample(call.module, call.inputs, G).items():
-                name = owner.get((id(call.module), attr))
+                name = cov.modules[call.module].get(attr)
                 if name is not None:
                     b = blk[:, 0].detach()
                     w = half.view(-1, *[1] * (b.dim() - 1))

@@ -3,7 +3,7 @@
 Interface (used by the parameter Jacobian and by per-sample gradients, NTK and GGN products):
 
 * ``cov = coverage(model, named_params)`` -- which selected parameters a rule covers (``cov.covered``:
-  name -> (module, attr)) and why the others are not (``cov.uncovered``: name -> reason: no rule for
+  name -> (module, attr); ``cov.modules``: module -> {attr: name}) and why the others are not (``cov.uncovered``: name -> reason: no rule for
   the module type, tied / shared by several modules, parametrized, a module instance the rule refuses).
 * ``rec = record(model, x, cov)`` -- ONE forward pass of ``model(x)`` with temporary forward hooks on
   the covered modules (removed in ``finally``, also when the model raises). Each hook records the
@@ -31,6 +31,7 @@ signature. Hooks do not fire inside ``torch.func`` transforms: run this engine o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -49,12 +50,12 @@ class Coverage:
     covered: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
     uncovered: dict[str, str] = field(default_factory=dict)
 
-    @property
-    def modules(self) -> dict[nn.Module, list[str]]:
-        """covered module -> its selected attributes."""
-        out: dict[nn.Module, list[str]] = {}
-        for module, attr in self.covered.values():
-            out.setdefault(module, []).append(attr)
+    @functools.cached_property
+    def modules(self) -> dict[nn.Module, dict[str, str]]:
+        """covered module -> {its selected attribute: the parameter's name}."""
+        out: dict[nn.Module, dict[str, str]] = {}
+        for name, (module, attr) in self.covered.items():
+            out.setdefault(module, {})[attr] = name
         return out
 
 

@@ -207,6 +207,8 @@ def make_plan(
         best = min(costs, key=lambda m: costs[m])
         if best != mode:
             reason += f" (the cost model expects {best} to be {costs[mode] / costs[best]:.1f}x faster)"
+        if strategy == "per-sample" and p.probes is not None:
+            reason += f"; {probes_reason(p.probes)}"
     else:
         reason = _reason(p, chosen, sized, allowed)
     if chunk < directions or (samples is not None and samples < p.batch):

@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import importlib
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, cast
 
@@ -216,6 +217,17 @@ def allocate_fill(model: nn.Module, x: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], n_out, n_params).fill_(1.0)
 
 
+_TWINS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+
+
+def _jacmode_sequential_twin(model: nn.Module, x: Tensor) -> Tensor:
+    """jacmode on the ``nn.Sequential`` twin of problem 1's class (the same layers and parameters)."""
+    twin = _TWINS.get(model)
+    if twin is None:
+        twin = _TWINS[model] = nn.Sequential(*(cast(nn.Module, getattr(model, n)) for n in ("fc1", "relu", "fc2")))
+    return cast(Tensor, jm.jacobian(twin, x, wrt="params"))
+
+
 def _jacmode_params(mode: str) -> Method:
     def method(model: nn.Module, x: Tensor) -> Tensor:
         return cast(Tensor, jm.jacobian(model, x, wrt="params", mode=mode))
@@ -267,6 +279,9 @@ METHODS: dict[str, dict[str, Method]] = {
         "jacmode": _jacmode_params("auto"),
         "jacmode forward": _jacmode_params("forward"),
         "jacmode reverse": _jacmode_params("reverse"),
+        "jacmode, Sequential twin": _jacmode_sequential_twin,
+        "hand-derived rule (floor)": params_hand_rule,
+        "allocate+fill (floor)": allocate_fill,
     },
     "dydt": {
         "users' loop": dydt_loop,
