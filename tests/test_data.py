@@ -233,6 +233,28 @@ def test_a_distributed_sampler_split_gives_each_sample_one_row(n: int, batch: in
     assert sorted(seen) == list(range(n))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_plain_loader_split_loads_only_each_ranks_batches(world: int) -> None:
+    x = torch.arange(N, dtype=torch.float64)[:, None]
+    loaded: list[int] = []
+
+    class Counting(TensorDataset):
+        def __getitem__(self, i: int):
+            loaded.append(i)
+            return super().__getitem__(i)
+
+    seen = []
+    for rank in range(world):
+        loaded.clear()
+        pieces = list(LocalPieces(DataLoader(Counting(x), batch_size=4), world, rank))
+        assert [p.index for p in pieces] == list(range(rank, 6, world))
+        assert sorted(loaded) == [int(v) for p in pieces for v in p.x[:, 0]]  # nothing else loaded
+        for p in pieces:
+            assert p.x[:, 0].tolist() == list(range(p.start, p.start + p.count))
+            seen += p.x[:, 0].tolist()
+    assert sorted(seen) == x[:, 0].tolist()
+
+
 def test_splits_that_would_be_wrong_are_refused() -> None:
     data = TensorDataset(torch.zeros(8, 2))
     with pytest.raises(ValueError, match="DistributedSampler has num_replicas=2, rank=1, but this process is rank 0 of 1"):

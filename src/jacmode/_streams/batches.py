@@ -9,17 +9,20 @@ samples. Two ways to split the data over R ranks, both giving each sample exactl
   j-th sample on rank r lands in row r + R * j. The sampler pads the data to a multiple of R
   by repeating samples; rows >= len(dataset) are those repeats and are dropped here, so sums
   count every sample once. With ``shuffle=False`` the row is the sample's index in the data set.
-- any other iterable: every rank reads every batch and keeps batches r, r + R, ... (rank-
-  strided), so rows are contiguous per batch and every rank knows every batch's offset.
+- any other iterable: rank r keeps batches r, r + R, ... (rank-strided), so rows are contiguous
+  per batch. Every rank reads every batch to learn its offset, except from a map-style
+  ``DataLoader``, whose batch sampler gives every batch's indices without loading anything: then
+  each rank loads only its own batches.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 from torch import Tensor
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 
@@ -99,16 +102,18 @@ class LocalPieces:
     def __next__(self) -> Piece:
         return next(self._it)
 
-    def _items(self, batches: Iterable[Any]) -> Iterator[tuple[int, Tensor, Optional[Tensor]]]:
+    def _items(self, batches: Iterable[Any], names: Optional[list[int]] = None,
+               ) -> Iterator[tuple[int, Tensor, Optional[Tensor]]]:
+        """(index, x, y) per batch; ``names`` maps local positions to one-process indices."""
         it = iter(batches)
-        while True:
+        for k in itertools.count():
+            self.loading = k if names is None else names[min(k, len(names) - 1)]
             try:
                 item = next(it)
             except StopIteration:
                 return
             x, y = unpack(item, self.loading)
             yield self.loading, x, y
-            self.loading += 1
 
     def _pieces(self, batches: Iterable[Any], world: int, rank: int) -> Iterator[Piece]:
         sampler = distributed_sampler(batches)
@@ -119,11 +124,39 @@ class LocalPieces:
                 yield Piece(i, x[:keep], None if y is None else y[:keep], rank + world * done, world)
                 done += len(x)
             return
+        own = own_batches(batches, world, rank) if world > 1 else None
+        if own is not None:  # a map-style DataLoader: load only this rank's batches
+            loader, names, offsets = own
+            for k, (i, x, y) in enumerate(self._items(loader, names)):
+                yield Piece(i, x, y, offsets[k], 1)
+            return
         offset = 0
         for i, x, y in self._items(batches):
             if i % world == rank:
                 yield Piece(i, x, y, offset, 1)
             offset += len(x)
+
+
+def own_batches(batches: Iterable[Any], world: int, rank: int,
+                ) -> Optional[tuple[DataLoader, list[int], list[int]]]:
+    """For a map-style DataLoader: a loader of batches rank, rank + R, ... only, their indices
+    in the one-process order and their first rows, from the batch sampler (nothing loaded)."""
+    if not isinstance(batches, DataLoader) or isinstance(batches.dataset, IterableDataset) \
+            or batches.batch_sampler is None:
+        return None
+    index_lists = [list(idx) for idx in batches.batch_sampler]
+    offsets = [0, *itertools.accumulate(len(idx) for idx in index_lists)]
+    names = list(range(rank, len(index_lists), world))
+    extra: dict[str, Any] = {}
+    if batches.num_workers > 0:
+        extra = dict(prefetch_factor=batches.prefetch_factor,
+                     persistent_workers=batches.persistent_workers,
+                     multiprocessing_context=batches.multiprocessing_context,
+                     worker_init_fn=batches.worker_init_fn)
+    loader = DataLoader(batches.dataset, batch_sampler=[index_lists[i] for i in names],
+                        collate_fn=batches.collate_fn, num_workers=batches.num_workers,
+                        pin_memory=batches.pin_memory, timeout=batches.timeout, **extra)
+    return loader, names, [offsets[i] for i in names]
 
 
 def total_samples(batches: Iterable[Any]) -> Optional[int]:
