@@ -14,7 +14,8 @@ Example:
 
 from ._cache import clear_cache
 from ._derivatives import derivative, divergence, hessian, laplacian, partial
-from ._errors import CoupledBatchError, JacmodeWarning
+from ._data import jacobians
+from ._errors import BatchError, CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
 from ._planning.autotune import autotune_cache
 from ._planning.plan import Plan
@@ -24,6 +25,7 @@ from ._products import ggn, ntk, ntk_plan, per_sample_grads
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchError",
     "CoupledBatchError",
     "JacmodeWarning",
     "NtkPlan",
@@ -35,6 +37,7 @@ __all__ = [
     "ggn",
     "hessian",
     "jacobian",
+    "jacobians",
     "laplacian",
     "ntk",
     "ntk_plan",

@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -286,6 +287,40 @@ def check_devices(f: Callable[..., Any], x: Tensor) -> None:
                     f"Move one of them, e.g. `x.to('{p.device}')` or `model.to('{x.device}')`."
                 )
             break
+
+
+def check_batches(batches: Any, name: str) -> None:
+    """A data set must be an iterable of batches, not a tensor, string or mapping."""
+    if isinstance(batches, Tensor) or isinstance(batches, (str, bytes, dict)) or not hasattr(
+            batches, "__iter__"):
+        raise TypeError(
+            f"{name}: expected an iterable of batches (a DataLoader, a list of tensors or of "
+            f"(x, y) tuples), got {type(batches).__name__} ({_fmt(batches)}). For one tensor x, "
+            "call jm.jacobian(f, x, wrt='params'), or pass [x]."
+        )
+
+
+def check_progress(progress: Any) -> None:
+    """``progress`` is None (a bar on a terminal), True or False."""
+    if progress is not None and not isinstance(progress, bool):
+        raise TypeError(f"progress: expected None, True or False, got {_fmt(progress)}.")
+
+
+def check_rows_out(out: Any) -> Tensor:
+    """``out=`` of a data set: a writable tensor or NumPy array (a memmap) with one row per sample."""
+    if isinstance(out, np.ndarray):
+        if not out.flags.writeable:
+            raise ValueError("out: the NumPy array is read-only; open the memmap with mode='w+' "
+                             "or 'r+' (np.lib.format.open_memmap(path, mode='w+', ...)).")
+        out = torch.from_numpy(out)
+    if not isinstance(out, Tensor):
+        raise TypeError(f"out: expected a torch.Tensor or a NumPy array (N, Y, P), got "
+                        f"{type(out).__name__} ({_fmt(out)}).")
+    if out.dim() == 0 or not out.is_contiguous():
+        raise ValueError(f"out: expected a contiguous tensor with one row per sample (N, Y, P), "
+                         f"got shape {tuple(out.shape)}{'' if out.dim() == 0 else ', not contiguous'}. "
+                         "Allocate it with torch.empty((N, Y, P)).")
+    return out
 
 
 # --- per_sample_grads, ntk, ggn (jacmode._products) ---

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-__all__ = ["CoupledBatchError", "JacmodeWarning"]
+from typing import Optional
+
+__all__ = ["BatchError", "CoupledBatchError", "JacmodeWarning"]
 
 
 class CoupledBatchError(ValueError):
@@ -17,3 +19,27 @@ class CoupledBatchError(ValueError):
 
 class JacmodeWarning(UserWarning):
     """A warning from jacmode: a fallback was taken, or a result may be slower than expected."""
+
+
+class BatchError(RuntimeError):
+    """A batch of a data set failed (loading it or differentiating it); the cause is chained.
+
+    Attributes:
+        batch: index of the failed batch in the order the iterable yields it (on its rank).
+        rank: the ``torch.distributed`` rank that failed (0 without a process group).
+        rows_written: when results go into ``out=``, rows ``0 .. rows_written - 1`` hold their
+            final values and no later row was written; ``None`` when there is no ``out=``.
+    """
+
+    def __init__(self, batch: int, rank: int, cause: str) -> None:
+        super().__init__(batch, rank, cause)
+        self.batch, self.rank, self.cause = batch, rank, cause.rstrip(". ")
+        self.rows_written: Optional[int] = None
+
+    def __str__(self) -> str:
+        where = f"batch {self.batch}" + (f" on rank {self.rank}" if self.rank else "")
+        text = f"{where} failed: {self.cause}"
+        if self.rows_written is not None:
+            text += (f". out= holds final values in rows 0..{self.rows_written - 1}; later rows do not"
+                     if self.rows_written else ". No row of out= holds a final value")
+        return text + ". Fix that batch, or resume from the first row not written."

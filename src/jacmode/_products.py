@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from . import _checks
+from . import _checks, _data
 from ._checks import Options, Wrt
 from ._coupling import probe
 from ._engines import layerio, probes
@@ -62,6 +62,7 @@ def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.devic
 def per_sample_grads(
     f: nn.Module, x: Tensor, loss: Callable[..., Tensor], *, y: Optional[Tensor] = None,
     wrt: Wrt = "params", flatten: bool = True, chunk_size: Optional[int] = None, max_memory: Memory = None,
+    progress: Optional[bool] = None,
 ) -> Union[Tensor, dict[str, Tensor]]:
     """Gradient of each sample's loss with respect to the parameters, without the (B, Y, P) Jacobian.
 
@@ -71,7 +72,8 @@ def per_sample_grads(
 
     Args:
         f: the model, an ``nn.Module`` mapping x (B, *in) to (B, *out).
-        x: the batch, shape (B, *in); samples must be independent.
+        x: the batch, shape (B, *in); samples must be independent. Or a data set (an iterable of
+            (x, y) batches, y then taken from it): rows in order (see docs/datasets.md).
         loss: ``loss(out)``, or ``loss(out, y)`` when ``y`` is given, mapping f(x) (B, *out) to
             per-sample losses (B,) (no reduction over the batch).
         y: targets, one row per sample, passed to ``loss``.
@@ -79,6 +81,7 @@ def per_sample_grads(
         flatten: False returns a dict name -> (B, *param.shape).
         chunk_size: samples per vectorised pass of the generic engine.
         max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
+        progress: for a data set, None shows a progress bar on a terminal, True always, False never.
 
     Returns:
         (B, P), the parameters flattened and concatenated in ``named_parameters()`` order.
@@ -94,6 +97,9 @@ def per_sample_grads(
         >>> torch.allclose(g.sum(0), torch.cat([t.reshape(-1) for t in total]), atol=1e-5)
         True
     """
+    if _data.is_batches(x):  # a data set: batch by batch, rows in order (docs/datasets.md)
+        return _data.per_sample_grads_over(per_sample_grads, f, x, loss, y=y, flatten=flatten, progress=progress,
+                                           wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory, flatten)
     _checks.check_loss(loss)
     _checks.check_target(y, x.shape[0])
@@ -186,12 +192,15 @@ def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt 
 
 
 def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params", method: str = "auto",
-        trace: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None) -> Tensor:
+        trace: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
+        progress: Optional[bool] = None) -> Tensor:
     """The empirical neural tangent kernel K[b1, b2] = J(x1)_b1 J(x2)_b2^T over the parameters.
 
     Args:
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
         x1: the first batch, (B1, *in). x2: the second batch, (B2, *in); None for x1 itself.
+            Either may be a data set (an iterable of batches): the kernel in blocks, rows by
+            x1's batches (see docs/datasets.md).
         wrt: "params" or a list of parameter names (the kernel of that subset).
         method: "contraction" (Jacobian blocks multiplied chunk by chunk), "products" (rows of
             J(x1) pushed forward through f(x2): no Jacobian of x2), "structured" (per Linear
@@ -200,6 +209,7 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         trace: sum over the output diagonal: K[b1, b2] = sum_y J(x1)_b1y . J(x2)_b2y.
         chunk_size: samples per Jacobian block (contraction, products).
         max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
+        progress: for data sets, None shows a progress bar on a terminal, True always, False never.
 
     Returns:
         (B1, B2, Y, Y), or (B1, B2) with ``trace=True``.
@@ -217,6 +227,9 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         >>> jm.ntk(net, x1, x2, trace=True, method="products").shape
         torch.Size([4, 6])
     """
+    if _data.is_batches(x1) or _data.is_batches(x2):  # data sets: Gram blocks (docs/datasets.md)
+        return _data.ntk_over(ntk, f, x1, x2, method=method, trace=trace, progress=progress, wrt=wrt,
+                              chunk_size=chunk_size, max_memory=max_memory)
     with preserved_state(f), torch.no_grad():
         opts, selected, n_out, cov, plan = _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)
         names, params = [n for n, _ in selected], [p for _, p in selected]
@@ -231,14 +244,16 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
 
 
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
-        diagonal: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None) -> Tensor:
+        diagonal: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
+        progress: Optional[bool] = None) -> Tensor:
     """The generalised Gauss-Newton matrix sum_b J_b^T H_b J_b, or its diagonal.
 
     H_b is the Hessian of sample b's loss with respect to its output f(x_b) (Y values).
 
     Args:
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
-        x: the batch, (B, *in).
+        x: the batch, (B, *in), or a data set (an iterable of batches): summed over its batches
+            (see docs/datasets.md).
         loss: "mse" (per-sample loss 0.5 * ||f(x_b) - y_b||^2, H = I), "cross_entropy" (softmax
             over the Y outputs, H = diag(p) - p p^T with p = softmax(f(x_b))), or a callable
             mapping f(x) to the per-sample Hessians (B, Y, Y). The targets do not enter H.
@@ -246,6 +261,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         diagonal: return the diagonal (P,) without ever forming (P, P).
         chunk_size: samples per Jacobian block of the generic engine.
         max_memory: workspace budget in bytes or as "2GB"; the full (P, P) matrix must fit it.
+        progress: for a data set, None shows a progress bar on a terminal, True always, False never.
 
     Returns:
         (P, P), or (P,) with ``diagonal=True``; summed over samples, not averaged.
@@ -263,6 +279,9 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         >>> torch.allclose(jm.ggn(net, x, "cross_entropy", diagonal=True), G.diagonal(), atol=1e-6)
         True
     """
+    if _data.is_batches(x):  # a data set: summed batch by batch (docs/datasets.md)
+        return _data.ggn_over(ggn, f, x, loss, diagonal=diagonal, progress=progress, wrt=wrt,
+                              chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory)
     _checks.check_ggn_loss(loss, diagonal)
     params = [p for _, p in selected]

@@ -1,0 +1,1 @@
+"""Streaming over data sets: batches, rounds over ranks, collectives, progress, memmap pages."""
