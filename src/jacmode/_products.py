@@ -148,7 +148,7 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     cov = layerio.usable(f, x1, selected)
     cov = None if cov is None or cov.uncovered else cov
     if method == "structured" and cov is None:
-        why = "; ".join(f"{n}: {r}" for n, r in list(probes.coverage(f, selected).uncovered.items())[:3])
+        why = "; ".join(f"{n}: {r}" for n, r in list(probes.coverage(f, selected, local=False).uncovered.items())[:3])
         raise ValueError(
             "method: 'structured' needs a per-layer rule for every selected parameter (Linear, "
             f"convolution, normalisation, embedding layers), which this model lacks ({why or 'a parameter is used outside its module'}). "

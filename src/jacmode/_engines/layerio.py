@@ -41,7 +41,9 @@ def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverag
     key = (*problem_key(model, x, True, "params", "products", False), tuple((n, id(p)) for n, p in named))
     hit = _COVERAGE.get(model, key)
     if hit is None:
-        cov: Optional[probes.Coverage] = probes.coverage(model, named)
+        # closed-form rules only: the module-local vmap rule records (args, kwargs), which the
+        # per-layer products do not read; such modules take the generic engine here
+        cov: Optional[probes.Coverage] = probes.coverage(model, named, local=False)
         if cov is not None and not (cov.covered and layerwise.complete(model, x[:8], named, cov)):
             cov = None
         hit = (cov,)
