@@ -13,7 +13,7 @@ Example:
 """
 
 from ._cache import clear_cache
-from ._derivatives import derivative, divergence, hessian, laplacian, partial
+from ._derivatives import derivative, divergence, hessian, laplacian, partial, partials
 from ._errors import CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
 from ._planning.autotune import autotune_cache
@@ -33,5 +33,6 @@ __all__ = [
     "jacobian",
     "laplacian",
     "partial",
+    "partials",
     "plan",
 ]

@@ -2,7 +2,7 @@
 
 NOTE: [Layer-wise reverse mode for parameters]
 For an ``nn.Sequential`` of ``nn.Linear`` layers and known activations (the stacks of
-``_taylor.layers_of``), the per-sample Jacobian of the Y outputs with respect to every parameter
+``layers_of``), the per-sample Jacobian of the Y outputs with respect to every parameter
 has a closed form, the one BackPACK computes: carry the sensitivity G = d out / d (layer output),
 one row per output direction, shape (Y, B, H), from the top (the identity, one row shared by all
 samples) down through the layers. Through an activation G becomes s'(h) * G; through a Linear
@@ -20,7 +20,46 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._rules.elementwise import jet
+from .._rules.elementwise import jet, rule
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks)
+
+
+def _leaves(f: nn.Sequential) -> Optional[list[nn.Module]]:
+    layers: list[nn.Module] = []
+    for m in f:  # not children(): a module used twice appears twice
+        if _hooked(m):
+            return None
+        if type(m) is nn.Sequential:
+            inner = _leaves(m)
+            if inner is None:
+                return None
+            layers.extend(inner)
+        elif type(m) is nn.Linear or rule(m) is not None:
+            layers.append(m)
+        else:
+            return None
+    return layers
+
+
+def layers_of(f: object, in_shape: tuple[int, ...]) -> Optional[list[nn.Module]]:
+    """The layers of ``f`` if explicit backpropagation applies to it for per-sample inputs of ``in_shape``.
+
+    It applies to an ``nn.Sequential`` (nested ones included) of exactly ``nn.Linear`` and known
+    activations, without hooks, whose input is (B, D) with D the first Linear's in_features.
+    """
+    if type(f) is not nn.Sequential or len(in_shape) != 1 or _hooked(f):
+        return None
+    if getattr(nn.modules.module, "_global_forward_hooks", None) or getattr(
+        nn.modules.module, "_global_forward_pre_hooks", None
+    ):
+        return None
+    layers = _leaves(f)
+    if layers and type(layers[0]) is nn.Linear and layers[0].in_features != in_shape[0]:
+        return None
+    return layers
 
 
 def applies(layers: Optional[Sequence[nn.Module]], params: Sequence[Tensor]) -> bool:
@@ -38,7 +77,7 @@ def param_jacobian(
     """(B, Y, P) Jacobian of the stack at x (B, D) with respect to ``params`` (flattened, in order).
 
     Args:
-        layers: the stack, from ``_taylor.layers_of``.
+        layers: the stack, from ``layers_of``.
         x: the inputs, shape (B, D).
         params: the selected parameters, in ``named_parameters()`` order.
         out: a (B, Y, P) tensor to write into, or None.

@@ -30,16 +30,15 @@ def samples_per_direction(p: Problem, strategy: str) -> int:
 def engine(p: Problem, mode: str, strategy: str) -> str:
     """Which calibrated engine runs a candidate: "forward", "reverse", or their "-layerwise" kin.
 
-    Through an ``nn.Sequential`` of Linear layers and known activations, forward mode over
-    broadcast seeds pushes the tangents layer by layer (``_taylor``) and per-sample parameter
-    Jacobians are backpropagated explicitly (``_backprop``): no dual tensors, no vmap, and their
+    Through a captured graph whose operations all have rules, forward mode over broadcast seeds
+    pushes the tangents op by op (``_taylor``); through an ``nn.Sequential`` of Linear layers and
+    known activations per-sample parameter Jacobians are backpropagated explicitly (``_backprop``): no dual tensors, no vmap, and their
     own measured costs.
     """
-    if getattr(p, "layers", None) is not None:
-        if mode == "forward" and strategy == "broadcast":
-            return "forward-layerwise"
-        if strategy == "per-sample":
-            return "reverse-layerwise"
+    if getattr(p, "program", None) is not None and mode == "forward" and strategy == "broadcast":
+        return "forward-layerwise"
+    if getattr(p, "layers", None) is not None and strategy == "per-sample":
+        return "reverse-layerwise"
     return mode
 
 

@@ -243,15 +243,20 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
         versus = f"{mode} ({_dirs(n)}) is the only mode whose smallest pass fits the memory budget"
     else:
         versus = f"{mode} ({_dirs(n)}) is the only mode f supports"
-    layerwise = p.layers is not None and (mode, strategy) in (("forward", "broadcast"), ("reverse", "per-sample"))
+    layerwise = (p.program is not None and (mode, strategy) == ("forward", "broadcast")) or (
+        p.layers is not None and (mode, strategy) == ("reverse", "per-sample"))
     extra = {
         "broadcast": "; samples are independent, so each seed is shared by all B samples",
         "per-sample": "; parameters are shared, so each sample gets its own rows",
         "whole-batch": "; samples are coupled, so the whole batch is differentiated as one point"
         if p.structure == "coupled" else "",
     }.get(strategy, "")
-    if layerwise:
+    if layerwise and p.program is not None:
+        extra += f" (captured graph of {', '.join(p.program.ops)}: propagated op by op, no vmap)"
+    elif layerwise:
         extra += " (Linear/activation stack: propagated layer by layer, no vmap)"
+    elif p.kind == "inputs" and p.generic:
+        extra += f" (generic engine: {p.generic})"
     elif strategy == "per-sample":
         extra += " (vmap over samples)"
     return f"{axes}: {versus}{extra}"

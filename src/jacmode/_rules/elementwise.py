@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -156,6 +156,72 @@ def _leaky_relu(layer: nn.Module, h: Tensor, n: int) -> Jet:
 def _identity(layer: nn.Module, h: Tensor, n: int) -> Jet:
     return Jet(h, lambda t: t, [None] * (n + 1), inside=False)
 
+
+def _derivs(value: Tensor, n: int, d: Callable[[int], Optional[Tensor]]) -> Jet:
+    return _explicit(value, [d(m) for m in range(1, max(n, 1) + 1)])
+
+
+def _exp(layer: object, h: Tensor, n: int) -> Jet:
+    e = torch.exp(h)
+    return _derivs(e, n, lambda m: e)
+
+
+def _log(layer: object, h: Tensor, n: int) -> Jet:
+    inv = torch.reciprocal(h)
+    return _derivs(torch.log(h), n, lambda m: (-1) ** (m - 1) * math.factorial(m - 1) * inv ** m)
+
+
+def _sin(layer: object, h: Tensor, n: int) -> Jet:
+    s, c = torch.sin(h), torch.cos(h)
+    return _derivs(s, n, lambda m: (c, -s, -c, s)[(m - 1) % 4])
+
+
+def _cos(layer: object, h: Tensor, n: int) -> Jet:
+    s, c = torch.sin(h), torch.cos(h)
+    return _derivs(c, n, lambda m: (-s, -c, s, c)[(m - 1) % 4])
+
+
+def _power(layer: object, h: Tensor, n: int) -> Jet:
+    """h ** c for a constant c: c (c - 1) ... (c - m + 1) h ** (c - m); zero beyond an integer c >= 0."""
+    c = float(getattr(layer, "exponent"))
+
+    def d(m: int) -> Optional[Tensor]:
+        factor = math.prod(c - i for i in range(m))
+        if factor == 0.0:
+            return None
+        return factor * (torch.ones_like(h) if c - m == 0 else h ** (c - m))
+
+    return _derivs(h ** c, n, d)
+
+
+def _abs(layer: object, h: Tensor, n: int) -> Jet:
+    return _piecewise_linear(torch.abs(h), torch.sign(h), n)
+
+
+def _elu(layer: object, h: Tensor, n: int) -> Jet:
+    alpha, scale = float(getattr(layer, "alpha", 1.0)), float(getattr(layer, "scale", 1.0))
+    pos, ae = h > 0, scale * alpha * torch.exp(torch.clamp(h, max=0.0))
+    first = torch.where(pos, torch.full_like(h, scale), ae)
+    rest = torch.where(pos, torch.zeros_like(h), ae) if n >= 2 else None
+    value = scale * torch.where(pos, h, alpha * torch.expm1(torch.clamp(h, max=0.0)))
+    return _derivs(value, n, lambda m: first if m == 1 else rest)
+
+
+def _hardtanh(layer: object, h: Tensor, n: int) -> Jet:
+    lo, hi = float(getattr(layer, "min_val", -1.0)), float(getattr(layer, "max_val", 1.0))
+    return _piecewise_linear(torch.clamp(h, lo, hi), ((h > lo) & (h < hi)).to(h.dtype), n)
+
+
+SELU = {"alpha": 1.6732632423543772848170429916717, "scale": 1.0507009873554804934193349852946}
+
+JetFn = Callable[[Any, Tensor, int], Jet]
+
+# name -> jet; every spelling (module, torch.*, F.*, Tensor method) is mapped to a name in _rules/table.py
+FUNCTIONS: dict[str, JetFn] = {
+    "tanh": _tanh, "sigmoid": _sigmoid, "silu": _silu, "softplus": _softplus, "relu": _relu,
+    "leaky_relu": _leaky_relu, "gelu": _gelu, "identity": _identity, "exp": _exp, "log": _log,
+    "sin": _sin, "cos": _cos, "pow": _power, "abs": _abs, "elu": _elu, "hardtanh": _hardtanh,
+}
 
 RULES: dict[type, Callable[[nn.Module, Tensor, int], Jet]] = {
     nn.Tanh: _tanh,
