@@ -191,11 +191,11 @@ def _run(program: Program, alg: Any, z: Tensor, in_shape: tuple[int, ...]) -> Tr
     raise Unsupported(f"the captured graph returns {type(out).__name__}, not one tensor")
 
 
-def _flat(c: Optional[Tensor], out: Traced, lead: int) -> Tensor:
+def _flat(c: Optional[Tensor], out: Traced, lead: int, batch: int) -> Tensor:
     """A coefficient (L, 1|B, *out) as (lead, B, Y), zeros where it is missing."""
-    batch, y = out.value.shape[0], math.prod(out.value.shape[1:])
     if c is None:
-        return out.value.new_zeros(lead, batch, y)
+        return out.value.new_zeros(lead, batch, math.prod(out.value.shape[1:]))
+    y = math.prod(c.shape[2:])
     return c.reshape(c.shape[0], c.shape[1], y).expand(lead, batch, y)
 
 
@@ -203,19 +203,19 @@ def partials(program: Program, z: Tensor, in_shape: tuple[int, ...], targets: Se
     """Per-sample mixed partials, one per target multiset, from one propagation: (K, B, Y)."""
     keys = [tuple(sorted(t)) for t in targets]
     out = _run(program, Multisets(keys), z, in_shape)
-    return torch.stack([_flat(out.coef.get(k), out, 1)[0] for k in keys])
+    return torch.stack([_flat(out.coef.get(k), out, 1, z.shape[0])[0] for k in keys])
 
 
 def partial(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Key) -> Tensor:
     """Per-sample mixed partial along ``dims``: z (B, D) -> (B, Y)."""
     out = _run(program, Multisets([tuple(sorted(dims))]), z, in_shape)
-    return _flat(out.coef.get(tuple(sorted(dims))), out, 1)[0]
+    return _flat(out.coef.get(tuple(sorted(dims))), out, 1, z.shape[0])[0]
 
 
 def first(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Sequence[int]) -> Tensor:
     """First derivatives along each d in ``dims``: z (B, D) -> (k, B, Y)."""
     out = _run(program, Stacked(dims), z, in_shape)
-    return _flat(out.coef.get("g"), out, len(dims))
+    return _flat(out.coef.get("g"), out, len(dims), z.shape[0])
 
 
 def value(program: Program, x: Tensor) -> Tensor:
@@ -227,10 +227,10 @@ def pairs(program: Program, z: Tensor, in_shape: tuple[int, ...], ii: Sequence[i
     """Second derivatives d^2 f / dx_i dx_j for the pairs (ii[p], jj[p]): z (B, D) -> (P, B, Y)."""
     a, b = list(ii), list(jj)
     out = _run(program, Stacked(range(z.shape[1]), lambda u, v: u[a] * v[b]), z, in_shape)
-    return _flat(out.coef.get("s"), out, len(a))
+    return _flat(out.coef.get("s"), out, len(a), z.shape[0])
 
 
 def laplacian(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Sequence[int]) -> Tensor:
     """Sum over d in dims of d^2 f / dx_d^2 (the forward Laplacian): z (B, D) -> (B, Y)."""
     out = _run(program, Stacked(dims, lambda u, v: (u * v).sum(0, keepdim=True)), z, in_shape)
-    return _flat(out.coef.get("s"), out, 1)[0]
+    return _flat(out.coef.get("s"), out, 1, z.shape[0])[0]

@@ -50,6 +50,8 @@ def add(alg: Algebra, a: Any, b: Any, *, alpha: Any = 1) -> Traced:
     if not isinstance(a, Traced):
         a, b = b, a
     if not isinstance(b, Traced):
+        if not isinstance(b, Tensor):  # a number: the value may stay lazy
+            return Traced(None, dict(a.coef), lambda: a.value + b)
         b = _constant(b, a, "addition")
         return _fit(Traced(a.value + b, dict(a.coef)))
     _same_rank(a, b, "addition")
@@ -77,6 +79,8 @@ def mul(alg: Algebra, a: Any, b: Any) -> Traced:
     if isinstance(b, Traced):
         _same_rank(a, b, "product")
         return _fit(alg.mul(a, b))
+    if not isinstance(b, Tensor):  # a number: no broadcasting, the value may stay lazy
+        return linear(a, lambda t: t * b)
     b = _constant(b, a, "product")
     return _fit(linear(a, lambda t: t * b))
 

@@ -16,7 +16,6 @@ stays dimension 0 and samples stay independent); the whole call then takes the g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
 from torch import Tensor
@@ -28,12 +27,26 @@ class Unsupported(Exception):
     """An operation the fast path cannot treat exactly: the caller falls back to the generic engine."""
 
 
-@dataclass
 class Traced:
-    """A tensor that depends on the input, with its Taylor coefficients (see the module note)."""
+    """A tensor that depends on the input, with its Taylor coefficients (see the module note).
 
-    value: Tensor  # (B, *shape)
-    coef: dict[Any, Tensor]  # key -> (L, 1 | B, *shape); missing = zero
+    ``value`` (B, *shape) may be given as ``make``, computed on first use: the value of the last
+    linear layer is never needed when only derivatives are asked for.
+    """
+
+    __slots__ = ("_value", "_make", "coef")
+
+    def __init__(self, value: Optional[Tensor], coef: dict[Any, Tensor],
+                 make: Optional[Callable[[], Tensor]] = None) -> None:
+        self._value, self._make = value, make
+        self.coef = coef  # key -> (L, 1 | B, *shape); missing = zero
+
+    @property
+    def value(self) -> Tensor:
+        if self._value is None:
+            assert self._make is not None
+            self._value, self._make = self._make(), None
+        return self._value
 
 
 class Algebra(Protocol):
@@ -52,7 +65,7 @@ Map = Callable[[Tensor], Tensor]
 def linear(x: Traced, value: Map, coef: Optional[Map] = None) -> Traced:
     """A map linear in x (plus a constant): ``value`` on x.value, ``coef`` (default ``value``) on coefficients."""
     c = value if coef is None else coef
-    return Traced(value(x.value), {k: c(t) for k, t in x.coef.items()})
+    return Traced(None, {k: c(t) for k, t in x.coef.items()}, lambda: value(x.value))
 
 
 def merged(fn: Map) -> Map:

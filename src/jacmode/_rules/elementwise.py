@@ -253,13 +253,12 @@ def jet(layer: nn.Module, h: Tensor, n: int) -> Jet:
 
 def combine(j: Jet, lower: Optional[Tensor], terms: list[tuple[int, Tensor]]) -> Optional[Tensor]:
     """s' lower + sum over (m, product) in terms of s^(m) product; None when it is zero."""
-    extra: Optional[Tensor] = None
+    extra = lower if j.inside else None  # inside: s' (lower + sum of s^(m)/s' products), fused
     for m, product in terms:
         factor = j.higher[m]
         if factor is not None:
-            extra = factor * product if extra is None else extra + factor * product
+            extra = factor * product if extra is None else torch.addcmul(extra, factor, product)
     if j.inside:
-        inner = lower if extra is None else extra if lower is None else lower + extra
-        return None if inner is None else j.first(inner)
+        return None if extra is None else j.first(extra)
     out = None if lower is None else j.first(lower)
     return extra if out is None else out if extra is None else out + extra
