@@ -43,6 +43,7 @@ class Jet:
     first: Callable[[Tensor], Tensor]
     higher: list[Optional[Tensor]]  # indices 0 and 1 unused
     inside: bool
+    scale: Optional[list[float]] = None  # higher[m] stands for scale[m] * higher[m] (saves a pass)
 
 
 Poly = tuple[float, ...]  # coefficients of y^0, y^1, ...
@@ -81,8 +82,17 @@ def _horner(p: Poly, y: Tensor) -> Tensor:
 
 
 def _quadratic(y: Tensor, c: Poly, backward: Callable[[Tensor, Tensor], Tensor], n: int) -> Jet:
-    higher: list[Optional[Tensor]] = [None, None] + [_horner(_ratio(c, m), y) for m in range(2, n + 1)]
-    return Jet(y, lambda t: backward(t, y), higher, inside=True)
+    higher: list[Optional[Tensor]] = [None, None]
+    scale = [1.0, 1.0]
+    for m in range(2, n + 1):
+        p = _ratio(c, m)
+        if len([a for a in p if a != 0.0]) == 1 and p[-1] != 0.0 and len(p) == 2:  # a y: y, scale a
+            higher.append(y)
+            scale.append(p[-1])
+        else:
+            higher.append(_horner(p, y))
+            scale.append(1.0)
+    return Jet(y, lambda t: backward(t, y), higher, inside=True, scale=scale)
 
 
 def _tanh(layer: nn.Module, h: Tensor, n: int) -> Jet:
@@ -257,7 +267,11 @@ def combine(j: Jet, lower: Optional[Tensor], terms: list[tuple[int, Tensor]]) ->
     for m, product in terms:
         factor = j.higher[m]
         if factor is not None:
-            extra = factor * product if extra is None else torch.addcmul(extra, factor, product)
+            a = 1.0 if j.scale is None else j.scale[m]
+            if extra is None:
+                extra = factor * product if a == 1.0 else factor * (a * product)
+            else:
+                extra = torch.addcmul(extra, factor, product, value=a)
     if j.inside:
         return None if extra is None else j.first(extra)
     out = None if lower is None else j.first(lower)
