@@ -22,10 +22,11 @@ the generic engine again, with the reason.
 from __future__ import annotations
 
 import builtins
+import contextlib
 import operator
-import os
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -167,7 +168,27 @@ class _Tracer(fx.Tracer):
         return super().call_module(m, forward, args, kwargs)
 
 
-_FUNCTION_FILE = os.path.join("autograd", "function.py")
+_FUNCTIONS = torch.autograd.function  # Function.apply asks it _is_setup_context_defined first
+
+
+@contextlib.contextmanager
+def _functions_refused() -> Iterator[None]:
+    """While tracing in this thread, a call of any autograd.Function's apply raises _Refused."""
+    original, me = getattr(_FUNCTIONS, "_is_setup_context_defined", None), threading.get_ident()
+    if original is None:  # another torch: the graph's check against f still runs
+        yield
+        return
+
+    def check(fn: Any) -> bool:
+        if threading.get_ident() == me:
+            raise _Refused("forward calls an autograd.Function, whose derivatives are its own")
+        return original(fn)
+
+    _FUNCTIONS._is_setup_context_defined = check
+    try:
+        yield
+    finally:
+        _FUNCTIONS._is_setup_context_defined = original
 
 
 def _trace(root: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
@@ -178,10 +199,10 @@ def _trace(root: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
     saved_dicts: list[tuple[Any, dict]] = [(d, dict(d)) for m, _ in saved for d in (m._buffers, m._parameters, m._modules)]
     buffers = [(b, b.clone()) for b in root.buffers()]
     tracer = _Tracer()
-    tracer.record_stack_traces = True
     constants: dict[str, Any] = {}
     try:
-        graph = tracer.trace(root)
+        with _functions_refused():
+            graph = tracer.trace(root)
     finally:
         known = saved[0][1].keys() | saved_dicts[0][1].keys() | saved_dicts[1][1].keys()
         constants = {k: v for k, v in {**root.__dict__, **root._buffers, **root._parameters}.items() if k not in known}
@@ -197,9 +218,6 @@ def _trace(root: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
                 b.copy_(old)
     if changed:
         raise _Refused("forward updates a buffer")
-    for node in graph.nodes:
-        if _FUNCTION_FILE in (node.stack_trace or ""):
-            raise _Refused("forward calls an autograd.Function, whose derivatives are its own")
     return graph, constants  # tensors the tracer stored on root (closure constants)
 
 
