@@ -11,6 +11,8 @@ from typing import Callable
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -274,3 +276,39 @@ def test_a_rule_that_breaks_at_run_time_falls_back() -> None:
     torch.testing.assert_close(jm.partial(f, x, (0, 1)), jm.partial(Opaque(f), x, (0, 1)))
     one = x[:1]  # the graph checked on 3 samples; squeeze() drops the batch too at B = 1
     torch.testing.assert_close(jm.partial(f, one, (0,)), jm.partial(Opaque(f), one, (0,)))
+
+
+def test_dropout_in_training_mode_is_not_captured_and_draws_nothing() -> None:
+    model = nn.Sequential(nn.Linear(2, 4), nn.Dropout(0.5), nn.Tanh(), nn.Linear(4, 1)).to(DT)
+    x = torch.rand(5, 2, dtype=DT)
+    state = torch.get_rng_state()
+    program, why = _problem.captured(model, x)
+    assert program is None and "dropout in training mode" in why
+    assert torch.equal(torch.get_rng_state(), state)
+    model.eval()
+    assert _problem.captured(model, x)[0] is not None
+    torch.testing.assert_close(jm.partial(model, x, (0, 1)), ref_partial(model, x, (0, 1)))
+
+
+SPELLINGS: dict[str, Callable[[Tensor], Tensor]] = {
+    "torch.tanh": torch.tanh, "F.silu": F.silu, "Tensor.sigmoid": lambda h: h.sigmoid(), "torch.sin": torch.sin,
+    "F.softplus": lambda h: F.softplus(h, beta=1.5), "F.gelu tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "F.elu": F.elu, "square": lambda h: h * h, "quotient": lambda h: h / (2 + h.cos()), "exp": lambda h: (-h * h).exp(),
+}
+
+
+@settings(max_examples=15, deadline=None)
+@given(acts=st.lists(st.sampled_from(sorted(SPELLINGS)), min_size=1, max_size=3),
+       dims=st.lists(st.integers(0, 2), min_size=1, max_size=3), batch=st.integers(1, 4))
+def test_random_compositions_match_the_generic_engine(acts: list[str], dims: list[int], batch: int) -> None:
+    torch.manual_seed(len(acts) + 7 * len(dims))
+    layers = nn.ModuleList(nn.Linear(3, 3) for _ in acts).to(DT)
+
+    def f(x: Tensor) -> Tensor:
+        for layer, name in zip(layers, acts):
+            x = SPELLINGS[name](layer(x))
+        return x
+
+    x = torch.rand(batch + 2, 3, dtype=DT)
+    assert _problem.captured(f, x)[0] is not None
+    torch.testing.assert_close(jm.partial(f, x, tuple(dims)), jm.partial(Opaque(f), x, tuple(dims)))

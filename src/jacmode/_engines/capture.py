@@ -32,9 +32,10 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
-from .._cache import WeakCache
+from .._cache import WeakCache, rng_kept
 from .._rules.base import Algebra, Traced, Unsupported
 from .._rules.table import META, lookup
+from .._state import preserved_state
 
 _PROGRAMS = WeakCache("captured programs")
 
@@ -339,7 +340,7 @@ def check(program: Program, f: Any, x: Tensor, run: Callable[[Program, Tensor], 
         return found
     xs = x[:3].detach().clone()  # three samples (not the sizes the coupling probe uses), f may modify them
     try:
-        with torch.no_grad():
+        with torch.no_grad(), rng_kept(x.device), preserved_state(f):  # f runs once more: leave no trace
             expected = f(xs)
             got = run(program, xs)
         if not isinstance(expected, Tensor) or expected.shape != got.shape or expected.dim() == 0:
