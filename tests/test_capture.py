@@ -204,8 +204,18 @@ def test_create_graph_gradients_reach_the_parameters() -> None:
     want = torch.autograd.grad(((r_t - 0.1 * r_xx) ** 2).mean(), params)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
-    lap = jm.laplacian(model, x, create_graph=True)
-    assert lap.requires_grad
+    w = model.hidden[0].weight
+    for op, ref in [
+        (lambda: jm.laplacian(model, x, create_graph=True),
+         lambda: ref_hessian(model, x).diagonal(dim1=-2, dim2=-1).sum(-1)),
+        (lambda: jm.hessian(model, x, create_graph=True), lambda: ref_hessian(model, x)),
+        (lambda: jm.jacobian(model, x, mode="forward", create_graph=True),
+         lambda: torch.func.vmap(torch.func.jacrev(lambda z: model(z[None])[0]))(x)),
+    ]:
+        got, want = op(), ref()
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got.square().sum(), w)[0],
+                                   torch.autograd.grad(want.square().sum(), w)[0])
 
 
 @pytest.mark.parametrize("cls", [Branchy, NoRule])

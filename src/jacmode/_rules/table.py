@@ -48,8 +48,7 @@ def _ns(**defaults: Any) -> Callable[..., Any]:
 
     def read(*args: Any, **kwargs: Any) -> Any:
         values = dict(defaults, **dict(zip(names, args)), **kwargs)
-        if values.pop("inplace", False) is None:
-            pass
+        values.pop("inplace", None)  # in place or not, the rule computes a new tensor (see capture)
         return SimpleNamespace(**values)
 
     return read
