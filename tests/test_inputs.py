@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import jacmode as jm
-from conftest import Wide, mlp_1_4, ref_input_jacobian
+from conftest import Opaque, Wide, mlp_1_4, ref_input_jacobian
 
 MODES = ["auto", "forward", "reverse"]
 
@@ -143,7 +143,10 @@ def test_plan_agrees_with_jacobian() -> None:
     # D = 1, Y = 4: one shared seed either way; the measured cost model decides (a near tie)
     assert p.strategy == "broadcast" and p.directions == {"forward": 1, "reverse": 4}[p.mode]
     assert "forward" in repr(p) and "why" in repr(p)
-    p = jm.plan(lambda x: x.sum(1, keepdim=True), torch.rand(10, 50))
+    total = lambda x: x.sum(1, keepdim=True)  # noqa: E731
+    p = jm.plan(Opaque(total), torch.rand(10, 50))  # the generic engines: one vjp beats 50 jvps
     assert (p.mode, p.strategy) == ("reverse", "broadcast")
+    p = jm.plan(total, torch.rand(10, 50))  # captured: 50 directions in one op-by-op pass
+    assert "captured graph of Tensor.sum" in repr(p)
     assert jm.plan(net, torch.rand(3, 1), batched=False).strategy == "full"
     assert jm.plan(torch.sin, torch.rand(3, 2), structure="diagonal").strategy == "diagonal"

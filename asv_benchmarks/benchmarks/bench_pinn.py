@@ -1,19 +1,24 @@
 """PINN derivative operators against the hand-written idioms they replace (asv suite).
 
-Three workloads, each with ``create_graph=True`` as in PINN training:
+Timed on the PINN class as users write it (``jacmode.tools.baselines.PinnNet``: Linear layers and
+``torch.tanh`` in ``forward``), with its ``nn.Sequential`` twin as a second row (``model``
+parameter), every call with ``create_graph=True`` as in PINN training:
 
-* ``PinnFirstSecond``: u_t and u_xx of a tanh MLP 2 -> 64 -> 64 -> 1 at B = 10,000.
-* ``PinnLaplacian``: the Laplacian of a tanh MLP 10 -> 64 -> 64 -> 1 at B = 4096.
-* ``PinnOrders``: d^k u / dt^k, k = 1..4, of a tanh MLP 1 -> 64 -> 64 -> 1 at B = 10,000.
+* ``PinnTrainStep``: one training step of u_t - 0.1 u_xx on PinnNet(2, 64, 2) (2-64-64-1) at
+  B = 10,000: the derivatives, a squared residual, ``.backward()``.
+* ``PinnLaplacian``: the Laplacian of PinnNet(10, 64, 2) at B = 4096.
+* ``PinnOrders``: d^k u / dt^k, k = 1..4, of PinnNet(1, 64, 2) at B = 10,000.
+* ``PinnUnknownOp``: u_xx of a PINN with one operation without a rule (cumsum), against the
+  generic engine on the same model.
 
-Methods: ``jacmode`` (the Taylor fast path an ``nn.Sequential`` gets), ``jacmode_generic`` (the
-same network behind a lambda, so nested forward mode), ``grad_ones`` / ``nested_backprop`` (the
-torch.autograd.grad idioms with a cotangent of ones) and ``loop`` (one sample at a time, timed on
-``LOOP_SAMPLES`` samples: scale by B / LOOP_SAMPLES for the whole batch).
+Methods: ``partials`` (``jm.partials``, one propagation for u_t and u_xx), ``partial`` (two
+``jm.partial`` calls), ``jacmode`` (one operator call), ``generic`` (the same model behind
+``baselines.Opaque``, which jacmode cannot capture: nested forward mode), ``grad_ones`` /
+``nested_backprop`` (the torch.autograd.grad idioms with a cotangent of ones).
 
 Run as plain Python for the side-by-side table of ratios quoted in docs/pinn.md::
 
-    PYTHONPATH=src python asv_benchmarks/benchmarks/bench_pinn.py [--repeats 15] [--quick]
+    PYTHONPATH=src python asv_benchmarks/benchmarks/bench_pinn.py [--repeats 15] [--quick] [--threads 1]
 """
 
 from __future__ import annotations
@@ -28,43 +33,36 @@ import torch
 from torch import Tensor, nn
 
 import jacmode as jm
+from jacmode.tools.baselines import CumsumNet, Opaque, PinnNet, pinn_sequential
 
-B_FIRST_SECOND = 10_000
+B_STEP = 10_000
 B_LAPLACIAN = 4096
 B_ORDERS = 10_000
-LOOP_SAMPLES = 200
-DIMS = {"u_t": (0,), "u_xx": (1, 1)}
-
-
-def tanh_mlp(d_in: int, width: int = 64, d_out: int = 1) -> nn.Sequential:
-    """Linear(d_in, width) -> tanh -> Linear(width, width) -> tanh -> Linear(width, d_out)."""
-    return nn.Sequential(nn.Linear(d_in, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
-                         nn.Linear(width, d_out))
+NU = 0.1
+MODELS = {"class": PinnNet, "sequential": pinn_sequential}
 
 
 def _leaf(x: Tensor) -> Tensor:
     return x if x.requires_grad else x.detach().requires_grad_(True)
 
 
+def idiom_residual(net: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    """The idiom: autograd.grad with ones for (u_t, u_x), then again for u_xx."""
+    x = _leaf(x)
+    u = net(x)
+    g = torch.autograd.grad(u, x, torch.ones_like(u), create_graph=True)[0]
+    u_t, u_x = g[:, :1], g[:, 1:2]
+    u_xx = torch.autograd.grad(u_x, x, torch.ones_like(u_x), create_graph=True)[0][:, 1:2]
+    return u_t - NU * u_xx
+
+
 def grad_ones(net: Callable[[Tensor], Tensor], x: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """The idiom: torch.autograd.grad with a cotangent of ones, once per order (single output)."""
+    """autograd.grad with a cotangent of ones, once per order (single output)."""
     x = _leaf(x)
     g = net(x)
     for d in dims:
         g = torch.autograd.grad(g, x, torch.ones_like(g), create_graph=True)[0][:, d : d + 1]
     return g
-
-
-def loop(net: Callable[[Tensor], Tensor], x: Tensor, dims: tuple[int, ...]) -> Tensor:
-    """One sample at a time, as a user without the batch trick writes it."""
-    rows = []
-    for b in range(x.shape[0]):
-        xb = x[b : b + 1].detach().requires_grad_(True)
-        g = net(xb)
-        for d in dims:
-            g = torch.autograd.grad(g.sum(), xb, create_graph=True)[0][:, d]
-        rows.append(g)
-    return torch.stack(rows)
 
 
 def nested_backprop_laplacian(net: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
@@ -77,96 +75,106 @@ def nested_backprop_laplacian(net: Callable[[Tensor], Tensor], x: Tensor) -> Ten
                for d in range(x.shape[1]))
 
 
-def _generic(net: nn.Module) -> Callable[[Tensor], Tensor]:
-    return lambda x: net(x)  # hides the Sequential: jacmode takes the nested forward path
+def _partials(net: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    u_t, u_xx = jm.partials(net, x, [(0,), (1, 1)], create_graph=True)
+    return u_t - NU * u_xx
 
 
-PARTIAL = {
-    "jacmode": lambda net, x, dims: jm.partial(net, x, dims, create_graph=True),
-    "jacmode_generic": lambda net, x, dims: jm.partial(net, x, dims, create_graph=True),
-    "grad_ones": grad_ones,
-    "loop": loop,
-}
+def _two_partial(net: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
+    return jm.partial(net, x, (0,), create_graph=True) - NU * jm.partial(net, x, (1, 1), create_graph=True)
+
+
+RESIDUAL = {"partials": _partials, "partial": _two_partial, "generic": _partials, "grad_ones": idiom_residual}
 LAPLACIAN = {
     "jacmode": lambda net, x: jm.laplacian(net, x, create_graph=True),
-    "jacmode_generic": lambda net, x: jm.laplacian(net, x, create_graph=True),
+    "generic": lambda net, x: jm.laplacian(net, x, create_graph=True),
     "nested_backprop": nested_backprop_laplacian,
 }
 ORDERS = {
     "jacmode": lambda net, t, k: jm.derivative(net, t, k, create_graph=True),
-    "jacmode_generic": lambda net, t, k: jm.derivative(net, t, k, create_graph=True),
+    "generic": lambda net, t, k: jm.derivative(net, t, k, create_graph=True),
     "grad_ones": lambda net, t, k: grad_ones(net, t, (0,) * k),
 }
 
 
-class PinnFirstSecond:
-    """u_t and u_xx of a tanh MLP 2 -> 64 -> 64 -> 1 at B = 10,000, create_graph=True."""
+def _model(model: str, method: str, *args: int) -> nn.Module:
+    torch.manual_seed(0)
+    net = MODELS[model](*args)
+    return Opaque(net) if method == "generic" else net
 
-    params = (["u_t", "u_xx"], list(PARTIAL))
-    param_names = ["operator", "method"]
+
+class PinnTrainStep:
+    """One training step of u_t - 0.1 u_xx, PinnNet(2, 64, 2), B = 10,000."""
+
+    params = (list(MODELS), list(RESIDUAL))
+    param_names = ["model", "method"]
     timeout = 300
 
-    def setup(self, operator: str, method: str) -> None:
-        torch.manual_seed(0)
-        self.net = tanh_mlp(2)
-        self.f = _generic(self.net) if method == "jacmode_generic" else self.net
-        n = LOOP_SAMPLES if method == "loop" else B_FIRST_SECOND
-        self.x = torch.rand(n, 2)
-        self.dims, self.call = DIMS[operator], PARTIAL[method]
+    def setup(self, model: str, method: str) -> None:
+        self.f = _model(model, method, 2, 64, 2)
+        self.x = torch.rand(B_STEP, 2)
+        self.call = RESIDUAL[method]
 
-    def time_call(self, operator: str, method: str) -> None:
-        self.call(self.f, self.x, self.dims)
+    def time_train_step(self, model: str, method: str) -> None:
+        self.call(self.f, self.x).square().mean().backward()
 
-    def time_train_step(self, operator: str, method: str) -> None:
-        self.call(self.f, self.x, self.dims).square().mean().backward()
-
-    def peakmem_call(self, operator: str, method: str) -> None:
-        self.call(self.f, self.x, self.dims)
+    def peakmem_residual(self, model: str, method: str) -> None:
+        self.call(self.f, self.x)
 
 
 class PinnLaplacian:
-    """Laplacian of a tanh MLP D -> 64 -> 64 -> 1 at B = 4096, create_graph=True."""
+    """Laplacian of PinnNet(10, 64, 2), B = 4096, create_graph=True."""
 
-    params = ([10], list(LAPLACIAN))
-    param_names = ["D", "method"]
+    params = (list(MODELS), list(LAPLACIAN))
+    param_names = ["model", "method"]
     timeout = 300
 
-    def setup(self, d: int, method: str) -> None:
-        torch.manual_seed(0)
-        self.net = tanh_mlp(d)
-        self.f = _generic(self.net) if method == "jacmode_generic" else self.net
-        self.x = torch.rand(B_LAPLACIAN, d)
+    def setup(self, model: str, method: str) -> None:
+        self.f = _model(model, method, 10, 64, 2)
+        self.x = torch.rand(B_LAPLACIAN, 10)
         self.call = LAPLACIAN[method]
 
-    def time_call(self, d: int, method: str) -> None:
+    def time_call(self, model: str, method: str) -> None:
         self.call(self.f, self.x)
 
-    def time_train_step(self, d: int, method: str) -> None:
+    def time_train_step(self, model: str, method: str) -> None:
         self.call(self.f, self.x).square().mean().backward()
 
-    def peakmem_call(self, d: int, method: str) -> None:
+    def peakmem_call(self, model: str, method: str) -> None:
         self.call(self.f, self.x)
 
 
 class PinnOrders:
-    """d^k u / dt^k of a tanh MLP 1 -> 64 -> 64 -> 1 at B = 10,000, create_graph=True."""
+    """d^k u / dt^k of PinnNet(1, 64, 2), B = 10,000, create_graph=True."""
 
     params = ([1, 2, 3, 4], list(ORDERS))
     param_names = ["order", "method"]
     timeout = 300
 
     def setup(self, order: int, method: str) -> None:
-        torch.manual_seed(0)
-        self.net = tanh_mlp(1)
-        self.f = _generic(self.net) if method == "jacmode_generic" else self.net
+        self.f = _model("class", method, 1, 64, 2)
         self.t = torch.rand(B_ORDERS, 1)
         self.call = ORDERS[method]
 
     def time_call(self, order: int, method: str) -> None:
         self.call(self.f, self.t, order)
 
-    def peakmem_call(self, order: int, method: str) -> None:
-        self.call(self.f, self.t, order)
+
+class PinnUnknownOp:
+    """u_xx of a PINN with one op without a rule (cumsum): jacmode against its generic engine."""
+
+    params = (["jacmode", "generic"],)
+    param_names = ["method"]
+    timeout = 300
+
+    def setup(self, method: str) -> None:
+        torch.manual_seed(0)
+        net = CumsumNet(2, 64, 2)
+        self.f = Opaque(net) if method == "generic" else net
+        self.x = torch.rand(B_STEP, 2)
+
+    def time_call(self, method: str) -> None:
+        jm.partial(self.f, self.x, (1, 1), create_graph=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,26 +202,24 @@ def _vm(key: str) -> float:
     raise KeyError(key)
 
 
-def _peak_child(suite: str, params: tuple, threads: int, queue: "multiprocessing.Queue[float]") -> None:
+def _peak_child(model: str, method: str, threads: int, queue: "multiprocessing.Queue[float]") -> None:
     torch.set_num_threads(threads)
-    bench = {"PinnLaplacian": PinnLaplacian, "PinnFirstSecond": PinnFirstSecond}[suite]()
-    bench.setup(*params)
+    bench = PinnLaplacian()
+    bench.setup(model, method)
     with open("/proc/self/clear_refs", "w") as refs:  # reset the peak (VmHWM) to the current RSS
         refs.write("5")
     before = _vm("VmRSS")
-    result = bench.call(bench.f, bench.x, *([bench.dims] if suite == "PinnFirstSecond" else []))
+    result = bench.call(bench.f, bench.x)
     queue.put(_vm("VmHWM") - before)
     del result
 
 
-def peak_mib(suite: str, *params: object) -> float:
-    """Peak resident memory added by one call (result and its graph alive), in a fresh process.
-
-    Linux only: the peak resident set size is reset before the call through /proc/self/clear_refs.
-    """
+def peak_mib(model: str, method: str) -> float:
+    """Peak resident memory added by one Laplacian call (result and its graph alive), in a fresh
+    process. Linux only: the peak resident set size is reset through /proc/self/clear_refs."""
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_peak_child, args=(suite, params, torch.get_num_threads(), queue))
+    proc = ctx.Process(target=_peak_child, args=(model, method, torch.get_num_threads(), queue))
     proc.start()
     value = queue.get()
     proc.join()
@@ -231,47 +237,47 @@ def main() -> None:
     repeats = 3 if args.quick else args.repeats
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of {repeats}, ms")
 
-    print(f"\nu_t and u_xx, tanh MLP 2-64-64-1, B={B_FIRST_SECOND}, create_graph=True")
-    print("| operator | jacmode | jacmode generic | grad with ones | loop (scaled) | idiom / jacmode "
-          "| loop / jacmode | step: jacmode | step: grad ones |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for op in DIMS:
-        benches = {m: PinnFirstSecond() for m in PARTIAL}
+    print(f"\nTraining step u_t - {NU} u_xx, PinnNet(2, 64, 2), B={B_STEP} (derivatives, loss, backward)")
+    print("| model | jm.partials | two jm.partial | generic engine | autograd idiom | idiom / partials | idiom / two partial |")
+    print("|---|---|---|---|---|---|---|")
+    for model in MODELS:
+        benches = {m: PinnTrainStep() for m in RESIDUAL}
         for m, b in benches.items():
-            b.setup(op, m)
-        calls = {m: (lambda b=b: b.time_call(op, "")) for m, b in benches.items() if m != "loop"}
-        steps = {m: (lambda b=b: b.time_train_step(op, "")) for m, b in benches.items()
-                 if m in ("jacmode", "grad_ones")}
-        t = _median_ms(calls, repeats)
-        s = _median_ms(steps, repeats)
-        lp = _median_ms({"loop": lambda: benches["loop"].time_call(op, "")}, max(1, repeats // 5))["loop"]
-        lp *= B_FIRST_SECOND / LOOP_SAMPLES
-        print(f"| {op} | {t['jacmode']:.2f} | {t['jacmode_generic']:.2f} | {t['grad_ones']:.2f} | {lp:.0f} | "
-              f"{t['grad_ones'] / t['jacmode']:.2f}x | {lp / t['jacmode']:.0f}x | {s['jacmode']:.2f} | "
-              f"{s['grad_ones']:.2f} |")
+            b.setup(model, m)
+        t = _median_ms({m: (lambda b=b: b.time_train_step("", "")) for m, b in benches.items()}, repeats)
+        print(f"| {model} | {t['partials']:.2f} | {t['partial']:.2f} | {t['generic']:.2f} | {t['grad_ones']:.2f} | "
+              f"{t['grad_ones'] / t['partials']:.2f}x | {t['grad_ones'] / t['partial']:.2f}x |")
 
-    print(f"\nLaplacian, tanh MLP 10-64-64-1, B={B_LAPLACIAN}, create_graph=True")
-    benches = {m: PinnLaplacian() for m in LAPLACIAN}
-    for m, b in benches.items():
-        b.setup(10, m)
-    t = _median_ms({m: (lambda b=b: b.time_call(10, "")) for m, b in benches.items()}, repeats)
-    s = _median_ms({m: (lambda b=b: b.time_train_step(10, "")) for m, b in benches.items()}, repeats)
-    mem = {m: (float("nan") if args.quick else peak_mib("PinnLaplacian", 10, m)) for m in LAPLACIAN}
-    print("| method | call ms | call+backward ms | peak MiB (call) | nested backprop / method (call) |")
-    print("|---|---|---|---|---|")
-    for m in LAPLACIAN:
-        print(f"| {m} | {t[m]:.2f} | {s[m]:.2f} | {mem[m]:.0f} | {t['nested_backprop'] / t[m]:.2f}x |")
+    print(f"\nLaplacian, PinnNet(10, 64, 2), B={B_LAPLACIAN}, create_graph=True")
+    print("| model | method | call ms | call+backward ms | peak MiB (call) | nested backprop / method (call) |")
+    print("|---|---|---|---|---|---|")
+    for model in MODELS:
+        benches = {m: PinnLaplacian() for m in LAPLACIAN}
+        for m, b in benches.items():
+            b.setup(model, m)
+        t = _median_ms({m: (lambda b=b: b.time_call("", "")) for m, b in benches.items()}, repeats)
+        s = _median_ms({m: (lambda b=b: b.time_train_step("", "")) for m, b in benches.items()}, repeats)
+        mem = {m: (float("nan") if args.quick else peak_mib(model, m)) for m in LAPLACIAN}
+        for m in LAPLACIAN:
+            print(f"| {model} | {m} | {t[m]:.2f} | {s[m]:.2f} | {mem[m]:.0f} | {t['nested_backprop'] / t[m]:.2f}x |")
 
-    print(f"\nd^k u/dt^k, tanh MLP 1-64-64-1, B={B_ORDERS}, create_graph=True (ms, and cost / order 1)")
-    benches = {(k, m): PinnOrders() for k in (1, 2, 3, 4) for m in ORDERS}
-    for (k, m), b in benches.items():
+    print(f"\nd^k u/dt^k, PinnNet(1, 64, 2), B={B_ORDERS}, create_graph=True (ms, and cost / order 1)")
+    orders = {(k, m): PinnOrders() for k in (1, 2, 3, 4) for m in ORDERS}
+    for (k, m), b in orders.items():
         b.setup(k, m)
-    t = _median_ms({key: (lambda b=b, k=key[0]: b.time_call(k, "")) for key, b in benches.items()}, repeats)
+    t = _median_ms({key: (lambda b=b, k=key[0]: b.time_call(k, "")) for key, b in orders.items()}, repeats)
     print("| order | " + " | ".join(ORDERS) + " |")
     print("|---|" + "---|" * len(ORDERS))
     for k in (1, 2, 3, 4):
         cells = [f"{t[(k, m)]:.2f} ({t[(k, m)] / t[(1, m)]:.2f}x)" for m in ORDERS]
         print(f"| {k} | " + " | ".join(cells) + " |")
+
+    print(f"\nOne op without a rule (cumsum), u_xx with create_graph, B={B_STEP}")
+    unknown = {m: PinnUnknownOp() for m in ("jacmode", "generic")}
+    for m, b in unknown.items():
+        b.setup(m)
+    t = _median_ms({m: (lambda b=b: b.time_call("")) for m, b in unknown.items()}, repeats)
+    print(f"| jacmode {t['jacmode']:.2f} ms | generic engine {t['generic']:.2f} ms | ratio {t['jacmode'] / t['generic']:.3f} |")
 
 
 if __name__ == "__main__":

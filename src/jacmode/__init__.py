@@ -13,13 +13,13 @@ Example:
 """
 
 from ._cache import clear_cache
-from ._derivatives import derivative, divergence, hessian, laplacian, partial
 from ._data import jacobians
+from ._derivatives import derivative, divergence, hessian, laplacian, partial, partials
 from ._errors import BatchError, CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
 from ._planning.autotune import autotune_cache
-from ._planning.plan import Plan
 from ._planning.ntk import NtkPlan
+from ._planning.plan import Plan
 from ._products import ggn, ntk, ntk_plan, per_sample_grads
 
 __version__ = "0.1.0"
@@ -42,6 +42,7 @@ __all__ = [
     "ntk",
     "ntk_plan",
     "partial",
+    "partials",
     "per_sample_grads",
     "plan",
 ]

@@ -13,8 +13,10 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from ._cache import WeakCache
 from ._checks import Options
-from ._operands import Target, check_dims, direction_chunks, target, validated
+from ._state import preserved_state
+from ._operands import Target, check_dims, direction_chunks, evaluate, validated
 
 Fn = Callable[[Tensor], Tensor]
 
@@ -36,7 +38,8 @@ def derivative(
 
     Args:
         f: maps t of shape (B,) or (B, 1) to (B, *out).
-        t: one scalar per sample, shape (B,) or (B, 1).
+        t: one scalar per sample, shape (B,) or (B, 1). When f only accepts (B, 1) (a first layer
+            ``nn.Linear(1, H)``), t of shape (B,) is passed as the column t[:, None].
         order: k >= 1, the order of the derivative.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
@@ -64,7 +67,40 @@ def derivative(
         raise TypeError(f"order: expected a positive int, got {type(order).__name__} ({order!r}).")
     if order < 1:
         raise ValueError(f"order: expected a positive int, got {order}. Use 1 for dy/dt, 2 for d2y/dt2, ...")
+    if t.dim() == 1 and t.shape[0] > 0 and _needs_column(f, t):
+        t = t.unsqueeze(1)
     return _partial(f, t, (0,) * order, opts)
+
+
+_COLUMN = WeakCache("scalar inputs as a column")
+
+
+def _needs_column(f: Fn, t: Tensor) -> bool:
+    """True when f rejects t of shape (B,) but accepts (B, 1) (a model whose first layer is
+    Linear(1, H), like problem 2's); a ValueError naming t and the fix when it accepts neither."""
+    key = (t.dtype, t.device.type)
+    known = _COLUMN.get(f, key)
+    if known is not None:
+        return bool(known)
+    sample = t[:1].detach().expand(2).clone()  # two samples: Linear(1, H) takes one (1,) as unbatched
+    with torch.no_grad(), preserved_state(f):
+        try:
+            out = f(sample)
+            if not isinstance(out, Tensor) or out.dim() == 0 or out.shape[0] != 2:
+                raise ValueError(f"f(t) does not keep the batch dimension (got {type(out).__name__})")
+            verdict = False
+        except Exception as err:  # noqa: BLE001 -- f's own error, reported below if (B, 1) fails too
+            try:
+                f(sample.unsqueeze(1))
+            except Exception:  # noqa: BLE001
+                raise ValueError(
+                    f"t: f fails on t of shape (B,) = {tuple(t.shape)} ({type(err).__name__}: {err}) and on "
+                    f"t.unsqueeze(1) of shape {(t.shape[0], 1)}. Pass t in the shape f expects: one "
+                    "scalar per sample, (B,) or (B, 1)."
+                ) from err
+            verdict = True
+    _COLUMN.put(f, key, verdict)
+    return verdict
 
 
 def partial(
@@ -107,9 +143,65 @@ def partial(
 
 
 def _partial(f: Fn, x: Tensor, dims: tuple[int, ...], opts: Options) -> Tensor:
-    with target(f, x, opts) as t:
+    def body(t: Target) -> Tensor:
         flat = t.over_samples(opts.chunk_size, (), lambda z, s: t.run("partial", z, dims, scale=s))
-    return flat.reshape(x.shape[0], *t.out_shape)
+        return flat.reshape(x.shape[0], *t.out_shape)
+
+    return evaluate(f, x, opts, body)
+
+
+def partials(
+    f: Fn,
+    x: Tensor,
+    dims: Sequence[Sequence[int]],
+    *,
+    structure: str = "auto",
+    chunk_size: Optional[int] = None,
+    create_graph: bool = False,
+) -> tuple[Tensor, ...]:
+    """Several per-sample mixed partials of the same samples, from one shared propagation.
+
+    A PINN residual such as u_t - nu * u_xx needs u_t and u_xx at the same points: on the Taylor
+    path one pass carries the coefficients of every sub-multiset they need (u_x serves both u_x
+    and u_xx), instead of one pass per partial. Each result is what :func:`partial` returns.
+
+    Args:
+        f: maps x of shape (B, D) (or (B, *in), coordinates counted flat) to (B, *out).
+        x: the batch of points, shape (B, D).
+        dims: one tuple of coordinates per partial, e.g. ``[(0,), (1, 1)]`` for u_t and u_xx.
+        structure: "auto" checks that samples are independent; "independent" skips the check;
+            "coupled" differentiates each sample with the others held fixed (B times the work).
+        chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
+        create_graph: keep the results differentiable with respect to parameters and input.
+
+    Returns:
+        A tuple with one tensor of shape (B, *out) per entry of ``dims``, in the order given.
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> x = torch.tensor([[1., 2.], [3., 1.]])
+        >>> u = lambda x: x[:, :1] ** 2 * x[:, 1:] ** 3      # u = x0^2 x1^3, shape (B, 1)
+        >>> u_0, u_11 = jm.partials(u, x, [(0,), (1, 1)])    # 2 x0 x1^3, 6 x0^2 x1
+        >>> torch.cat([u_0, u_11], 1)
+        tensor([[16., 12.],
+                [ 6., 54.]])
+    """
+    opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or any(isinstance(d, int) for d in dims):
+        raise TypeError(
+            f"dims: expected a list of coordinate tuples, one per partial, e.g. [(0,), (1, 1)] for "
+            f"u_t and u_xx, got {dims!r}. For a single partial use jacmode.partial.")
+    if not dims:
+        raise ValueError("dims: expected at least one partial, e.g. [(0,), (1, 1)], got an empty list.")
+    n = math.prod(x.shape[1:])
+    targets = [check_dims(d, n) for d in dims]
+
+    def body(t: Target) -> tuple[Tensor, ...]:
+        flat = t.over_samples(opts.chunk_size, (len(targets),),
+                              lambda z, s: t.run("partials", z, targets, scale=s))
+        return tuple(r.reshape(x.shape[0], *t.out_shape) for r in flat.unbind(0))
+
+    return evaluate(f, x, opts, body)
 
 
 def hessian(
@@ -144,7 +236,7 @@ def hessian(
                   [2., 0.]]]])
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
-    with target(f, x, opts) as t:
+    def body(t: Target) -> Tensor:
         n = math.prod(t.in_shape)
         ii, jj = torch.triu_indices(n, n).tolist()
         chunks, width = direction_chunks(t, len(ii), opts.chunk_size)
@@ -155,7 +247,9 @@ def hessian(
         where = torch.zeros(n, n, dtype=torch.long, device=vals.device)
         where[ii, jj] = where[jj, ii] = torch.arange(len(ii), device=vals.device)
         full = vals[where].permute(2, 3, 0, 1)  # (B, Y, N, N)
-    return full.reshape(x.shape[0], *t.out_shape, *t.in_shape, *t.in_shape)
+        return full.reshape(x.shape[0], *t.out_shape, *t.in_shape, *t.in_shape)
+
+    return evaluate(f, x, opts, body)
 
 
 def laplacian(
@@ -190,11 +284,13 @@ def laplacian(
         tensor([36.])
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
-    with target(f, x, opts) as t:
+    def body(t: Target) -> Tensor:
         total = _sum_over_coordinates(
             t, opts, lambda c, width: t.over_samples(width, (), lambda z, s: t.run("laplacian", z, c, scale=s)),
             t.z.new_zeros(x.shape[0], math.prod(t.out_shape)))
-    return total.reshape(x.shape[0], *t.out_shape)
+        return total.reshape(x.shape[0], *t.out_shape)
+
+    return evaluate(f, x, opts, body)
 
 
 def divergence(
@@ -225,7 +321,7 @@ def divergence(
         tensor([ 6., 14.])
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
-    with target(f, x, opts) as t:
+    def body(t: Target) -> Tensor:
         if t.out_shape != t.in_shape:
             raise ValueError(
                 f"f: divergence needs a vector field whose output has the shape of its input, but "
@@ -239,6 +335,8 @@ def divergence(
             return jac[k, :, torch.as_tensor(c, device=jac.device)].sum(0)  # (B,)
 
         return _sum_over_coordinates(t, opts, trace, x.new_zeros(x.shape[0]))
+
+    return evaluate(f, x, opts, body)
 
 
 def _sum_over_coordinates(t: Target, opts: Options, term: Callable[[range, Optional[int]], Tensor], empty: Tensor) -> Tensor:

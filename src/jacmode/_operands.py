@@ -1,13 +1,15 @@
 """What the derivative operators differentiate, with which engine, and in which passes.
 
 A :class:`Target` holds the user's function in flat form (z of shape (B, N) to (B, Y)) and picks
-the engine: ``_taylor`` (Taylor mode) for an ``nn.Sequential`` of ``nn.Linear`` and known
-activations, ``_nested`` (nested forward mode, or nested reverse mode for operations without a
-forward-mode rule) for any other callable. Both engines have the same functions and shapes.
-A Linear/activation stack treats every sample on its own and has no state, so the fast path skips
-the coupling probe and the state guard (a PINN calls the operators thousands of times on small
-batches, where that overhead would show); other functions go through ``_problem.describe``, which
-runs the probe of ``_coupling``, inside ``_state.preserved_state``.
+the engine: ``_taylor`` (Taylor mode over the captured graph, ``_engines/capture.py``) when every
+operation the input flows through has a rule, ``_nested`` (nested forward mode, or nested reverse
+mode for operations without a forward-mode rule) for any other callable. Both engines have the
+same functions and shapes. Operations with rules treat every sample on its own and change no
+state, so the fast path skips the coupling probe and the state guard (a PINN calls the operators
+thousands of times on small batches, where that overhead would show); other functions go through
+``_problem.describe``, which runs the probe of ``_coupling``, inside ``_state.preserved_state``.
+A rule that finds its assumptions broken at run time (``Unsupported``) sends the call, and later
+ones with inputs of that shape, to the generic path (:func:`evaluate`).
 
 NOTE: [Chunks of the derivative operators]
 ``chunk_size`` bounds the width of one vectorised pass, as in :func:`jacmode.jacobian`. laplacian
@@ -26,7 +28,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +37,12 @@ from torch.func import vmap
 from . import _checks
 from ._checks import Options
 from ._engines import nested as _nested
+from ._engines import capture as _capture
 from ._engines import taylor as _taylor
+from ._engines.capture import Program
 from ._jacobian import _options
-from ._problem import describe
+from ._problem import captured, describe
+from ._rules.base import Unsupported
 from ._state import RngReplay, preserved_state
 from ._structure import one_hot
 
@@ -55,13 +60,13 @@ class Target:
     z: Tensor  # (B, N)
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
-    layers: Optional[list[nn.Module]]  # the Taylor fast path applies when not None
+    program: Optional[Program]  # the Taylor fast path applies when not None
     coupled: bool
     rng: Optional[RngReplay]
 
     def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
-        if self.layers is not None:
-            return getattr(_taylor, name)(self.layers, z, *args)
+        if self.program is not None:
+            return getattr(_taylor, name)(self.program, z, self.in_shape, *args)
         engine = getattr(_nested, name)
         if self.key not in _NO_FORWARD_AD:
             try:
@@ -113,19 +118,38 @@ def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create
 def target(f: Fn, x: Tensor, opts: Options) -> Iterator[Target]:
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     in_shape = tuple(x.shape[1:])
-    layers = _taylor.layers_of(f, in_shape)
-    if layers is not None:  # independent samples and no state by construction: no probe needed
+    program, _ = captured(f, x) if opts.structure in ("auto", "independent") else (None, "")
+    if program is not None:  # independent samples and no state by construction: no probe needed
+        out_shape = _capture.check(program, f, x, _taylor.value)
+        assert isinstance(out_shape, tuple)
         with grad_mode:
-            z = x if opts.create_graph else x.detach()
-            yield Target(key=f, fn=f, z=z, in_shape=in_shape, layers=layers, coupled=False, rng=None,
-                          out_shape=(_taylor.out_features(layers, in_shape[0]),))
+            z = (x if opts.create_graph else x.detach()).reshape(x.shape[0], math.prod(in_shape))
+            yield Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,
+                         out_shape=out_shape)
         return
     with preserved_state(f), grad_mode:
         p = describe(f, x, opts)
         n_out = p.n_out
         fn = lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)  # noqa: E731
-        yield Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, layers=None,
+        yield Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, program=None,
                       coupled=p.structure == "coupled", rng=RngReplay(p.device) if p.random else None)
+
+
+T = TypeVar("T")
+
+
+def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
+    """``body`` of the :class:`Target` of f; on ``Unsupported``, again on the generic path."""
+    try:
+        with target(f, x, opts) as t:
+            return body(t)
+    except Unsupported as err:
+        program = _capture.program_for(f)
+        if not isinstance(program, Program):
+            raise
+        _capture.reject(program, x, str(err))
+    with target(f, x, opts) as t:
+        return body(t)
 
 
 def direction_chunks(t: Target, n: int, chunk_size: Optional[int]) -> tuple[list[range], Optional[int]]:
@@ -133,7 +157,8 @@ def direction_chunks(t: Target, n: int, chunk_size: Optional[int]) -> tuple[list
     if t.coupled:
         return [range(n)], None if chunk_size is None else max(1, chunk_size // max(n, 1))
     if chunk_size is None:  # as many directions as fit the default budget
-        widths = [m.out_features for m in t.layers or [] if isinstance(m, nn.Linear)]
+        model = t.key if isinstance(t.key, nn.Module) and t.program is not None else nn.Module()
+        widths = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
         width = max([*widths, math.prod(t.in_shape), math.prod(t.out_shape)])
         per_direction = t.z.shape[0] * width * t.z.element_size()
         chunk_size = max(1, DEFAULT_PASS_BYTES // max(per_direction, 1))

@@ -18,9 +18,10 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import _checks
+from ._cache import WeakCache, problem_key
 from ._checks import Options
 from ._coupling import probe
-from ._cache import WeakCache, problem_key
+from ._engines import capture as _capture
 from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
 from ._engines.probes import Coverage, coverage
@@ -45,7 +46,8 @@ class Problem:
     sample_fn: Optional[Callable[[Tensor, Tensor], Tensor]] = None  # params: (z, x_b) -> (Y,)
     params: list[tuple[str, torch.Size]] = field(default_factory=list)
     random: bool = False  # random layers in training mode (dropout)
-    layers: Optional[list[nn.Module]] = None  # Linear/activation stack: layer-wise fast paths
+    program: Optional[_capture.Program] = None  # inputs: the captured graph, for Taylor mode
+    generic: str = ""  # inputs: why the captured graph does not serve (for plans)
     tensors: list[Tensor] = field(default_factory=list)  # params: the selected parameters
     model: Optional[nn.Module] = None  # params: the module
     probes: Optional[Coverage] = None  # params: what the layer-wise probe engine covers (verified)
@@ -64,6 +66,17 @@ def _has_random_layers(f: Any) -> bool:
     return isinstance(f, nn.Module) and any(
         isinstance(m, nn.modules.dropout._DropoutNd) and m.training and m.p > 0 for m in f.modules()
     )
+
+
+def captured(f: Any, x: Tensor) -> tuple[Optional[_capture.Program], str]:
+    """The captured graph of f if it reproduces f on inputs shaped like x, else None and why."""
+    if not x.is_floating_point() or x.shape[0] == 0:
+        return None, "x is not floating point" if x.shape[0] else "empty batch"
+    program = _capture.program_for(f)
+    if isinstance(program, str):
+        return None, program
+    checked = _capture.check(program, f, x, _taylor.value)
+    return (program, "") if isinstance(checked, tuple) else (None, checked)
 
 
 def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem:
@@ -106,10 +119,10 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
         else:
             z = xin.reshape(n_in)
             fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
-        layers = _taylor.layers_of(f, in_shape) if batched and structure == "independent" else None
+        program, why = captured(f, x) if batched and structure == "independent" else (None, "")
         return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
                        in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random,
-                       layers=layers)
+                       program=program, generic=why)
 
     model = f
     assert isinstance(model, nn.Module)  # checked by check_param_selection

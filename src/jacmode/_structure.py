@@ -5,8 +5,9 @@ elementwise diagonal. Forward mode fills columns n, reverse mode fills rows y.
 
 * broadcast: independent samples; direction d is e_d on every sample at once, so D tangents
   (or Y cotangents) give every diagonal block (see design.md, "structure is compression").
-  For an ``nn.Sequential`` of Linear layers and known activations, forward mode pushes the
-  tangents layer by layer (``_forward.layerwise_columns``), the PINN networks' fast path.
+  When the model's captured graph has a rule for every operation (``_engines/capture.py``),
+  forward mode pushes the tangents op by op (``_forward.layerwise_columns``), the PINN networks'
+  fast path.
 * per-sample: vmap over samples of vmap over outputs of vjp (parameters, independent samples);
   for parameters that the per-module rules cover, the layer-wise probe engine
   (``_engines/layerwise.py``), with the generic engine for the parameters no rule covers.
@@ -30,11 +31,12 @@ import torch
 from torch import Tensor
 
 from ._engines import layerwise
+from ._engines.capture import reject
 from ._engines.forward import forward_columns, layerwise_columns
 from ._engines.reverse import per_sample_rows, reverse_rows
 from ._planning.plan import Plan
 from ._problem import Problem
-from ._rules.base import NotCovered
+from ._rules.base import NotCovered, Unsupported
 from ._state import RngReplay
 
 
@@ -103,10 +105,13 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
     shape = (B, Y, N) if p.batched else (Y, N)
     res = _Result(shape, z, out)
     seeds, place = _SEEDS[(plan.strategy, forward, p.kind == "params")](p, res, plan.directions)
-    if forward and plan.strategy == "broadcast" and p.layers is not None:
-        layerwise_columns(p.layers, z, plan.directions, place, step)
-    else:
-        engine(p.fn, z, plan.directions, seeds, place, step, rng)
+    if forward and plan.strategy == "broadcast" and p.program is not None:
+        try:
+            layerwise_columns(p.program, p.in_shape, z, plan.directions, place, step)
+            return res.target()
+        except Unsupported as err:  # a rule's assumption broke at this size: the generic engine
+            reject(p.program, p.x, str(err))
+    engine(p.fn, z, plan.directions, seeds, place, step, rng)
     return res.target()
 
 

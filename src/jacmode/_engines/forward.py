@@ -25,11 +25,12 @@ from typing import Callable
 
 import torch
 import torch.autograd.forward_ad as fwAD
-from torch import Tensor, nn
+from torch import Tensor
 from torch.func import jvp, vmap
 
 from .._state import RngReplay
 from . import taylor as _taylor
+from .capture import Program
 
 Seeds = Callable[[int, int], Tensor]
 Place = Callable[[int, int, Tensor], None]
@@ -82,15 +83,15 @@ def forward_columns(
 
 
 def layerwise_columns(
-    layers: list[nn.Module], primal: Tensor, n: int, place: Place, chunk_size: int
+    program: Program, in_shape: tuple[int, ...], primal: Tensor, n: int, place: Place, chunk_size: int
 ) -> None:
-    """Forward mode for an ``nn.Sequential`` of ``nn.Linear`` and known activations.
+    """Forward mode over a captured graph (``_engines/capture.py``) whose operations all have rules.
 
-    The tangents e_d, shared by all samples, are pushed layer by layer with plain torch operations
+    The tangents e_d, shared by all samples, are pushed op by op with plain torch operations
     (``_taylor.first``): no dual tensors, no vmap, and the first layer's product W e_d stays one
     row broadcast over the batch. Same contract as ``forward_columns`` with broadcast seeds, for
     ``primal`` of shape (B, D); the products placed have shape (k, B, Y).
     """
     for start in range(0, n, chunk_size):
         stop = min(n, start + chunk_size)
-        place(start, stop, _taylor.first(layers, primal, range(start, stop)))
+        place(start, stop, _taylor.first(program, primal, in_shape, range(start, stop)))

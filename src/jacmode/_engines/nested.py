@@ -64,6 +64,12 @@ def partial(fn: Fn, z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = No
     return g(z)
 
 
+def partials(fn: Fn, z: Tensor, targets: Sequence[Sequence[int]], scale: Optional[Tensor] = None,
+             reverse: bool = False) -> Tensor:
+    """Several mixed partials, one nested jvp (or vjp) chain each: (K, B, Y)."""
+    return torch.stack([partial(fn, z, dims, scale, reverse) for dims in targets])
+
+
 def first(fn: Fn, z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = None,
           reverse: bool = False) -> Tensor:
     """First derivatives along each d in ``dims``: (k, B, Y)."""

@@ -1,83 +1,52 @@
-"""Taylor-mode fast path: push derivative coefficients through Linear + activation stacks.
+"""Taylor mode over a captured graph: derivative coefficients pushed op by op with plain torch ops.
 
-For an ``nn.Sequential`` of ``nn.Linear`` layers and activations with known derivatives (see
-``_rules/elementwise.py``), higher derivatives are propagated layer by layer with plain torch operations
-instead of nesting forward mode. Plain operations on the parameters keep the results
-differentiable with respect to the parameters and the input (``create_graph=True``), and such a
-stack treats every sample on its own, so the samples are independent by construction.
+The captured :class:`~jacmode._engines.capture.Program` of any traceable module (an
+``nn.Sequential`` is one more) is run with :class:`~jacmode._rules.base.Traced` tensors that carry
+Taylor coefficients; the rules of ``_rules/`` say how each operation transforms them. Plain torch
+operations keep the results differentiable with respect to the parameters and the input
+(``create_graph=True``), and every rule treats each sample on its own, so the samples are
+independent by construction.
 
 NOTE: [Taylor mode over multisets]
 The mixed partial d^k f / dx_(d1) ... dx_(dk) is the derivative of f(x + t_1 e_(d1) + ... +
 t_k e_(dk)) with respect to t_1 ... t_k at 0. Nested forward mode carries one coefficient per
 subset of {1..k}, 2^k in all. But a coefficient only depends on which coordinates its subset
 differentiates along, the sub-multiset of (d1..dk), so one per sub-multiset is enough: k + 1 for
-d^k / dt^k, 6 instead of 8 for u_xxy. Through ``y = W h + b`` every coefficient is multiplied by W
-(the bias goes to the value only); through an activation ``y = s(h)`` Faa di Bruno's formula over
-set partitions gives y_K = sum over partitions pi of K of s^(|pi|)(h) prod_(block in pi) h_block,
-with the partitions that give the same blocks grouped and counted once (``_terms``). The input
-coefficients are x itself, e_d (one row, broadcast over all samples, so the cost does not grow
-with B beyond the batched pass) and zero above first order.
+d^k / dt^k, 6 instead of 8 for u_xxy. Through a linear map every coefficient is mapped (a bias goes
+to the value only); through an elementwise ``y = s(h)`` Faa di Bruno's formula over set partitions
+gives y_K = sum over partitions pi of K of s^(|pi|)(h) prod_(block in pi) h_block, with the
+partitions that give the same blocks grouped and counted once (``_terms``); through a product
+Leibniz's rule gives (uv)_K = sum over sub-multisets S of K of C(K, S) u_S v_(K - S), C the product
+of the binomial coefficients of the labels. The input coefficients are x itself, e_d (one row,
+broadcast over all samples, so the cost does not grow with B beyond the batched pass) and zero
+above first order. Several partials (``partials``) share one propagation over the union of their
+sub-multisets.
 
 Second-order operators vectorise the directions instead: the Hessian carries the D first-order
 coefficients as one (D, B, H) tensor and the wanted pairs (i, j) as one (P, B, H) tensor, with
 y_ij = s'(h) h_ij + s''(h) h_i h_j; the Laplacian needs only the sum over i of h_ii, so it carries
 that sum (the forward Laplacian, or collapsed Taylor mode): L' = s'(h) L + s''(h) sum_i h_i^2.
+A product uv adds the cross term u_i v_j + u_j v_i (summed over i for the Laplacian).
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import math
 from collections import Counter
-from typing import Callable, Iterator, Optional, Sequence, cast
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-import torch.nn.functional as F
-from torch import Tensor, nn
+import torch
+from torch import Tensor
 
-from .._rules.elementwise import combine, jet, rule
+from .._rules.base import Traced, Unsupported
+from .._rules.elementwise import Jet, combine
+from .capture import Program
 from .nested import seeds
 
 Key = tuple[int, ...]  # a multiset of coordinates, sorted
 Term = tuple[int, int, tuple[Key, ...]]  # (how many partitions, order of s, blocks)
-
-
-def _hooked(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks)
-
-
-def _leaves(f: nn.Sequential) -> Optional[list[nn.Module]]:
-    layers: list[nn.Module] = []
-    for m in f:  # not children(): a module used twice appears twice
-        if _hooked(m):
-            return None
-        if type(m) is nn.Sequential:
-            inner = _leaves(m)
-            if inner is None:
-                return None
-            layers.extend(inner)
-        elif type(m) is nn.Linear or rule(m) is not None:
-            layers.append(m)
-        else:
-            return None
-    return layers
-
-
-def layers_of(f: object, in_shape: tuple[int, ...]) -> Optional[list[nn.Module]]:
-    """The layers of ``f`` if the fast path applies to it for per-sample inputs of ``in_shape``.
-
-    It applies to an ``nn.Sequential`` (nested ones included) of exactly ``nn.Linear`` and known
-    activations, without hooks, whose input is (B, D) with D the first Linear's in_features.
-    """
-    if type(f) is not nn.Sequential or len(in_shape) != 1 or _hooked(f):
-        return None
-    if getattr(nn.modules.module, "_global_forward_hooks", None) or getattr(
-        nn.modules.module, "_global_forward_pre_hooks", None
-    ):
-        return None
-    layers = _leaves(f)
-    if layers and type(layers[0]) is nn.Linear and layers[0].in_features != in_shape[0]:
-        return None
-    return layers
 
 
 def _set_partitions(items: list[int]) -> Iterator[list[list[int]]]:
@@ -112,6 +81,18 @@ def _sub_keys(target: Key) -> tuple[Key, ...]:
     return tuple(sorted(keys, key=len))
 
 
+@functools.lru_cache(maxsize=None)
+def _leibniz(key: Key) -> tuple[tuple[int, Key, Key], ...]:
+    """(C(K, S), S, K - S) for every sub-multiset S of K."""
+    counts = Counter(key)
+    out = []
+    for sub in _sub_keys(key):
+        rest = counts - Counter(sub)
+        coeff = math.prod(math.comb(counts[label], n) for label, n in Counter(sub).items())
+        out.append((coeff, sub, tuple(sorted(rest.elements()))))
+    return tuple(out)
+
+
 def _product(count: int, factors: Sequence[Tensor]) -> Tensor:
     out = factors[0] if count == 1 else count * factors[0]
     for f in factors[1:]:
@@ -119,103 +100,137 @@ def _product(count: int, factors: Sequence[Tensor]) -> Tensor:
     return out
 
 
-def partial(layers: Sequence[nn.Module], z: Tensor, dims: Key) -> Tensor:
-    """Per-sample mixed partial along ``dims``: z (B, D) -> (B, Y). See the module note."""
-    target = tuple(sorted(dims))
-    keys = _sub_keys(target)
-    labels = sorted(set(target))
-    coef: dict[Key, Tensor] = {(): z}
-    coef.update({(d,): e for d, e in zip(labels, seeds(z, labels))})
-    for index, layer in enumerate(layers):
-        wanted = (target,) if index == len(layers) - 1 else keys
-        if type(layer) is nn.Linear:
-            coef = {k: _affine(layer, v, bias=k == ()) for k, v in coef.items() if k in wanted}
-            continue
-        act = jet(layer, coef[()], max(len(k) for k in wanted))
-        new: dict[Key, Tensor] = {(): act.value} if () in wanted else {}
-        for key in wanted:
-            if not key:
-                continue
+def _add(a: Optional[Tensor], b: Tensor) -> Tensor:
+    return b if a is None else a + b
+
+
+class Multisets:
+    """Coefficients per sub-multiset of the wanted partials (see the note)."""
+
+    def __init__(self, targets: Sequence[Key]) -> None:
+        keys = {k for t in targets for k in _sub_keys(t) if k}
+        self.keys = sorted(keys, key=lambda k: (len(k), k))
+        self.order = max(len(t) for t in targets)
+
+    def seed(self, z: Tensor) -> Traced:
+        labels = sorted({k[0] for k in self.keys if len(k) == 1})
+        e = seeds(z.reshape(z.shape[0], -1), labels).reshape(len(labels), 1, 1, *z.shape[1:])
+        return Traced(z, {(d,): e[i] for i, d in enumerate(labels)})
+
+    def elementwise(self, x: Traced, jet: Callable[[Tensor, int], Jet]) -> Traced:
+        act = jet(x.value, self.order)
+        new: dict[Any, Tensor] = {}
+        for key in self.keys:
             grouped: dict[int, Tensor] = {}  # order m of s -> sum of the products it multiplies
             for count, m, blocks in _terms(key):
-                if m > 1 and act.higher[m] is not None and all(b in coef for b in blocks):
-                    product = _product(count, [coef[b] for b in blocks])
-                    grouped[m] = grouped[m] + product if m in grouped else product
-            out = combine(act, coef.get(key), list(grouped.items()))
+                if m > 1 and act.higher[m] is not None and all(b in x.coef for b in blocks):
+                    grouped[m] = _add(grouped.get(m), _product(count, [x.coef[b] for b in blocks]))
+            out = combine(act, x.coef.get(key), list(grouped.items()))
             if out is not None:
                 new[key] = out
-        coef = new
-    out = coef.get(target)
-    if out is None:  # f is polynomial of lower degree along dims (e.g. ReLU, linear)
-        return _zeros(layers, z)
-    return out.expand(z.shape[0], out.shape[-1]) if out.shape[0] != z.shape[0] else out
+        return Traced(act.value, new)
+
+    def mul(self, a: Traced, b: Traced) -> Traced:
+        new: dict[Any, Tensor] = {}
+        for key in self.keys:
+            total: Optional[Tensor] = None
+            for count, s, rest in _leibniz(key):
+                u = a.value if not s else a.coef.get(s)
+                v = b.value if not rest else b.coef.get(rest)
+                if u is not None and v is not None:
+                    total = _add(total, u * v if count == 1 else count * (u * v))
+            if total is not None:
+                new[key] = total
+        return Traced(a.value * b.value, new)
 
 
-def out_features(layers: Sequence[nn.Module], d: int) -> int:
-    """Y, the output width of the stack for inputs of width d."""
-    return next((m.out_features for m in reversed(layers) if type(m) is nn.Linear), d)
+class Stacked:
+    """First derivatives along K directions as one (K, 1|B, ...) tensor "g", and optionally the
+    second-order coefficients "s" whose products ``cross(u, v)`` pick pairs or sum the diagonal."""
+
+    def __init__(self, dims: Sequence[int], cross: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> None:
+        self.dims, self.cross = list(dims), cross
+        self.order = 1 if cross is None else 2
+
+    def seed(self, z: Tensor) -> Traced:
+        e = seeds(z.reshape(z.shape[0], -1), self.dims).reshape(len(self.dims), 1, *z.shape[1:])
+        return Traced(z, {"g": e})
+
+    def elementwise(self, x: Traced, jet: Callable[[Tensor, int], Jet]) -> Traced:
+        act = jet(x.value, self.order)
+        g, new = x.coef.get("g"), {}
+        if self.cross is not None:
+            s = combine(act, x.coef.get("s"), [] if g is None else [(2, self.cross(g, g))])
+            if s is not None:
+                new["s"] = s
+        if g is not None:
+            new["g"] = act.first(g)
+        return Traced(act.value, new)
+
+    def mul(self, a: Traced, b: Traced) -> Traced:
+        new: dict[Any, Tensor] = {}
+        for key in ("g", "s") if self.cross is not None else ("g",):
+            u, v = a.coef.get(key), b.coef.get(key)
+            total = None if u is None else u * b.value
+            if v is not None:
+                total = _add(total, a.value * v)
+            if total is not None:
+                new[key] = total
+        ga, gb = a.coef.get("g"), b.coef.get("g")
+        if self.cross is not None and ga is not None and gb is not None:
+            new["s"] = _add(new.get("s"), self.cross(ga, gb) + self.cross(gb, ga))
+        return Traced(a.value * b.value, new)
 
 
-def _zeros(layers: Sequence[nn.Module], z: Tensor) -> Tensor:
-    return z.new_zeros(z.shape[0], out_features(layers, z.shape[1]))
+def _run(program: Program, alg: Any, z: Tensor, in_shape: tuple[int, ...]) -> Traced:
+    out = program.run(alg, alg.seed(z.reshape(z.shape[0], *in_shape)))
+    if isinstance(out, Traced):
+        return out
+    if isinstance(out, Tensor):
+        return Traced(out, {})
+    raise Unsupported(f"the captured graph returns {type(out).__name__}, not one tensor")
 
 
-def _affine(layer: nn.Module, t: Tensor, bias: bool = False) -> Tensor:
-    """W t (+ b) for an nn.Linear layer."""
-    lin = cast(nn.Linear, layer)
-    return F.linear(t, lin.weight, lin.bias if bias else None)
+def _flat(c: Optional[Tensor], out: Traced, lead: int, batch: int) -> Tensor:
+    """A coefficient (L, 1|B, *out) as (lead, B, Y), zeros where it is missing."""
+    if c is None:
+        return out.value.new_zeros(lead, batch, math.prod(out.value.shape[1:]))
+    y = math.prod(c.shape[2:])
+    return c.reshape(c.shape[0], c.shape[1], y).expand(lead, batch, y)
 
 
-def _linear(t: Optional[Tensor], layer: nn.Module) -> Optional[Tensor]:
-    return None if t is None else _affine(layer, t)
+def partials(program: Program, z: Tensor, in_shape: tuple[int, ...], targets: Sequence[Key]) -> Tensor:
+    """Per-sample mixed partials, one per target multiset, from one propagation: (K, B, Y)."""
+    keys = [tuple(sorted(t)) for t in targets]
+    out = _run(program, Multisets(keys), z, in_shape)
+    return torch.stack([_flat(out.coef.get(k), out, 1, z.shape[0])[0] for k in keys])
 
 
-def first(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int]) -> Tensor:
+def partial(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Key) -> Tensor:
+    """Per-sample mixed partial along ``dims``: z (B, D) -> (B, Y)."""
+    out = _run(program, Multisets([tuple(sorted(dims))]), z, in_shape)
+    return _flat(out.coef.get(tuple(sorted(dims))), out, 1, z.shape[0])[0]
+
+
+def first(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Sequence[int]) -> Tensor:
     """First derivatives along each d in ``dims``: z (B, D) -> (k, B, Y)."""
-    value, grad = z, seeds(z, dims)  # grad (k, 1|B, H)
-    for index, layer in enumerate(layers):
-        if type(layer) is nn.Linear:
-            grad = _affine(layer, grad)
-            if index < len(layers) - 1:
-                value = _affine(layer, value, bias=True)
-            continue
-        act = jet(layer, value, 1)
-        value, grad = act.value, act.first(grad)
-    return grad.expand(len(dims), z.shape[0], grad.shape[-1])
+    out = _run(program, Stacked(dims), z, in_shape)
+    return _flat(out.coef.get("g"), out, len(dims), z.shape[0])
 
 
-def _second(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int],
-            cross: Callable[[Tensor], Tensor]) -> Optional[Tensor]:
-    """Second-order coefficients whose rule through an activation is s' h_2 + s'' cross(grads).
-
-    ``grad`` carries the first derivatives along ``dims``, (k, 1|B, H); ``cross(grad)`` says which
-    products of them the second-order coefficients need. None when they are zero.
-    """
-    value, grad = z, seeds(z, dims)
-    second: Optional[Tensor] = None
-    for index, layer in enumerate(layers):
-        if type(layer) is nn.Linear:
-            second = _linear(second, layer)
-            if index < len(layers) - 1:
-                value, grad = _affine(layer, value, bias=True), _affine(layer, grad)
-            continue
-        act = jet(layer, value, 2)
-        second = combine(act, second, [(2, cross(grad))])
-        value, grad = act.value, act.first(grad)
-    return second
+def value(program: Program, x: Tensor) -> Tensor:
+    """f(x) computed by the program (with one coefficient, so that every rule runs)."""
+    return _run(program, Stacked([0]), x.reshape(x.shape[0], -1), tuple(x.shape[1:])).value
 
 
-def pairs(layers: Sequence[nn.Module], z: Tensor, ii: Sequence[int], jj: Sequence[int]) -> Tensor:
+def pairs(program: Program, z: Tensor, in_shape: tuple[int, ...], ii: Sequence[int], jj: Sequence[int]) -> Tensor:
     """Second derivatives d^2 f / dx_i dx_j for the pairs (ii[p], jj[p]): z (B, D) -> (P, B, Y)."""
-    second = _second(layers, z, range(z.shape[1]), lambda g: g[list(ii)] * g[list(jj)])
-    if second is None:
-        return _zeros(layers, z).expand(len(ii), -1, -1)
-    return second.expand(len(ii), z.shape[0], second.shape[-1])
+    a, b = list(ii), list(jj)
+    out = _run(program, Stacked(range(z.shape[1]), lambda u, v: u[a] * v[b]), z, in_shape)
+    return _flat(out.coef.get("s"), out, len(a), z.shape[0])
 
 
-def laplacian(layers: Sequence[nn.Module], z: Tensor, dims: Sequence[int]) -> Tensor:
+def laplacian(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Sequence[int]) -> Tensor:
     """Sum over d in dims of d^2 f / dx_d^2 (the forward Laplacian): z (B, D) -> (B, Y)."""
-    lap = _second(layers, z, dims, lambda g: (g * g).sum(0))
-    if lap is None:
-        return _zeros(layers, z)
-    return lap.expand(z.shape[0], lap.shape[-1])
+    out = _run(program, Stacked(dims, lambda u, v: (u * v).sum(0, keepdim=True)), z, in_shape)
+    return _flat(out.coef.get("s"), out, 1, z.shape[0])[0]

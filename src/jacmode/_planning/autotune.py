@@ -99,11 +99,11 @@ def _time(p: Problem, plan: Plan) -> tuple[float, str]:
     engine = forward_columns if plan.mode == "forward" else reverse_rows
     seeds, _ = _SEEDS[(plan.strategy, plan.mode == "forward", p.kind == "params")](p, None, n)  # type: ignore[arg-type]
     noop = lambda s, e, blk: None  # noqa: E731
-    layers = p.layers if plan.mode == "forward" and plan.strategy == "broadcast" else None
+    program = p.program if plan.mode == "forward" and plan.strategy == "broadcast" else None
 
     def one_pass(width: int) -> float:
-        if layers is not None:  # the engine run() uses for this plan (see _structure.run)
-            call = lambda: layerwise_columns(layers, p.z, width, noop, width)  # noqa: E731
+        if program is not None:  # the engine run() uses for this plan (see _structure.run)
+            call = lambda: layerwise_columns(program, p.in_shape, p.z, width, noop, width)  # noqa: E731
         else:
             call = lambda: engine(p.fn, p.z, width, seeds, noop, width)  # noqa: E731
         call()

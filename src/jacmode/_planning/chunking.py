@@ -30,14 +30,14 @@ def samples_per_direction(p: Problem, strategy: str) -> int:
 def engine(p: Problem, mode: str, strategy: str) -> str:
     """Which calibrated engine runs a candidate: "forward", "reverse", or their "-layerwise" kin.
 
-    Through an ``nn.Sequential`` of Linear layers and known activations, forward mode over
-    broadcast seeds pushes the tangents layer by layer (``_taylor``); per-sample parameter
-    Jacobians of modules with rules run the probe engine (``_engines/layerwise.py``): no dual
-    tensors, no vmap, and their own measured costs.
+    Through a captured graph whose operations all have rules, forward mode over broadcast seeds
+    pushes the tangents op by op (``_engines/taylor.py``); per-sample parameter Jacobians of modules
+    with rules run the probe engine (``_engines/layerwise.py``): no dual tensors, no vmap, and their
+    own measured costs.
     """
     if strategy == "per-sample" and getattr(p, "probes", None) is not None:
         return "reverse-layerwise"
-    if getattr(p, "layers", None) is not None and mode == "forward" and strategy == "broadcast":
+    if getattr(p, "program", None) is not None and mode == "forward" and strategy == "broadcast":
         return "forward-layerwise"
     return mode
 

@@ -245,17 +245,19 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
         versus = f"{mode} ({_dirs(n)}) is the only mode whose smallest pass fits the memory budget"
     else:
         versus = f"{mode} ({_dirs(n)}) is the only mode f supports"
-    layerwise = p.layers is not None and (mode, strategy) == ("forward", "broadcast")
+    layerwise = p.program is not None and (mode, strategy) == ("forward", "broadcast")
     extra = {
         "broadcast": "; samples are independent, so each seed is shared by all B samples",
         "per-sample": "; parameters are shared, so each sample gets its own rows",
         "whole-batch": "; samples are coupled, so the whole batch is differentiated as one point"
         if p.structure == "coupled" else "",
     }.get(strategy, "")
-    if layerwise:
-        extra += " (Linear/activation stack: propagated layer by layer, no vmap)"
+    if layerwise and p.program is not None:
+        extra += f" (captured graph of {', '.join(p.program.ops)}: propagated op by op, no vmap)"
     elif strategy == "per-sample" and mode == "reverse" and p.probes is not None:
         extra += f" ({probes_reason(p.probes)})"
+    elif p.kind == "inputs" and p.generic:
+        extra += f" (generic engine: {p.generic})"
     elif strategy == "per-sample":
         extra += " (vmap over samples)"
     return f"{axes}: {versus}{extra}"

@@ -1,8 +1,22 @@
-"""The vocabulary of per-module parameter rules: per-sample blocks from a layer's input and cotangents.
+"""The vocabulary of the rules, for both engine families.
 
-A rule knows, for one module type, how the module's parameters enter its output. Given what the
-probe engine (``_engines/probes.py``) recorded for one call of the module, its inputs and the
-cotangents G (K, B, *out) of its output for K directions, a rule returns the per-sample blocks
+Input derivatives (Taylor mode over a captured graph, ``_engines/taylor.py``): a :class:`Traced` is
+one tensor of the captured graph that depends on the input: its ``value`` (B, *shape) and its Taylor
+coefficients ``coef[key]`` of shape (L, 1 or B, *shape), one leading dimension of directions (L = 1
+for a single multiset coefficient, K directions, P pairs) and the batch dimension, 1 where the
+coefficient is the same for every sample (a seed e_d before it meets anything sample-dependent). A
+missing key is a coefficient that is zero everywhere. A Taylor rule maps its arguments (Traced for
+what depends on the input, plain values otherwise) to a Traced, with the help of an
+:class:`Algebra` that knows which coefficients are carried and how products and elementwise
+functions combine them. Rules linear in their traced input need no algebra: :func:`linear` applies
+the map to every coefficient. A Taylor rule raises :class:`Unsupported` when its arguments break
+what the engines assume (the batch stays dimension 0 and samples stay independent); the whole call
+then takes the generic engine. They are listed in ``table.py``, by spelling.
+
+Parameter Jacobians (the probe engine, ``_engines/probes.py``): a :class:`Rule` knows, for one
+module type, how the module's parameters enter its output. Given what the probe engine recorded for
+one call of the module, its inputs and the cotangents G (K, B, *out) of its output for K
+directions, it returns the per-sample blocks
 
     per_sample(module, inputs, G) -> {attribute: Tensor (B, K, *param.shape)}
 
@@ -10,16 +24,101 @@ cotangents G (K, B, *out) of its output for K directions, a rule returns the per
 into given views of a result with ``write(module, inputs, G, targets, accumulate)``, which the
 default implementation does by copying ``per_sample``; rules override it where an ``out=`` kernel
 avoids the temporary. ``unsupported(module)`` says why a module instance cannot be handled (None when
-it can). Room is left for cheaper reductions of the same blocks, e.g. ``sq_sum`` (sum over B and K
-of the squared blocks, BackPACK's DiagGGN form) and ``gram`` (NTK blocks): a rule that lacks them
-simply does not define them (see :func:`has`).
+it can). Optional cheaper reductions of the same blocks: ``sq_sum`` (sum over B and K of the squared
+blocks, BackPACK's DiagGGN form) and ``gram`` (NTK blocks); see :func:`has`. They are listed in
+``modules.py``, by module type.
+
+Each family module (``linear``, ``conv``, ``norm``, ``embedding``, ``elementwise``, ``shape``,
+``arithmetic``) holds both kinds of rule for its operations, so what is supported is read in one place.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from torch import Tensor, nn
+
+from .elementwise import Jet
+
+
+class Unsupported(Exception):
+    """An operation the fast path cannot treat exactly: the caller falls back to the generic engine."""
+
+
+class Traced:
+    """A tensor that depends on the input, with its Taylor coefficients (see the module note).
+
+    ``value`` (B, *shape) may be given as ``make``, computed on first use: the value of the last
+    linear layer is never needed when only derivatives are asked for.
+    """
+
+    __slots__ = ("_value", "_make", "coef")
+
+    def __init__(self, value: Optional[Tensor], coef: dict[Any, Tensor],
+                 make: Optional[Callable[[], Tensor]] = None) -> None:
+        self._value, self._make = value, make
+        self.coef = coef  # key -> (L, 1 | B, *shape); missing = zero
+
+    @property
+    def value(self) -> Tensor:
+        if self._value is None:
+            assert self._make is not None
+            self._value, self._make = self._make(), None
+        return self._value
+
+
+class Algebra(Protocol):
+    """Which coefficients are carried, and how the nonlinear rules combine them."""
+
+    order: int  # the highest derivative order an elementwise function must provide
+
+    def elementwise(self, x: Traced, jet: Callable[[Tensor, int], Jet]) -> Traced: ...
+
+    def mul(self, a: Traced, b: Traced) -> Traced: ...
+
+
+Map = Callable[[Tensor], Tensor]
+
+
+def linear(x: Traced, value: Map, coef: Optional[Map] = None) -> Traced:
+    """A map linear in x (plus a constant): ``value`` on x.value, ``coef`` (default ``value``) on coefficients."""
+    c = value if coef is None else coef
+    return Traced(None, {k: c(t) for k, t in x.coef.items()}, lambda: value(x.value))
+
+
+def merged(fn: Map) -> Map:
+    """``fn`` of a (N, *shape) batch applied to a coefficient (L, Bc, *shape) (e.g. convolutions)."""
+
+    def apply(t: Tensor) -> Tensor:
+        out = fn(t.reshape(t.shape[0] * t.shape[1], *t.shape[2:]))
+        return out.reshape(t.shape[0], t.shape[1], *out.shape[1:])
+
+    return apply
+
+
+def batch_kept(x: Traced, out: Traced, what: str) -> Traced:
+    """Check that an operation kept the batch as dimension 0 of its result."""
+    if out.value.dim() == 0 or out.value.shape[0] != x.value.shape[0]:
+        raise Unsupported(f"{what} changes the batch dimension ({tuple(x.value.shape)} -> {tuple(out.value.shape)})")
+    return out
+
+
+def feature_dim(dim: int, rank: int, what: str) -> int:
+    """A dimension of a value of rank ``rank`` as a dimension of its coefficients (one more in front)."""
+    d = dim + rank if dim < 0 else dim
+    if not 0 < d < rank:
+        raise Unsupported(f"{what} over dimension {dim} mixes the samples of the batch")
+    return d + 1
+
+
+def expand_batch(tensors: list[Tensor]) -> list[Tensor]:
+    """Coefficients expanded to a common direction and batch size (before cat/stack)."""
+    lead = max(t.shape[0] for t in tensors), max(t.shape[1] for t in tensors)
+    return [t.expand(*lead, *t.shape[2:]) for t in tensors]
+
+
+# Parameter rules (the probe engine)
+
 
 Blocks = dict[str, Tensor]
 

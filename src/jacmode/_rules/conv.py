@@ -1,4 +1,7 @@
-"""Rules for ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` (stride, padding and its modes, dilation, groups).
+"""Rules for ``nn.Conv1d`` / ``Conv2d`` / ``Conv3d`` and ``F.conv1d/2d/3d`` (stride, padding and its modes, dilation, groups).
+
+Taylor rules (input derivatives): a convolution is linear in its input; the directions and the batch
+of a coefficient are seen as one batch (``base.merged``), the bias goes to the value only.
 
 NOTE: [Convolution blocks]
 out[b, o, l] = sum_(c, w) W[o, c, w] xpad[b, g(o) c, l * stride + w * dilation] + bias[o]. The windows
@@ -12,13 +15,14 @@ The bias block sums G over L. Works for any number of spatial dims.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Blocks, NotCovered, Rule
+from .base import Algebra, Blocks, NotCovered, Rule, Traced, linear, merged
+from .linear import _plain, _traced
 
 
 def windows(module: nn.modules.conv._ConvNd, a: Tensor) -> Tensor:
@@ -62,3 +66,25 @@ class ConvRule(Rule):
 
 
 RULES: dict[type, Rule] = {nn.Conv1d: ConvRule(), nn.Conv2d: ConvRule(), nn.Conv3d: ConvRule()}
+
+
+# Taylor rules (input derivatives)
+
+
+def conv_module(alg: Algebra, m: Any, x: Traced) -> Traced:
+    return linear(x, m, merged(lambda t: m._conv_forward(t, m.weight, None)))
+
+
+def _conv_fn(conv: Callable[..., Tensor]) -> Callable[..., Traced]:
+    def rule(alg: Algebra, x: Any, weight: Any, bias: Any = None, *args: Any, **kwargs: Any) -> Traced:
+        x = _traced(x, conv.__name__)
+        _plain(weight, bias)
+        return linear(x, lambda v: conv(v, weight, bias, *args, **kwargs),
+                      merged(lambda t: conv(t, weight, None, *args, **kwargs)))
+
+    return rule
+
+
+TABLE: dict[Any, Callable[..., Traced]] = {module: conv_module for module in (nn.Conv1d, nn.Conv2d, nn.Conv3d)}
+for conv in (F.conv1d, F.conv2d, F.conv3d):
+    TABLE[conv] = _conv_fn(conv)

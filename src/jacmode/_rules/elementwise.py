@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ class Jet:
     first: Callable[[Tensor], Tensor]
     higher: list[Optional[Tensor]]  # indices 0 and 1 unused
     inside: bool
+    scale: Optional[list[float]] = None  # higher[m] stands for scale[m] * higher[m] (saves a pass)
 
 
 Poly = tuple[float, ...]  # coefficients of y^0, y^1, ...
@@ -81,8 +82,17 @@ def _horner(p: Poly, y: Tensor) -> Tensor:
 
 
 def _quadratic(y: Tensor, c: Poly, backward: Callable[[Tensor, Tensor], Tensor], n: int) -> Jet:
-    higher: list[Optional[Tensor]] = [None, None] + [_horner(_ratio(c, m), y) for m in range(2, n + 1)]
-    return Jet(y, lambda t: backward(t, y), higher, inside=True)
+    higher: list[Optional[Tensor]] = [None, None]
+    scale = [1.0, 1.0]
+    for m in range(2, n + 1):
+        p = _ratio(c, m)
+        if len([a for a in p if a != 0.0]) == 1 and p[-1] != 0.0 and len(p) == 2:  # a y: y, scale a
+            higher.append(y)
+            scale.append(p[-1])
+        else:
+            higher.append(_horner(p, y))
+            scale.append(1.0)
+    return Jet(y, lambda t: backward(t, y), higher, inside=True, scale=scale)
 
 
 def _tanh(layer: nn.Module, h: Tensor, n: int) -> Jet:
@@ -157,6 +167,72 @@ def _identity(layer: nn.Module, h: Tensor, n: int) -> Jet:
     return Jet(h, lambda t: t, [None] * (n + 1), inside=False)
 
 
+def _derivs(value: Tensor, n: int, d: Callable[[int], Optional[Tensor]]) -> Jet:
+    return _explicit(value, [d(m) for m in range(1, max(n, 1) + 1)])
+
+
+def _exp(layer: object, h: Tensor, n: int) -> Jet:
+    e = torch.exp(h)
+    return _derivs(e, n, lambda m: e)
+
+
+def _log(layer: object, h: Tensor, n: int) -> Jet:
+    inv = torch.reciprocal(h)
+    return _derivs(torch.log(h), n, lambda m: (-1) ** (m - 1) * math.factorial(m - 1) * inv ** m)
+
+
+def _sin(layer: object, h: Tensor, n: int) -> Jet:
+    s, c = torch.sin(h), torch.cos(h)
+    return _derivs(s, n, lambda m: (c, -s, -c, s)[(m - 1) % 4])
+
+
+def _cos(layer: object, h: Tensor, n: int) -> Jet:
+    s, c = torch.sin(h), torch.cos(h)
+    return _derivs(c, n, lambda m: (-s, -c, s, c)[(m - 1) % 4])
+
+
+def _power(layer: object, h: Tensor, n: int) -> Jet:
+    """h ** c for a constant c: c (c - 1) ... (c - m + 1) h ** (c - m); zero beyond an integer c >= 0."""
+    c = float(getattr(layer, "exponent"))
+
+    def d(m: int) -> Optional[Tensor]:
+        factor = math.prod(c - i for i in range(m))
+        if factor == 0.0:
+            return None
+        return factor * (torch.ones_like(h) if c - m == 0 else h ** (c - m))
+
+    return _derivs(h ** c, n, d)
+
+
+def _abs(layer: object, h: Tensor, n: int) -> Jet:
+    return _piecewise_linear(torch.abs(h), torch.sign(h), n)
+
+
+def _elu(layer: object, h: Tensor, n: int) -> Jet:
+    alpha, scale = float(getattr(layer, "alpha", 1.0)), float(getattr(layer, "scale", 1.0))
+    pos, ae = h > 0, scale * alpha * torch.exp(torch.clamp(h, max=0.0))
+    first = torch.where(pos, torch.full_like(h, scale), ae)
+    rest = torch.where(pos, torch.zeros_like(h), ae) if n >= 2 else None
+    value = scale * torch.where(pos, h, alpha * torch.expm1(torch.clamp(h, max=0.0)))
+    return _derivs(value, n, lambda m: first if m == 1 else rest)
+
+
+def _hardtanh(layer: object, h: Tensor, n: int) -> Jet:
+    lo, hi = float(getattr(layer, "min_val", -1.0)), float(getattr(layer, "max_val", 1.0))
+    return _piecewise_linear(torch.clamp(h, lo, hi), ((h > lo) & (h < hi)).to(h.dtype), n)
+
+
+SELU = {"alpha": 1.6732632423543772848170429916717, "scale": 1.0507009873554804934193349852946}
+
+JetFn = Callable[[Any, Tensor, int], Jet]
+
+# name -> jet; every spelling (module, torch.*, F.*, Tensor method) is mapped to a name in _rules/table.py
+FUNCTIONS: dict[str, JetFn] = {
+    "tanh": _tanh, "sigmoid": _sigmoid, "silu": _silu, "softplus": _softplus, "relu": _relu,
+    "leaky_relu": _leaky_relu, "gelu": _gelu, "identity": _identity, "exp": _exp, "log": _log,
+    "sin": _sin, "cos": _cos, "pow": _power, "abs": _abs, "elu": _elu, "hardtanh": _hardtanh,
+}
+
 RULES: dict[type, Callable[[nn.Module, Tensor, int], Jet]] = {
     nn.Tanh: _tanh,
     nn.Sigmoid: _sigmoid,
@@ -187,13 +263,16 @@ def jet(layer: nn.Module, h: Tensor, n: int) -> Jet:
 
 def combine(j: Jet, lower: Optional[Tensor], terms: list[tuple[int, Tensor]]) -> Optional[Tensor]:
     """s' lower + sum over (m, product) in terms of s^(m) product; None when it is zero."""
-    extra: Optional[Tensor] = None
+    extra = lower if j.inside else None  # inside: s' (lower + sum of s^(m)/s' products), fused
     for m, product in terms:
         factor = j.higher[m]
         if factor is not None:
-            extra = factor * product if extra is None else extra + factor * product
+            a = 1.0 if j.scale is None else j.scale[m]
+            if extra is None:
+                extra = factor * product if a == 1.0 else factor * (a * product)
+            else:
+                extra = torch.addcmul(extra, factor, product, value=a)
     if j.inside:
-        inner = lower if extra is None else extra if lower is None else lower + extra
-        return None if inner is None else j.first(inner)
+        return None if extra is None else j.first(extra)
     out = None if lower is None else j.first(lower)
     return extra if out is None else out if extra is None else out + extra

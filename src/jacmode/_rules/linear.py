@@ -1,4 +1,9 @@
-"""Rules for ``nn.Linear`` (any number of leading dims) and ``nn.Bilinear``-free affine maps.
+"""Rules for ``nn.Linear`` / ``F.linear`` / matmul with a constant, and sums and means over features.
+
+Taylor rules (input derivatives): each maps every Taylor coefficient with the map itself, without the
+bias (``base.linear``). Sums and means must leave the batch dimension alone, or they would mix samples.
+
+Parameter rules (the probe engine): ``LinearRule`` for ``nn.Linear`` with any number of leading dims.
 
 NOTE: [Linear blocks]
 out[..., o] = sum_i W[o, i] a[..., i] + bias[o]. With the leading dims of one sample folded into T,
@@ -14,12 +19,78 @@ G1 . G2 (BackPACK's DiagGGN and neural-tangents' structured NTK for dense layers
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import operator
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Blocks, Rule, batch_view, cotangent_view
+from .base import (
+    Algebra,
+    Blocks,
+    Rule,
+    Traced,
+    Unsupported,
+    batch_view,
+    cotangent_view,
+    feature_dim,
+    linear,
+)
+
+
+def _traced(x: Any, what: str) -> Traced:
+    if not isinstance(x, Traced):
+        raise Unsupported(f"{what} with a traced weight")
+    return x
+
+
+def _plain(*weights: Any) -> None:
+    if any(isinstance(w, Traced) for w in weights):
+        raise Unsupported("a weight that depends on the input")
+
+
+def linear_module(alg: Algebra, m: nn.Linear, x: Traced) -> Traced:
+    return linear(x, lambda v: F.linear(v, m.weight, m.bias), lambda c: F.linear(c, m.weight))
+
+
+def linear_fn(alg: Algebra, x: Any, weight: Any, bias: Any = None) -> Traced:
+    x = _traced(x, "F.linear")
+    _plain(weight, bias)
+    return linear(x, lambda v: F.linear(v, weight, bias), lambda c: F.linear(c, weight))
+
+
+def matmul(alg: Algebra, x: Any, w: Any) -> Traced:
+    if not isinstance(x, Traced) or isinstance(w, Traced) or x.value.dim() < 2 or w.dim() > 2:
+        raise Unsupported("matmul other than (B, ..., D) @ a constant (D,) or (D, H)")
+    return linear(x, lambda t: t @ w)
+
+
+def _dims(dim: Any, rank: int, what: str) -> Optional[tuple[int, ...]]:
+    if dim is None:
+        raise Unsupported(f"{what} over all dimensions mixes the samples of the batch")
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    return tuple(feature_dim(d, rank, what) for d in dims)
+
+
+def _reduction(fn: Callable[..., Tensor], what: str) -> Callable[..., Traced]:
+    def rule(alg: Algebra, x: Traced, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Traced:
+        if dtype is not None:
+            raise Unsupported(f"{what} with a dtype")
+        dims = _dims(dim, x.value.dim(), what)
+        return linear(x, lambda v: fn(v, dim, keepdim), lambda c: fn(c, dims, keepdim))
+
+    return rule
+
+
+TABLE: dict[Any, Callable[..., Traced]] = {nn.Linear: linear_module, F.linear: linear_fn}
+for spelling in (torch.matmul, operator.matmul, ("method", "matmul"), torch.mm, ("method", "mm")):
+    TABLE[spelling] = matmul
+for name, reduce in (("sum", torch.sum), ("mean", torch.mean)):
+    TABLE[reduce] = TABLE[("method", name)] = _reduction(reduce, f"torch.{name}")
+
+
+# Parameter rules (the probe engine)
 
 
 class LinearRule(Rule):

@@ -1,21 +1,63 @@
-"""Rules for LayerNorm, RMSNorm, GroupNorm and BatchNorm in eval mode (the affine scale and shift).
+"""Rules for normalisation layers: LayerNorm (both engines); RMSNorm, GroupNorm, BatchNorm in eval mode.
+
+Taylor rules (input derivatives): LayerNorm is written with the other rules (mean, difference,
+product, power), so it needs no derivatives of its own: y = (x - mean(x)) * (mean((x - mean(x))^2)
++ eps)^(-1/2) * w + b, the means over the normalised (trailing) dimensions of each sample.
 
 NOTE: [Normalisation blocks]
-Every such layer is out = xhat * weight + bias with xhat the normalised input, broadcast over the
-dims that the parameters do not cover. So J_weight[b, k] = sum over those dims of G[k, b] * xhat[b]
-and J_bias[b, k] = the same sum of G[k, b]. xhat is recomputed from the recorded input with the
-functional form without affine parameters (one cheap pass). BatchNorm only in eval mode with running
-statistics: in training mode it couples the samples of a batch.
+For the probe engine, every such layer is out = xhat * weight + bias with xhat the normalised input,
+broadcast over the dims that the parameters do not cover. So J_weight[b, k] = sum over those dims of
+G[k, b] * xhat[b] and J_bias[b, k] = the same sum of G[k, b]. xhat is recomputed from the recorded
+input with the functional form without affine parameters (one cheap pass). BatchNorm only in eval
+mode with running statistics: in training mode it couples the samples of a batch.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .base import Blocks, NotCovered, Rule
+from . import arithmetic
+from .base import Algebra, Blocks, NotCovered, Rule, Traced, Unsupported, linear
+
+
+def layer_norm(alg: Algebra, x: Any, normalized_shape: Sequence[int], weight: Optional[Tensor] = None,
+               bias: Optional[Tensor] = None, eps: float = 1e-5) -> Traced:
+    if not isinstance(x, Traced) or isinstance(weight, Traced) or isinstance(bias, Traced):
+        raise Unsupported("layer_norm with traced weights")
+    n = len(tuple(normalized_shape))
+    if n >= x.value.dim():
+        raise Unsupported("layer_norm over the batch dimension mixes the samples")
+    dims = tuple(range(-n, 0))
+
+    def mean(t: Traced) -> Traced:
+        return linear(t, lambda v: v.mean(dims, keepdim=True))
+
+    centred = arithmetic.sub(alg, x, mean(x))
+    var = mean(alg.mul(centred, centred))
+    y = arithmetic.mul(alg, centred, arithmetic.power(alg, arithmetic.add(alg, var, eps), -0.5))
+    if weight is not None:
+        y = arithmetic.mul(alg, y, weight)
+    if bias is not None:
+        y = arithmetic.add(alg, y, bias)
+    return y
+
+
+def layer_norm_module(alg: Algebra, m: nn.LayerNorm, x: Traced) -> Traced:
+    return layer_norm(alg, x, m.normalized_shape, m.weight, m.bias, m.eps)
+
+
+TABLE: dict[Any, Callable[..., Traced]] = {
+    nn.LayerNorm: layer_norm_module,
+    torch.nn.functional.layer_norm: layer_norm,
+    torch.layer_norm: layer_norm,
+}
+
+
+# Parameter rules (the probe engine)
 
 
 class _AffineRule(Rule):

@@ -84,6 +84,38 @@ class PinnNet(nn.Module):
         return self.out(x)
 
 
+def pinn_sequential(d_in: int = 2, width: int = 64, hidden: int = 2, d_out: int = 1) -> nn.Module:
+    """The ``nn.Sequential`` twin of ``PinnNet`` (same layers, ``nn.Tanh``): a second row in benchmarks."""
+    sizes = [d_in] + [width] * hidden
+    layers: list[nn.Module] = []
+    for a, b in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(sizes[-1], d_out))
+
+
+class Opaque(nn.Module):
+    """``net`` behind a Python branch on the input's rank, which torch.fx cannot trace: jacmode
+    captures no graph and runs its generic engines (nested forward mode, vmap(jvp)) on it."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dim() == 0:
+            raise ValueError("expected a batch")
+        return self.net(x)
+
+
+class CumsumNet(PinnNet):
+    """``PinnNet`` with one operation that has no rule (a cumulative sum over the hidden units)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.hidden:
+            x = torch.tanh(layer(x))
+        return self.out(x.cumsum(-1))
+
+
 def mnist_mlp() -> nn.Module:
     """Problem 1's model as users write it: ``MLP(784, 20, 10)``, P = 15,910."""
     return MLP(28 * 28, 20, 10)

@@ -15,7 +15,10 @@ class _MeanTokens(nn.Module):
 
 
 class _Opaque(nn.Module):
-    """A module jacmode cannot see through: the generic (vmap) engines, never the layer-wise ones."""
+    """A module jacmode cannot see through: the generic (vmap) engines, never the layer-wise ones.
+
+    The Python branch on the input's rank is what torch.fx cannot trace, so no graph is captured.
+    """
 
     def __init__(self, net: nn.Module) -> None:
         super().__init__()
@@ -23,6 +26,8 @@ class _Opaque(nn.Module):
         self._jacmode_no_probes = True  # no layer-wise probes either
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0:
+            raise ValueError("expected a batch")
         return self.net(x)
 
 

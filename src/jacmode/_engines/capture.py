@@ -1,0 +1,281 @@
+"""Graph capture: trace a model once with ``torch.fx`` and keep its computation as a :class:`Program`.
+
+The Taylor engine (``_engines/taylor.py``) runs a Program with coefficients instead of plain
+tensors; every operation the input flows through must have a rule (``_rules/table.py``).
+
+NOTE: [Capture]
+``torch.fx.symbolic_trace`` records ``forward`` at the level of modules and torch functions:
+built-in modules (nn.Linear, nn.Tanh, nn.Conv2d, ...) stay single nodes, custom modules are traced
+through, and ``torch.tanh(x)``, ``F.tanh(x)``, ``x.tanh()`` and ``nn.Tanh()`` all reach the same
+rule through the table. A plain function is traced inside a small root module that owns the
+modules its closure and globals refer to, so ``lambda x: net(x)[:, :1]`` is captured too.
+Nodes that do not depend on the input (parameters, constants, shapes) are evaluated plainly.
+One trace serves every input shape; it is cached weakly per function and re-made when the
+modules, their hooks or their training flags change. The first call for each input shape runs
+the program on two samples and compares its value with ``f`` itself: a program that disagrees, or
+a rule that finds its assumptions broken (the batch moved away from dimension 0, samples mixed),
+rejects that shape, and those calls take the generic engine, whose plan says why.
+Tracing fails on value-dependent Python branches, ``.item()`` and the like (``TraceError``):
+the generic engine again, with the reason.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import operator
+import threading
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+
+from .._cache import WeakCache
+from .._rules.base import Traced
+from .._rules.table import META, lookup
+from .program import Program, Ref, Step, check, reject  # noqa: F401 -- the engines' view of capture
+
+_PROGRAMS = WeakCache("captured programs")
+
+
+class _FnRoot(nn.Module):
+    """The root module a plain function is traced in: it owns the modules the function uses."""
+
+    def __init__(self, fn: Callable[[Tensor], Any], modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.used = nn.ModuleList(modules)
+
+    def forward(self, x: Tensor) -> Any:
+        return self.fn(x)
+
+
+def _used_modules(fn: Any) -> list[nn.Module]:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    found = [c.cell_contents for c in (getattr(fn, "__closure__", None) or ()) if _filled(c)]
+    glob = getattr(fn, "__globals__", {})
+    found += [glob[n] for n in code.co_names if n in glob]
+    return [m for m in found if isinstance(m, nn.Module)]
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _hooked(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    mod = nn.modules.module
+    return bool(getattr(mod, "_global_forward_hooks", None) or getattr(mod, "_global_forward_pre_hooks", None))
+
+
+def program_for(f: Any) -> Union[Program, str]:
+    """The captured program of ``f``, or why there is none (cached; see the note)."""
+    if _global_hooks():
+        return "global module hooks are registered"
+    if isinstance(f, nn.Module):
+        modules = list(f.modules())
+    elif callable(f) and hasattr(f, "__code__"):
+        modules = [m for u in _used_modules(f) for m in u.modules()]
+    else:
+        return f"{type(f).__name__} is not a module or a Python function"
+    hooked = next((type(m).__name__ for m in modules if _hooked(m)), None)
+    if hooked is not None:
+        return f"{hooked} has hooks"
+    key = tuple((id(m), m.training) for m in modules)
+    cached = _PROGRAMS.get(f, ("program",))
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    try:
+        found: Union[Program, str] = _capture(f)
+    except Exception as err:  # noqa: BLE001 -- tracing runs user code: any failure means "not traceable"
+        found = f"torch.fx could not trace it ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    _PROGRAMS.put(f, ("program",), (key, found))
+    return found
+
+
+class _Refused(Exception):
+    pass
+
+
+class _Tracer(fx.Tracer):
+    """Traces through modules that are not submodules of the root (``nn.Flatten()(h)`` in forward)."""
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        try:
+            self.path_of_module(m)
+        except NameError:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+
+_FUNCTIONS = torch.autograd.function  # Function.apply asks it _is_setup_context_defined first
+
+
+@contextlib.contextmanager
+def _functions_refused() -> Iterator[None]:
+    """While tracing in this thread, a call of any autograd.Function's apply raises _Refused."""
+    original, me = getattr(_FUNCTIONS, "_is_setup_context_defined", None), threading.get_ident()
+    if original is None:  # another torch: the graph's check against f still runs
+        yield
+        return
+
+    def check(fn: Any) -> bool:
+        if threading.get_ident() == me:
+            raise _Refused("forward calls an autograd.Function, whose derivatives are its own")
+        return original(fn)
+
+    _FUNCTIONS._is_setup_context_defined = check
+    try:
+        yield
+    finally:
+        _FUNCTIONS._is_setup_context_defined = original
+
+
+def _trace(root: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
+    """The graph of root.forward, with the modules put back as found: tracing runs forward with
+    proxies, and ``self.calls += 1`` would store one. A forward that changes a buffer, or calls an
+    autograd.Function (whose derivatives are its own, not those of the ops in its forward), is refused."""
+    saved = [(m, dict(m.__dict__)) for m in root.modules()]
+    saved_dicts: list[tuple[Any, dict]] = [(d, dict(d)) for m, _ in saved for d in (m._buffers, m._parameters, m._modules)]
+    buffers = [(b, b.clone()) for b in root.buffers()]
+    tracer = _Tracer()
+    constants: dict[str, Any] = {}
+    try:
+        with _functions_refused():
+            graph = tracer.trace(root)
+    finally:
+        known = saved[0][1].keys() | saved_dicts[0][1].keys() | saved_dicts[1][1].keys()
+        constants = {k: v for k, v in {**root.__dict__, **root._buffers, **root._parameters}.items() if k not in known}
+        for m, attrs in saved:
+            m.__dict__.clear()
+            m.__dict__.update(attrs)
+        for d, items in saved_dicts:
+            d.clear()
+            d.update(items)
+        changed = [b for b, old in buffers if not torch.equal(b, old)]
+        with torch.no_grad():
+            for b, old in buffers:
+                b.copy_(old)
+    if changed:
+        raise _Refused("forward updates a buffer")
+    return graph, constants  # tensors the tracer stored on root (closure constants)
+
+
+_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow, operator.setitem}
+
+
+def _in_place(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).startswith("__")
+    return node.op == "call_function" and (node.target in _IN_PLACE or "out" in node.kwargs)
+
+
+def _capture(f: Any) -> Union[Program, str]:
+    root = f if isinstance(f, nn.Module) else _FnRoot(f, _used_modules(f))
+    try:
+        graph, constants = _trace(root)
+    except _Refused as err:
+        return str(err)
+    slots: dict[fx.Node, int] = {}
+    traced: set[fx.Node] = set()
+    steps: list[Step] = []
+    ops: list[str] = []
+    output: Any = None
+
+    def ref(a: Any) -> Any:
+        return fx.node.map_arg(a, lambda n: Ref(slots[n]))  # type: ignore[arg-type, return-value]
+
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if not slots:
+                slots[node] = 0
+                traced.add(node)
+                continue
+            if not node.args:  # a second required argument
+                return f"forward takes more than one tensor argument ({node.target!r})"
+            steps.append(Step(lambda v=node.args[0]: v, (), {}, False, node.name))
+        elif node.op == "output":
+            output = ref(node.args[0])
+            break
+        elif node.op == "get_attr":
+            value = constants.get(str(node.target))
+            getter = _constant(value) if value is not None else _attr(root, str(node.target))
+            steps.append(Step(getter, (), {}, False, node.name))
+        else:
+            depends = any(a in traced for a in node.all_input_nodes)
+            target, what = _target(root, node)
+            if _in_place(node):
+                return f"{what} works in place"
+
+            rule = lookup(target, node) if depends else None
+            if depends and rule is None:
+                return f"no rule for {what}"
+            if rule is not None and rule is not META:
+                traced.add(node)
+                ops.append(what)
+            if node.kwargs.get("inplace") and any(len(a.users) > 1 for a in node.all_input_nodes):
+                return f"{what} works in place on a tensor used elsewhere"
+            fn = _plain(root, node) if rule is None else rule
+            if rule is META:
+                fn = _meta(node)
+            module_first = node.op == "call_module" and rule is not None and rule is not META
+            args = ((root.get_submodule(str(node.target)),) if module_first else ()) + tuple(ref(node.args))
+            steps.append(Step(fn, args, dict(ref(node.kwargs)), rule is not None and rule is not META, node.name))
+        slots[node] = len(steps)
+    return Program(steps=steps, output=output, ops=sorted(set(ops)))
+
+
+def _constant(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _attr(root: nn.Module, path: str) -> Callable[[], Any]:
+    getter = operator.attrgetter(path)
+    return lambda: getter(root)
+
+
+def _target(root: nn.Module, node: fx.Node) -> tuple[Any, str]:
+    if node.op == "call_module":
+        m = root.get_submodule(str(node.target))
+        return type(m), f"nn.{type(m).__name__}" if type(m).__module__.startswith("torch.nn") else type(m).__name__
+    if node.op == "call_method":
+        return ("method", node.target), f"Tensor.{node.target}"
+    t = node.target
+    mod = getattr(t, "__module__", None) or ""
+    name = getattr(t, "__name__", repr(t))
+    prefix = {"torch.nn.functional": "F.", "_operator": "operator.", "builtins": ""}.get(mod, "torch." if "torch" in mod else "")
+    return t, f"{prefix}{name}"
+
+
+def _plain(root: nn.Module, node: fx.Node) -> Callable[..., Any]:
+    if node.op == "call_module":
+        return root.get_submodule(str(node.target))
+    if node.op == "call_method":
+        name = str(node.target)
+        return lambda self, *a, **k: getattr(self, name)(*a, **k)
+    return node.target  # type: ignore[return-value]
+
+
+def _meta(node: fx.Node) -> Callable[..., Any]:
+    """Shapes, ranks, dtypes of a traced tensor: read from its value."""
+
+    def value(a: Any) -> Any:
+        return a.value if isinstance(a, Traced) else a
+
+    if node.op == "call_method":
+        name = str(node.target)
+        return lambda x, *a, **k: getattr(value(x), name)(*a, **k)
+    fn = node.target
+    if fn is builtins.getattr:
+        return lambda x, attr: getattr(value(x), attr)
+    return lambda *a, **k: fn(*(value(v) for v in a), **k)  # type: ignore[operator]
