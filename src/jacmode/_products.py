@@ -9,6 +9,7 @@ Each validates, checks that samples are independent (``_coupling``), keeps the m
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Any, Callable, Optional, Union
 
@@ -45,8 +46,11 @@ def _out_shape(f: Any, x: Tensor) -> tuple[int, ...]:
                  validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
 
 
-def _budget(opts: Options, device: torch.device) -> int:
-    return opts.max_memory if opts.max_memory is not None else available_bytes(device) // 2
+def _budget(opts: Options, device: torch.device, result: bool = False) -> int:
+    """``max_memory``, else half the free memory for a workspace (all of it for a result, as jacobian)."""
+    if opts.max_memory is not None:
+        return opts.max_memory
+    return available_bytes(device) // (1 if result else 2)
 
 
 def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.device = torch.device("cpu")) -> int:
@@ -102,7 +106,7 @@ def per_sample_grads(
     names, params = [n for n, _ in selected], [p for _, p in selected]
     n_params, batch = sum(p.numel() for p in params), x.shape[0]
     _checks.check_fits(batch * n_params * x.new_empty(0, dtype=params[0].dtype).element_size(),
-                       _budget(opts, x.device), f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
+                       _budget(opts, x.device, result=True), f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
                        "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
 
     def losses(out: Tensor) -> Tensor:
@@ -157,10 +161,14 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
                             None if cov is None else _ntk_plan.pair_work(cov, n_out))
     item = x1.new_empty(0, dtype=params[0].dtype).element_size()
     result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
-    _checks.check_fits(result, _budget(opts, x1.device), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
+    _checks.check_fits(result, _budget(opts, x1.device, result=True), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
                        "Pass trace=True, smaller batches, or a larger max_memory.")
-    chunk = _chunk(opts, n_out * n_params * item, max(x1.shape[0], b2), x1.device)
-    return opts, selected, n_out, cov, _ntk_plan.choose(sizes, method, chunk)
+    per_sample = n_out * n_params * item  # a Jacobian block; products also pushes Y tangents over B2 samples
+    plan = _ntk_plan.choose(sizes, method, 1)
+    if plan.method == "products":
+        per_sample += int(3 * n_out * b2 * fp.act)
+    chunk = _chunk(opts, per_sample, max(x1.shape[0], b2), x1.device)
+    return opts, selected, n_out, cov, dataclasses.replace(plan, sample_chunk=chunk)
 
 
 def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params",
@@ -280,7 +288,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
     n_params = sum(p.numel() for p in params)
     item = x.new_empty(0, dtype=params[0].dtype).element_size()
     if not diagonal:
-        _checks.check_fits(n_params * n_params * item, _budget(opts, x.device), f"ggn: the (P, P) = ({n_params}, {n_params}) matrix",
+        _checks.check_fits(n_params * n_params * item, _budget(opts, x.device, result=True), f"ggn: the (P, P) = ({n_params}, {n_params}) matrix",
                            "Pass diagonal=True for the diagonal (P,), select fewer parameters with wrt=[...], or raise max_memory.")
     with preserved_state(f), torch.no_grad():
         n_out = math.prod(_out_shape(f, x))
