@@ -57,7 +57,7 @@ def _once_ms(fn: Callable[[], object]) -> float:
 def demo_dydt() -> None:
     torch.manual_seed(0)
     net = time_mlp()
-    print("Problem 2: dy_i/dt at every time step, net 1 -> 20 -> 20 -> 4 (tanh)")
+    print("Problem 2: dy_i/dt at every time step, the class net_x of problems.md (1 -> 20 -> 20 -> 4, torch.tanh in forward)")
     t = torch.linspace(0, 10, 1000).unsqueeze(1)
     _check("the users' loop (B=1000)", jm.derivative(net, t), dydt_loop(net, t))
     print("  " + repr(jm.plan(net, t)).replace("\n", "\n  "))
@@ -97,7 +97,7 @@ def demo_dydt() -> None:
 def demo_params() -> None:
     torch.manual_seed(0)
     net = mnist_mlp()
-    print("\nProblem 1: per-sample parameter Jacobian (B, 10, 15910) of Linear(784,20)-ReLU-Linear(20,10)")
+    print("\nProblem 1: per-sample parameter Jacobian (B, 10, 15910) of the class MLP(784, 20, 10) of problems.md")
     x = torch.randn(2, 784)
     _check("the users' loop (B=2)", cast(Tensor, jm.jacobian(net, x, wrt="params")), params_loop(net, x))
     print("  " + repr(jm.plan(net, x, wrt="params")).replace("\n", "\n  "))
