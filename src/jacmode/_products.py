@@ -66,9 +66,10 @@ def per_sample_grads(
 ) -> Union[Tensor, dict[str, Tensor]]:
     """Gradient of each sample's loss with respect to the parameters, without the (B, Y, P) Jacobian.
 
-    Where every selected parameter lives in a Linear layer, one forward and one reverse pass give
-    each layer's input a and loss cotangent g per sample, and sample b's weight gradient is
-    g_b (x) a_b (Opacus's method); otherwise ``vmap(grad)`` of the per-sample loss.
+    For parameters of layers with a per-module rule (Linear, convolutions, normalisations,
+    Embedding), one forward and one reverse pass give each layer's input a and loss cotangent g per
+    sample, and for a Linear layer sample b's weight gradient is g_b (x) a_b (Opacus's method); the
+    other parameters' columns come from ``vmap(grad)`` of the per-sample loss.
 
     Args:
         f: the model, an ``nn.Module`` mapping x (B, *in) to (B, *out).
