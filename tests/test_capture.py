@@ -218,6 +218,19 @@ def test_create_graph_gradients_reach_the_parameters() -> None:
                                    torch.autograd.grad(want.square().sum(), w)[0])
 
 
+def test_problem_2_class_with_create_graph_reaches_every_parameter_and_t() -> None:
+    """NetX: Linear(1, 20) (one input feature: addcmul), Linear(20, 20) (mm + bias), order 2."""
+    model = _make(NetX)
+    t = torch.rand(7, 1, dtype=DT, requires_grad=True)
+    got = jm.derivative(model, t, order=2, create_graph=True)
+    want = ref_partial(model, t, (0, 0))
+    torch.testing.assert_close(got, want)
+    wrt = [t, *model.parameters()][:-1]  # the output bias does not reach d2y/dt2
+    for a, b in zip(torch.autograd.grad(got.square().sum(), wrt), torch.autograd.grad(want.square().sum(), wrt)):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(jm.jacobian(model, t.detach()), torch.func.vmap(torch.func.jacrev(model))(t.detach()))
+
+
 @pytest.mark.parametrize("cls", [Branchy, NoRule])
 def test_untraceable_and_unknown_ops_take_the_generic_engine(cls: Callable[[], nn.Module]) -> None:
     model = _make(cls)

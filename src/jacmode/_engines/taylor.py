@@ -27,6 +27,12 @@ coefficients as one (D, B, H) tensor and the wanted pairs (i, j) as one (P, B, H
 y_ij = s'(h) h_ij + s''(h) h_i h_j; the Laplacian needs only the sum over i of h_ii, so it carries
 that sum (the forward Laplacian, or collapsed Taylor mode): L' = s'(h) L + s''(h) sum_i h_i^2.
 A product uv adds the cross term u_i v_j + u_j v_i (summed over i for the Laplacian).
+
+NOTE: [Ranks of values and coefficients]
+A value (B, *shape) meets coefficients (L, 1|B, *shape). The rules combine them as value[None]
+(1, B, *shape), never as the bare value: under ``create_graph`` a broadcast from (B, ...) to
+(1, B, ...) makes the backward pass reduce every gradient over the new size-1 dimension (a zero
+fill and a sum, two full passes per use), while the view's own backward is free.
 """
 
 from __future__ import annotations
@@ -118,7 +124,7 @@ class Multisets:
         return Traced(z, {(d,): e[i] for i, d in enumerate(labels)})
 
     def elementwise(self, x: Traced, jet: Callable[[Tensor, int], Jet]) -> Traced:
-        act = jet(x.value, self.order)
+        act = jet(x.value.unsqueeze(0), self.order)  # see the note on ranks of values
         new: dict[Any, Tensor] = {}
         for key in self.keys:
             grouped: dict[int, Tensor] = {}  # order m of s -> sum of the products it multiplies
@@ -128,15 +134,16 @@ class Multisets:
             out = combine(act, x.coef.get(key), list(grouped.items()))
             if out is not None:
                 new[key] = out
-        return Traced(act.value, new)
+        return Traced(act.value[0], new)
 
     def mul(self, a: Traced, b: Traced) -> Traced:
         new: dict[Any, Tensor] = {}
+        va, vb = a.value.unsqueeze(0), b.value.unsqueeze(0)
         for key in self.keys:
             total: Optional[Tensor] = None
             for count, s, rest in _leibniz(key):
-                u = a.value if not s else a.coef.get(s)
-                v = b.value if not rest else b.coef.get(rest)
+                u = va if not s else a.coef.get(s)
+                v = vb if not rest else b.coef.get(rest)
                 if u is not None and v is not None:
                     total = _add(total, u * v if count == 1 else count * (u * v))
             if total is not None:
@@ -157,7 +164,7 @@ class Stacked:
         return Traced(z, {"g": e})
 
     def elementwise(self, x: Traced, jet: Callable[[Tensor, int], Jet]) -> Traced:
-        act = jet(x.value, self.order)
+        act = jet(x.value.unsqueeze(0), self.order)
         g, new = x.coef.get("g"), {}
         if self.cross is not None:
             s = combine(act, x.coef.get("s"), [] if g is None else [(2, self.cross(g, g))])
@@ -165,15 +172,16 @@ class Stacked:
                 new["s"] = s
         if g is not None:
             new["g"] = act.first(g)
-        return Traced(act.value, new)
+        return Traced(act.value[0], new)
 
     def mul(self, a: Traced, b: Traced) -> Traced:
         new: dict[Any, Tensor] = {}
+        va, vb = a.value.unsqueeze(0), b.value.unsqueeze(0)
         for key in ("g", "s") if self.cross is not None else ("g",):
             u, v = a.coef.get(key), b.coef.get(key)
-            total = None if u is None else u * b.value
+            total = None if u is None else u * vb
             if v is not None:
-                total = _add(total, a.value * v)
+                total = _add(total, va * v)
             if total is not None:
                 new[key] = total
         ga, gb = a.coef.get("g"), b.coef.get("g")
