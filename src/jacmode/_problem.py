@@ -9,6 +9,7 @@ per-sample reverse strategy vectorises over the batch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -126,6 +127,39 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
 
     model = f
     assert isinstance(model, nn.Module)  # checked by check_param_selection
+    probes = None
+    if batched and structure == "independent" and selected and not in_transform():
+        probes = _probe_coverage(model, x, selected, opts, random)
+    return _params_problem(model, x, selected, opts, Problem(
+        kind="params", fn=f, z=x, batch=batch, n_in=0, n_out=n_out, in_shape=(), out_shape=out_shape,
+        batched=batched, structure=structure, x=x, random=random, probes=probes))
+
+
+def facts(p: Problem) -> Problem:
+    """``p`` without its model, input and functions: what a cache may keep (``_calls.py``)."""
+    return dataclasses.replace(p, fn=_gone, z=p.z.new_empty(0), x=p.x.new_empty(0), sample_fn=None,
+                               subset_fn=None, model=None)
+
+
+def _gone(z: Tensor) -> Tensor:
+    raise RuntimeError("jacmode: the facts of a problem have no function; call again()")  # pragma: no cover
+
+
+def again(p: Problem, model: nn.Module, x: Tensor, opts: Options) -> Problem:
+    """The problem of a parameter call identical to the one ``p`` was made for, at a new ``x``.
+
+    ``x`` has the shape, dtype and device of that call's input, and ``model``'s flags and parameters
+    are those ``p`` was made for (see ``_calls.py``): what ``describe`` found still holds; only the
+    values change.
+    """
+    return _params_problem(model, x, list(zip([n for n, _ in p.params], p.tensors)), opts, p)
+
+
+def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
+                    facts: Problem) -> Problem:
+    """The parameter problem at ``x``: flat values and functions of them; the rest from ``facts``."""
+    batch, n_out, batched = facts.batch, facts.n_out, facts.batched
+    keep = (lambda t: t) if opts.create_graph else (lambda t: t.detach())
     names = [n for n, _ in selected]
     shapes = [p.shape for _, p in selected]
     sizes = [p.numel() for _, p in selected]
@@ -139,7 +173,6 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
     else:
         fn = lambda z: functional_call(model, unflatten(z), (x,)).reshape(n_out)  # noqa: E731
     sample_fn = lambda z, xb: functional_call(model, unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
-    tensors: list[Tensor] = [p for _, p in selected]
 
     def subset_fn(wanted: list[str]) -> tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]:
         """(flat values of the parameters ``wanted``, (z_w, x_b) -> (Y,)) for the generic engine."""
@@ -153,16 +186,14 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
 
         return zk, one
 
-    probes = None
-    if batched and structure == "independent" and selected and not _in_transform():
-        probes = _probe_coverage(model, x, selected, opts, random)
     return Problem(kind="params", fn=fn, z=z, batch=batch, n_in=z.numel(), n_out=n_out,
-                   in_shape=(z.numel(),), out_shape=out_shape, sample_fn=sample_fn,
-                   params=list(zip(names, shapes)), batched=batched, structure=structure, x=x, random=random,
-                   tensors=tensors, probes=probes, subset_fn=subset_fn, model=model)
+                   in_shape=(z.numel(),), out_shape=facts.out_shape, sample_fn=sample_fn,
+                   params=list(zip(names, shapes)), batched=batched, structure=facts.structure, x=x,
+                   random=facts.random, tensors=[p for _, p in selected], probes=facts.probes,
+                   subset_fn=subset_fn, model=model)
 
 
-def _in_transform() -> bool:
+def in_transform() -> bool:
     """Inside a torch.func transform, where forward hooks do not see the transformed tensors."""
     peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None

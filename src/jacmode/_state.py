@@ -28,19 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-
-def _batchnorms_in_training(model: nn.Module) -> list[nn.modules.batchnorm._BatchNorm]:
-    return [
-        m
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training and m.track_running_stats
-    ]
 
 
 _KERNELS_LOCK = threading.Lock()
@@ -67,36 +60,57 @@ def _transformable_kernels() -> Iterator[None]:
                 torch.backends.mha.set_fastpath_enabled(_KERNELS["fastpath"])
 
 
+@dataclass
+class ModelView:
+    """What one walk of a module's tree found at the start of a call (shared by the call's steps).
+
+    Attributes:
+        modules: ``f.modules()``, in that order.
+        training: their training flags.
+        params: ``f.parameters()`` (each parameter once), in that order.
+        flags: the parameters' ``requires_grad`` flags.
+    """
+
+    modules: list[nn.Module]
+    training: tuple[bool, ...]
+    params: list[nn.Parameter]
+    flags: tuple[bool, ...]
+
+
 @contextlib.contextmanager
-def preserved_state(f: Any) -> Iterator[None]:
-    """Run a block and leave ``f`` (if it is an ``nn.Module``) exactly as found, even on error."""
+def preserved_state(f: Any) -> Iterator[Optional[ModelView]]:
+    """Run a block and leave ``f`` (if it is an ``nn.Module``) exactly as found, even on error.
+
+    Yields the :class:`ModelView` of the module (None when ``f`` is not a module).
+    """
     with _transformable_kernels():
         if not isinstance(f, nn.Module):
-            yield
+            yield None
         else:
-            with _module_state(f):
-                yield
+            with _module_state(f) as view:
+                yield view
 
 
 @contextlib.contextmanager
-def _module_state(f: nn.Module) -> Iterator[None]:
+def _module_state(f: nn.Module) -> Iterator[ModelView]:
     modules = list(f.modules())
-    training = [m.training for m in modules]
-    params = list(f.parameters())
+    training = tuple(m.training for m in modules)
     slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
-    flags = [p.requires_grad for p in params]
+    params = list({id(p): p for _, _, p in slots if p is not None}.values())  # f.parameters(), in order
+    flags = tuple(p.requires_grad for p in params)
     grads = [p.grad for p in params]
     buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
     copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
     versions = [b._version for _, _, b in buffers]
     patched = []
-    for bn in _batchnorms_in_training(f):
-        patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
-        bn.running_mean = None
-        bn.running_var = None
-        bn.track_running_stats = False
+    for bn in modules:
+        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.training and bn.track_running_stats:
+            patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
+            bn.running_mean = None
+            bn.running_var = None
+            bn.track_running_stats = False
     try:
-        yield
+        yield ModelView(modules, training, params, flags)
     finally:
         for bn, mean, var, count in patched:
             bn.running_mean, bn.running_var, bn.num_batches_tracked = mean, var, count
