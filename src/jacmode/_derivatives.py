@@ -15,8 +15,8 @@ from torch import Tensor
 
 from ._cache import WeakCache
 from ._checks import Options
-from ._state import preserved_state
 from ._operands import Target, check_dims, direction_chunks, evaluate, validated
+from ._state import preserved_state
 
 Fn = Callable[[Tensor], Tensor]
 

@@ -36,8 +36,8 @@ from torch.func import vmap
 
 from . import _checks
 from ._checks import Options
-from ._engines import nested as _nested
 from ._engines import capture as _capture
+from ._engines import nested as _nested
 from ._engines import taylor as _taylor
 from ._engines.capture import Program
 from ._jacobian import _options

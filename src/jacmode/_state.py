@@ -35,7 +35,6 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-
 _KERNELS_LOCK = threading.Lock()
 _KERNELS: dict[str, Any] = {"users": 0, "fastpath": True, "sdpa": None}
 

@@ -25,7 +25,7 @@ import builtins
 import contextlib
 import operator
 import threading
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Union
 
 import torch
 import torch.fx as fx
@@ -129,12 +129,12 @@ def _functions_refused() -> Iterator[None]:
         yield
         return
 
-    def check(fn: Any) -> bool:
+    def refuse(fn: Any) -> bool:
         if threading.get_ident() == me:
             raise _Refused("forward calls an autograd.Function, whose derivatives are its own")
         return original(fn)
 
-    _FUNCTIONS._is_setup_context_defined = check
+    _FUNCTIONS._is_setup_context_defined = refuse
     try:
         yield
     finally:

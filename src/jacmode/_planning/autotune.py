@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
-from torch import Tensor
 
 from .._cache import WeakCache, rng_kept
 from .._checks import Options

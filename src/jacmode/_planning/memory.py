@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 

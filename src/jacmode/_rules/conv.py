@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -54,7 +53,7 @@ class ConvRule(Rule):
         if module.bias is not None:
             blocks["bias"] = G.flatten(3).sum(-1).transpose(0, 1) if n else G.transpose(0, 1)
         if module.weight is not None:
-            groups, (c_out, c_in) = module.groups, module.weight.shape[:2]
+            groups, c_out = module.groups, module.weight.shape[0]
             win = windows(module, a)  # (B, C, *L, *k)
             dims = list(range(2 + n, 2 + 2 * n)) + list(range(2, 2 + n))
             win = win.permute(0, 1, *dims).reshape(B, groups, -1, math.prod(G.shape[3:]))  # (B, g, c k, L)

@@ -88,7 +88,7 @@ def demo_dydt() -> None:
         ("jacmode.jacobian, auto (cached plan)", median_ms(lambda: jm.jacobian(net, t))),
         ("jacmode.derivative", median_ms(lambda: jm.derivative(net, t))),
     ]
-    print(f"\n  B = 100,000 (times relative to one no-grad forward pass)")
+    print("\n  B = 100,000 (times relative to one no-grad forward pass)")
     print(f"  {'method':<44} {'median':>13} {'x forward':>10}")
     for name, ms in rows:
         print(f"  {name:<44} {ms:10.3f} ms {ms / fwd:9.2f}x")

@@ -19,7 +19,13 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 import jacmode as jm
-from jacmode.tools.baselines import MLP, NetX, PinnNet, mnist_mlp_sequential, time_mlp_sequential
+from jacmode.tools.baselines import (
+    MLP,
+    NetX,
+    PinnNet,
+    mnist_mlp_sequential,
+    time_mlp_sequential,
+)
 
 ONLY = None
 
