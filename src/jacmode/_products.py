@@ -22,10 +22,11 @@ from ._coupling import probe
 from ._engines import layerio, probes
 from ._engines import ntk as _ntk
 from ._engines import products as _engine
+from ._engines.layerwise import columns
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
-from ._problem import _has_random_layers
 from ._planning.memory import available_bytes
+from ._problem import _has_random_layers
 from ._rules.base import NotCovered
 from ._state import preserved_state
 
@@ -118,7 +119,7 @@ def per_sample_grads(
         cov = layerio.usable(f, x, selected)
         if cov is not None and cov.uncovered and _has_random_layers(f):
             cov = None  # two passes would draw two dropout masks
-        cols = _engine.columns(selected)
+        cols = columns(selected)
         flat = x.new_empty(batch, n_params)
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
@@ -309,8 +310,8 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         part = _engine.ggn_generic(f, x, factor(f(x)), [n for n, _ in rest], n_rest, diagonal, chunk, max_memory)
         if result is None or len(rest) == len(selected):
             return part
-        cols = _engine.columns(selected)
-        for (name, _), (lo, n) in zip(rest, _engine.columns(rest).values()):
+        cols = columns(selected)
+        for (name, _), (lo, n) in zip(rest, columns(rest).values()):
             result[cols[name][0]:cols[name][0] + n] = part[lo:lo + n]
         return result
 

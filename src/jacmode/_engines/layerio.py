@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .._cache import WeakCache, problem_key
-from .._rules.base import NotCovered, has
+from .._rules.base import has
 from . import layerwise, probes
 
 Named = Sequence[tuple[str, Tensor]]
@@ -51,23 +51,6 @@ def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverag
     return hit[0]
 
 
-def _names(cov: probes.Coverage) -> dict[tuple[int, str], str]:
-    return {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
-
-
-def blocks(rec: probes.Recording, cov: probes.Coverage, gs: Sequence[Tensor]) -> dict[str, Tensor]:
-    """{name: (B, K, *param.shape)}, summed over the calls of each module (raises NotCovered)."""
-    names, out = _names(cov), {}  # type: tuple[dict[tuple[int, str], str], dict[str, Tensor]]
-    for call, g in zip(rec.calls, gs):
-        if call.stale:
-            raise NotCovered("a module input was modified in place after the call")
-        for attr, block in call.rule.per_sample(call.module, call.inputs, g).items():
-            name = names.get((id(call.module), attr))
-            if name is not None:
-                out[name] = out[name] + block if name in out else block
-    return out
-
-
 def _once(rec: probes.Recording) -> bool:
     return len({id(c.module) for c in rec.calls}) == len(rec.calls) and not any(c.stale for c in rec.calls)
 
@@ -75,17 +58,18 @@ def _once(rec: probes.Recording) -> bool:
 def sq_sum(rec: probes.Recording, cov: probes.Coverage, gs: Sequence[Tensor],
            signs: Optional[Tensor]) -> dict[str, Tensor]:
     """{name: param.shape}: sum over samples b and cotangents k of s_bk * J[b, k]^2."""
-    names, out = _names(cov), {}
+    out: dict[str, Tensor] = {}
     if _once(rec):
         for call, g in zip(rec.calls, gs):
             if has(call.rule, "sq_sum"):
                 for attr, value in call.rule.sq_sum(call.module, call.inputs, g, signs).items():  # type: ignore[attr-defined]
-                    if (id(call.module), attr) in names:
-                        out[names[(id(call.module), attr)]] = value
+                    name = cov.modules.get(call.module, {}).get(attr)
+                    if name is not None:
+                        out[name] = value
     rest = [i for i, c in enumerate(rec.calls) if not (_once(rec) and has(c.rule, "sq_sum"))]
     if rest:
         sub = probes.Recording(rec.output, [rec.calls[i] for i in rest])
-        for name, block in blocks(sub, cov, [gs[i] for i in rest]).items():
+        for name, block in sub.blocks(cov, [gs[i] for i in rest]).items():
             w = block * block
             if signs is not None:
                 w = w * signs.reshape(*signs.shape, *([1] * (w.dim() - 2)))
@@ -97,20 +81,19 @@ def gram(first: tuple[probes.Recording, Sequence[Tensor]], second: tuple[probes.
          cov: probes.Coverage, trace: bool) -> Tensor:
     """sum over parameters of J1[b1, k1] . J2[b2, k2]: (B1, B2, K1, K2), or (B1, B2) summed over k1 = k2."""
     (rec1, gs1), (rec2, gs2) = first, second
-    names = _names(cov)
     total: Optional[Tensor] = None
     fast = _once(rec1) and _once(rec2)
     by_module = {id(c.module): (c, g) for c, g in zip(rec2.calls, gs2)}
     for c1, g1 in zip(rec1.calls, gs1):
         if fast and has(c1.rule, "gram"):
             c2, g2 = by_module[id(c1.module)]
-            attrs = [a for a in c1.rule.attrs if (id(c1.module), a) in names]
+            attrs = [a for a in c1.rule.attrs if a in cov.modules.get(c1.module, {})]
             part = c1.rule.gram(c1.module, c1.inputs, g1, c2.inputs, g2, attrs, trace)  # type: ignore[attr-defined]
             total = part.contiguous() if total is None else total.add_(part)
     if not fast or any(not has(c.rule, "gram") for c in rec1.calls):
         keep = [i for i, c in enumerate(rec1.calls) if not (fast and has(c.rule, "gram"))]
-        b1 = blocks(probes.Recording(rec1.output, [rec1.calls[i] for i in keep]), cov, [gs1[i] for i in keep])
-        b2 = blocks(probes.Recording(rec2.output, [rec2.calls[i] for i in keep]), cov, [gs2[i] for i in keep])
+        b1 = probes.Recording(rec1.output, [rec1.calls[i] for i in keep]).blocks(cov, [gs1[i] for i in keep])
+        b2 = probes.Recording(rec2.output, [rec2.calls[i] for i in keep]).blocks(cov, [gs2[i] for i in keep])
         for name, r1 in b1.items():
             r1, r2 = r1.flatten(2), b2[name].flatten(2)
             part = torch.einsum("bkp,ckp->bc" if trace else "bkp,czp->bckz", r1, r2)

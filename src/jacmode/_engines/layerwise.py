@@ -39,11 +39,12 @@ def _check_calls(rec: Recording, batch: int) -> None:
             raise NotCovered(f"the input of {type(c.module).__name__} was modified in place after the call")
 
 
-def _columns(names: Sequence[str], sizes: Sequence[int]) -> dict[str, tuple[int, int]]:
+def columns(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
+    """name -> (first column, number of columns) in the flat (., P) layout."""
     out, start = {}, 0
-    for n, s in zip(names, sizes):
-        out[n] = (start, s)
-        start += s
+    for name, p in named:
+        out[name] = (start, p.numel())
+        start += p.numel()
     return out
 
 
@@ -122,17 +123,26 @@ def fill(
 
     ``repeat``: small problems may take repeated rows (no random layers; see :func:`_repeated_rows`).
     """
-    batch = x.shape[0]
-    rec, Gs, n_out = _all_outputs(model, x, cov, create_graph=False, n_out=result.shape[1], repeat=repeat)
-    cols = _columns([n for n, _ in named], [p.numel() for _, p in named])
-    shapes = {n: p.shape for n, p in named}
+    rec, Gs, _ = _all_outputs(model, x, cov, create_graph=False, n_out=result.shape[1], repeat=repeat)
+    write(rec, Gs, cov, named, result)
+
+
+def write(rec: Recording, Gs: Sequence[Tensor], cov: Coverage, named: Sequence[tuple[str, Tensor]],
+          result: Tensor) -> None:
+    """Write the blocks of a probed pass into the covered columns of the (B, K, P) ``result``.
+
+    ``Gs`` are the cotangents of K output directions per call (K = Y for a Jacobian, 1 for a
+    per-sample gradient); a covered module that the forward pass never called gets zero columns.
+    """
+    batch, k = result.shape[0], result.shape[1]
+    cols, shapes = columns(named), {n: p.shape for n, p in named}
     seen: set[int] = set()
     with torch.no_grad():
         for call, G in zip(rec.calls, Gs):
             targets = {}
             for attr, name in cov.modules[call.module].items():
                 lo, n = cols[name]
-                targets[attr] = result.narrow(-1, lo, n).view(batch, n_out, *shapes[name])
+                targets[attr] = result.narrow(-1, lo, n).view(batch, k, *shapes[name])
             call.rule.write(call.module, call.inputs, G, targets, accumulate=id(call.module) in seen)
             seen.add(id(call.module))
         for name, (module, _) in cov.covered.items():
@@ -147,14 +157,9 @@ def blocks(
     """The (B, Y, P) Jacobian as a differentiable concatenation (``create_graph=True``); all covered."""
     batch = x.shape[0]
     rec, Gs, n_out = _all_outputs(model, x, cov, create_graph=True)
-    parts: dict[str, Tensor] = {}
-    for call, G in zip(rec.calls, Gs):
-        for attr, blk in call.rule.per_sample(call.module, call.inputs, G).items():
-            name = cov.modules[call.module].get(attr)
-            if name is not None:
-                parts[name] = parts[name] + blk if name in parts else blk
+    parts = rec.blocks(cov, Gs)
     flat = [
-        parts[n].reshape(batch, n_out, -1) if n in parts else x.new_zeros(batch, n_out, p.numel(), dtype=G.dtype)
+        parts[n].reshape(batch, n_out, -1) if n in parts else x.new_zeros(batch, n_out, p.numel(), dtype=rec.output.dtype)
         for n, p in named
     ]
     return torch.cat(flat, dim=-1)
@@ -178,14 +183,12 @@ def complete(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
             Gs = rec.pullback(v.unsqueeze(0), retain_graph=True)
             full = torch.autograd.grad(out, list(params.values()), v, retain_graph=True, allow_unused=True)
             part = torch.autograd.grad(out, list(params.values()), v * half, allow_unused=True)
+        blks = rec.blocks(cov, Gs)
         sums: dict[str, list[Tensor]] = {n: [x.new_zeros(p.shape, dtype=out.dtype)] * 2 for n, p in params.items()}
-        for call, G in zip(rec.calls, Gs):
-            for attr, blk in call.rule.per_sample(call.module, call.inputs, G).items():
-                name = cov.modules[call.module].get(attr)
-                if name is not None:
-                    b = blk[:, 0].detach()
-                    w = half.view(-1, *[1] * (b.dim() - 1))
-                    sums[name] = [sums[name][0] + b.sum(0), sums[name][1] + (b * w).sum(0)]
+        for name, blk in blks.items():
+            b = blk[:, 0].detach()
+            w = half.view(-1, *[1] * (b.dim() - 1))
+            sums[name] = [b.sum(0), (b * w).sum(0)]
     except (NotCovered, RuntimeError):  # RuntimeError: a module-local vmap that torch cannot run
         return False
     finally:

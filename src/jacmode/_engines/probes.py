@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
-from .._rules.base import Rule
+from .._rules.base import NotCovered, Rule
 from .._rules.local import LOCAL
 from .._rules.modules import rule_for
 
@@ -165,6 +165,23 @@ class Recording:
         return [
             g if g is not None else V.new_zeros(V.shape[0], *p.shape) for g, p in zip(grads, probes)
         ]
+
+    def blocks(self, cov: Coverage, Gs: Sequence[Tensor]) -> dict[str, Tensor]:
+        """{name: (B, K, *param.shape)} of the covered parameters, summed over the calls of each module.
+
+        ``Gs`` are the cotangents of :meth:`pullback`; raises NotCovered for a call whose input was
+        modified in place after it.
+        """
+        out: dict[str, Tensor] = {}
+        for call, G in zip(self.calls, Gs):
+            if call.stale:
+                raise NotCovered("a module input was modified in place after the call")
+            names = cov.modules.get(call.module, {})
+            for attr, block in call.rule.per_sample(call.module, call.inputs, G).items():
+                name = names.get(attr)
+                if name is not None:
+                    out[name] = out[name] + block if name in out else block
+        return out
 
 
 def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequence[nn.Module]] = None) -> Recording:

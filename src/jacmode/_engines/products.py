@@ -27,7 +27,7 @@ from torch.func import functional_call, grad, vmap
 
 from .._checks import check_hessians
 from .._rules.base import NotCovered
-from . import layerio, probes
+from . import layerio, layerwise, probes
 
 Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
 
@@ -48,15 +48,6 @@ def factor_for(loss: Any, n_out: int) -> Callable[[Tensor], Factor]:
     return factor
 
 
-def columns(named: Sequence[tuple[str, Tensor]]) -> dict[str, tuple[int, int]]:
-    """name -> (first column, number of columns) in the flat (., P) layout."""
-    offsets, start = {}, 0
-    for name, p in named:
-        offsets[name] = (start, p.numel())
-        start += p.numel()
-    return offsets
-
-
 def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, losses: Callable[[Tensor], Tensor],
                             named: Sequence[tuple[str, Tensor]], result: Tensor) -> None:
     """Write the covered columns of the (B, P) ``result``: one probed forward, one reverse pass.
@@ -70,19 +61,7 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, l
         gs = rec.pullback(g_out.unsqueeze(0))
     if any(c.stale for c in rec.calls):
         raise NotCovered("a module input was modified in place after the call")
-    batch, cols = x.shape[0], columns(named)
-    views = {name: result[:, cols[name][0]:sum(cols[name])].view(batch, 1, *p.shape)
-             for name, p in named if name in cov.covered}
-    names = {(id(m), attr): name for name, (m, attr) in cov.covered.items()}
-    written: set[str] = set()
-    for call, g in zip(rec.calls, gs):
-        for attr in call.rule.attrs:
-            name = names.get((id(call.module), attr))
-            if name in views:
-                call.rule.write(call.module, call.inputs, g, {attr: views[name]}, name in written)
-                written.add(name)
-    for name in set(views) - written:  # a covered module that this input never reached
-        views[name].zero_()
+    layerwise.write(rec, gs, cov, named, result.unsqueeze(1))
 
 
 def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., Tensor],
