@@ -25,7 +25,7 @@ from ._engines import products as _engine
 from ._engines.layerwise import columns
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
-from ._planning.memory import available_bytes
+from ._planning.memory import DEFAULT_FRACTION, available_bytes
 from ._problem import _has_random_layers
 from ._rules.base import NotCovered
 from ._state import preserved_state
@@ -51,7 +51,7 @@ def _budget(opts: Options, device: torch.device, result: bool = False) -> int:
     """``max_memory``, else half the free memory for a workspace (all of it for a result, as jacobian)."""
     if opts.max_memory is not None:
         return opts.max_memory
-    return available_bytes(device) // (1 if result else 2)
+    return available_bytes(device) if result else int(DEFAULT_FRACTION * available_bytes(device))
 
 
 def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.device = torch.device("cpu")) -> int:
