@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from .._cache import WeakCache
 from .._rules.base import Traced
 from .._rules.table import META, lookup
+from .bound import Bound, Watch, sources
 from .program import Program, Ref, Step, check, reject  # noqa: F401 -- the engines' view of capture
 
 _PROGRAMS = WeakCache("captured programs")
@@ -93,7 +94,7 @@ def program_for(f: Any) -> Union[Program, str]:
         return f"{hooked} has hooks"
     key = tuple((id(m), m.training) for m in modules)
     cached = _PROGRAMS.get(f, ("program",))
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == key and (isinstance(cached[1], str) or all(b.fresh() for b in cached[1].bound)):
         return cached[1]
     try:
         found: Union[Program, str] = _capture(f)
@@ -108,7 +109,14 @@ class _Refused(Exception):
 
 
 class _Tracer(fx.Tracer):
-    """Traces through modules that are not submodules of the root (``nn.Flatten()(h)`` in forward)."""
+    """Traces through modules that are not submodules of the root (``nn.Flatten()(h)`` in forward),
+    and through modules holding tensors that functional_call swapped in, which it keeps as
+    constants (see the note in ``bound.py``)."""
+
+    def __init__(self, watch: Watch) -> None:
+        super().__init__()
+        self.watch = watch
+        self.constants: dict[int, str] = {}  # swapped tensors, by id, kept on the root under these names
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         try:
@@ -116,6 +124,22 @@ class _Tracer(fx.Tracer):
         except NameError:
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return super().is_leaf_module(m, module_qualified_name) and not self.watch.holds_swapped(m)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if isinstance(attr_val, Tensor) and id(attr_val) in self.watch.swapped:
+            return attr_val  # not the module's own parameter: create_arg makes it a constant
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
+    def create_arg(self, a: Any) -> Any:
+        if isinstance(a, Tensor) and id(a) in self.watch.swapped:
+            name = f"_jacmode_swapped{len(self.constants)}"
+            self.constants.setdefault(id(a), name)
+            setattr(self.root, self.constants[id(a)], a)
+            return self.create_node("get_attr", self.constants[id(a)], (), {})
+        return super().create_arg(a)
 
 
 _FUNCTIONS = torch.autograd.function  # Function.apply asks it _is_setup_context_defined first
@@ -141,17 +165,17 @@ def _functions_refused() -> Iterator[None]:
         _FUNCTIONS._is_setup_context_defined = original
 
 
-def _trace(root: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
+def _trace(root: nn.Module, watch: Watch) -> tuple[fx.Graph, dict[str, Any]]:
     """The graph of root.forward, with the modules put back as found: tracing runs forward with
     proxies, and ``self.calls += 1`` would store one. A forward that changes a buffer, or calls an
     autograd.Function (whose derivatives are its own, not those of the ops in its forward), is refused."""
     saved = [(m, dict(m.__dict__)) for m in root.modules()]
     saved_dicts: list[tuple[Any, dict]] = [(d, dict(d)) for m, _ in saved for d in (m._buffers, m._parameters, m._modules)]
     buffers = [(b, b.clone()) for b in root.buffers()]
-    tracer = _Tracer()
+    tracer = _Tracer(watch)
     constants: dict[str, Any] = {}
     try:
-        with _functions_refused():
+        with _functions_refused(), watch.active():
             graph = tracer.trace(root)
     finally:
         known = saved[0][1].keys() | saved_dicts[0][1].keys() | saved_dicts[1][1].keys()
@@ -168,6 +192,8 @@ def _trace(root: nn.Module) -> tuple[fx.Graph, dict[str, Any]]:
                 b.copy_(old)
     if changed:
         raise _Refused("forward updates a buffer")
+    if watch.eager:
+        raise _Refused(watch.eager)
     return graph, constants  # tensors the tracer stored on root (closure constants)
 
 
@@ -182,10 +208,13 @@ def _in_place(node: fx.Node) -> bool:
 
 def _capture(f: Any) -> Union[Program, str]:
     root = f if isinstance(f, nn.Module) else _FnRoot(f, _used_modules(f))
+    watch, found = Watch(), sources(f)
+    own = {id(t): name for name, t in [*root.named_parameters(), *root.named_buffers()]}
     try:
-        graph, constants = _trace(root)
+        graph, constants = _trace(root, watch)
     except _Refused as err:
         return str(err)
+    bound: list[Bound] = []
     slots: dict[fx.Node, int] = {}
     traced: set[fx.Node] = set()
     steps: list[Step] = []
@@ -209,7 +238,14 @@ def _capture(f: Any) -> Union[Program, str]:
             break
         elif node.op == "get_attr":
             value = constants.get(str(node.target))
-            getter = _constant(value) if value is not None else _attr(root, str(node.target))
+            if isinstance(value, Tensor):  # a tensor the trace bound: where does a run read it?
+                how = _binding(value, found, own, watch, root)
+                if isinstance(how, str):
+                    return how
+                getter = how.read if isinstance(how, Bound) else how
+                bound += [how] if isinstance(how, Bound) else []
+            else:
+                getter = _constant(value) if value is not None else _attr(root, str(node.target))
             steps.append(Step(getter, (), {}, False, node.name))
         else:
             depends = any(a in traced for a in node.all_input_nodes)
@@ -232,7 +268,22 @@ def _capture(f: Any) -> Union[Program, str]:
             args = ((root.get_submodule(str(node.target)),) if module_first else ()) + tuple(ref(node.args))
             steps.append(Step(fn, args, dict(ref(node.kwargs)), rule is not None and rule is not META, node.name))
         slots[node] = len(steps)
-    return Program(steps=steps, output=output, ops=sorted(set(ops)))
+    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound)
+
+
+def _binding(value: Tensor, found: dict[int, Any], own: dict[int, str], watch: Watch,
+             root: nn.Module) -> Union[Bound, Callable[[], Any], str]:
+    """How a run reads a constant tensor of the trace (see the note in ``bound.py``), or why it cannot."""
+    if id(value) in found:
+        read, where = found[id(value)]
+        return Bound(read, where, value)
+    if id(value) in own:  # functional_call given the module's own tensor
+        return _attr(root, own[id(value)])
+    if id(value) in watch.pure:
+        return _constant(value)
+    what = "a tensor functional_call swapped in" if id(value) in watch.swapped else "a tensor"
+    return (f"forward uses {what} (shape {tuple(value.shape)}) that jacmode cannot read again on each call: "
+            "not the module's own, not made inside forward, not found in f's closure, globals or defaults")
 
 
 def _constant(value: Any) -> Callable[[], Any]:
@@ -253,7 +304,7 @@ def _target(root: nn.Module, node: fx.Node) -> tuple[Any, str]:
     t = node.target
     mod = getattr(t, "__module__", None) or ""
     name = getattr(t, "__name__", repr(t))
-    prefix = {"torch.nn.functional": "F.", "_operator": "operator.", "builtins": ""}.get(mod, "torch." if "torch" in mod else "")
+    prefix = {"torch.nn.functional": "F.", "torch._C._nn": "F.", "_operator": "operator.", "builtins": ""}.get(mod, "torch." if "torch" in mod else "")
     return t, f"{prefix}{name}"
 
 

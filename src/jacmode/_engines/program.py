@@ -44,6 +44,7 @@ class Program:
     steps: list[Step]
     output: Any
     ops: list[str]  # the traced operations, for plans
+    bound: list[Any] = field(default_factory=list)  # tensors of f read on each run (``bound.Bound``)
     checked: dict[tuple, Union[tuple[int, ...], str]] = field(default_factory=dict)  # shape -> out shape | reason
 
     def run(self, alg: Algebra, x: Traced) -> Any:
@@ -82,7 +83,7 @@ def check(program: Program, f: Any, x: Tensor, run: Callable[[Program, Tensor], 
             got = run(program, xs)
         if not isinstance(expected, Tensor) or expected.shape != got.shape or expected.dim() == 0:
             found = "the captured graph does not give the shape of f(x)"
-        elif not torch.allclose(expected, got, rtol=1e-4, atol=1e-5, equal_nan=True):
+        elif not torch.allclose(_plain(expected), _plain(got), rtol=1e-4, atol=1e-5, equal_nan=True):
             found = "the captured graph does not reproduce f(x)"
         else:
             found = tuple(expected.shape[1:])
@@ -92,6 +93,17 @@ def check(program: Program, f: Any, x: Tensor, run: Callable[[Program, Tensor], 
         found = f"{type(err).__name__} while checking the captured graph"
     program.checked[key] = found
     return found
+
+
+def _plain(t: Tensor) -> Tensor:
+    """``t`` without torch.func's wrappers, vmap's batch dims first: values to compare with a Python
+    bool, which a jacmode call inside ``torch.func.vmap`` could not take of a batched tensor."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        bdim = functorch.maybe_get_bdim(t) if functorch.is_batchedtensor(t) else -1
+        t = functorch.get_unwrapped(t)
+        t = t.movedim(bdim, 0) if bdim >= 0 else t
+    return t
 
 
 def reject(program: Program, x: Tensor, reason: str) -> None:

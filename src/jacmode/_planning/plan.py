@@ -253,7 +253,7 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
         if p.structure == "coupled" else "",
     }.get(strategy, "")
     if layerwise and p.program is not None:
-        extra += f" (captured graph of {', '.join(p.program.ops)}: propagated op by op, no vmap)"
+        extra += f" (captured graph of {', '.join(p.program.ops)}: propagated op by op, no vmap{_bound(p.program)})"
     elif strategy == "per-sample" and mode == "reverse" and p.probes is not None:
         extra += f" ({probes_reason(p.probes)})"
     elif p.kind == "inputs" and p.generic:
@@ -261,6 +261,15 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
     elif strategy == "per-sample":
         extra += " (vmap over samples)"
     return f"{axes}: {versus}{extra}"
+
+
+def _bound(program: Any) -> str:
+    """The tensors of f a captured graph reads again on each call (``_engines/bound.py``)."""
+    wheres = [b.where for b in program.bound]
+    if not wheres:
+        return ""
+    shown = ", ".join(wheres[:4]) + (f" and {len(wheres) - 4} more" if len(wheres) > 4 else "")
+    return f"; reads f's tensors {shown} on each call"
 
 
 def probes_reason(cov: Any) -> str:
