@@ -27,7 +27,9 @@ with respect to the output itself: an in-place operation after the layer (``ReLU
 rewrites that output, and autograd would then hand back the cotangent of the rewritten tensor.
 The probe sits between the layer and whatever follows, so residual connections, concatenations,
 functional activations and custom ``forward`` code need no rules: autograd carries them. A module
-input modified in place after the call is detected by its version counter (``Call.stale``).
+input modified in place after the call is detected by its version counter (``Call.stale``), and a
+module that holds another tensor than the selected parameter when it runs (``functional_call``
+inside forward) by the hook itself, which raises NotCovered: the generic engine then runs.
 Parameters that a rule covers but the model also uses elsewhere (``x @ emb.weight.T``) are not
 visible to hooks; ``_engines/layerwise.py`` therefore checks completeness once per model and
 signature. Hooks do not fire inside ``torch.func`` transforms: run this engine outside them.
@@ -55,6 +57,7 @@ class Coverage:
     covered: dict[str, tuple[nn.Module, str]] = field(default_factory=dict)
     uncovered: dict[str, str] = field(default_factory=dict)
     rules: dict[nn.Module, Rule] = field(default_factory=dict)  # covered module -> its rule
+    tensors: dict[str, Tensor] = field(default_factory=dict)  # covered name -> the selected parameter
 
     @functools.cached_property
     def modules(self) -> dict[nn.Module, dict[str, str]]:
@@ -112,7 +115,18 @@ def coverage(model: nn.Module, named_params: Sequence[tuple[str, Tensor]], local
             continue
         cov.covered[name] = (module, attr)
         cov.rules[module] = rule
+        cov.tensors[name] = p
     return cov
+
+
+def _held(module: nn.Module, attr: str) -> Optional[Tensor]:
+    """The tensor ``module`` holds as its parameter ``attr`` (a dotted name below it) right now."""
+    *path, last = attr.split(".")
+    for part in path:
+        module = module._modules.get(part)  # type: ignore[assignment]
+        if module is None:
+            return None
+    return module._parameters.get(last)
 
 
 @dataclass
@@ -193,6 +207,10 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
         if not isinstance(first, Tensor) or not first.is_floating_point():
             return None
         rule = cov.rules[module]
+        for attr, name in cov.modules.get(module, {}).items():
+            if name in cov.tensors and _held(module, attr) is not cov.tensors[name]:
+                raise NotCovered(f"{type(module).__name__}.{attr} in use is not the parameter {name!r} "
+                                 "(functional_call or a swap in forward): the rules would read the wrong tensor")
         z = torch.zeros_like(first, requires_grad=True)
         versions = tuple(t._version for t in args if isinstance(t, Tensor))
         calls.append(Call(module, rule, (args, kwargs) if rule is LOCAL else args, z, versions))
