@@ -209,6 +209,10 @@ def make_plan(
             reason += f" (the cost model expects {best} to be {costs[mode] / costs[best]:.1f}x faster)"
         if strategy == "per-sample" and p.probes is not None:
             reason += f"; {probes_reason(p.probes)}"
+        elif p.kind == "inputs" and p.program is not None and (mode, strategy) == ("forward", "broadcast"):
+            reason += f"; {_captured(p.program)}"
+        elif p.kind == "inputs" and p.generic:
+            reason += f"; generic engine: {p.generic}"
     else:
         reason = _reason(p, chosen, sized, allowed)
     if chunk < directions or (samples is not None and samples < p.batch):
@@ -253,7 +257,7 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
         if p.structure == "coupled" else "",
     }.get(strategy, "")
     if layerwise and p.program is not None:
-        extra += f" (captured graph of {', '.join(p.program.ops)}: propagated op by op, no vmap{_bound(p.program)})"
+        extra += f" ({_captured(p.program)})"
     elif strategy == "per-sample" and mode == "reverse" and p.probes is not None:
         extra += f" ({probes_reason(p.probes)})"
     elif p.kind == "inputs" and p.generic:
@@ -263,13 +267,12 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
     return f"{axes}: {versus}{extra}"
 
 
-def _bound(program: Any) -> str:
-    """The tensors of f a captured graph reads again on each call (``_engines/bound.py``)."""
+def _captured(program: Any) -> str:
+    """What the captured graph runs, and the tensors of f it reads again on each call (``_engines/bound.py``)."""
     wheres = [b.where for b in program.bound]
-    if not wheres:
-        return ""
-    shown = ", ".join(wheres[:4]) + (f" and {len(wheres) - 4} more" if len(wheres) > 4 else "")
-    return f"; reads f's tensors {shown} on each call"
+    shown = ", ".join(wheres[:3]) + (f" and {len(wheres) - 3} more" if len(wheres) > 3 else "")
+    reads = f"; reads f's tensors {shown} on each call" if wheres else ""
+    return f"captured graph of {', '.join(program.ops)}: propagated op by op, no vmap{reads}"
 
 
 def probes_reason(cov: Any) -> str:
