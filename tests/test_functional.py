@@ -235,6 +235,37 @@ def test_dict_entries_replaced_and_shapes_changed(x: Tensor) -> None:
     assert _capture.program_for(f) is first  # unchanged tensors: the same program
 
 
+NU = 1.0
+
+
+def test_python_values_frozen_into_the_graph_are_guarded(x: Tensor) -> None:
+    """Numbers in closures, globals and the attributes of traced-through modules: a change re-traces."""
+    global NU
+    nu = {"nu": 1.0}
+
+    def u(x: Tensor) -> Tensor:
+        return torch.tanh(nu["nu"] * x * NU).sum(-1, keepdim=True)
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.scale, self.skip = nn.Linear(2, 1).to(DT), 1.0, False
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.tanh(self.scale * x)
+            return self.fc(h + x if self.skip else h)
+
+    net = Scaled()
+    for change in (lambda: nu.update(nu=2.0), lambda: globals().update(NU=3.0), lambda: setattr(net, "scale", 0.5),
+                   lambda: setattr(net, "skip", True)):
+        for fn in (u, net):
+            assert torch.allclose(jm.laplacian(fn, x), ref_lap(fn, x), rtol=1e-10)
+        change()
+    for fn in (u, net):
+        assert torch.allclose(jm.laplacian(fn, x), ref_lap(fn, x), rtol=1e-10)
+    NU = 1.0
+
+
 def test_tensors_the_graph_cannot_reread_take_the_generic_engine(x: Tensor) -> None:
     W = torch.randn(3, 2, dtype=DT)
 

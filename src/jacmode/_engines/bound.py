@@ -16,6 +16,11 @@ stores as a constant is classified once, when the graph is captured:
   ``W.T`` or a branch on ``W.norm()``, whose value the trace would freeze): the capture is refused
   and the generic engine differentiates f as it runs; the plan gives the reason.
 
+Python values are frozen into the graph as they were when it was traced (``torch.tanh(nu * x)``,
+``if self.alt is None``): the numbers, strings and None that f reaches the same way, and the scalar
+attributes of the modules the trace went through (not those of leaf modules, whose rules read
+their attributes at run time), are kept as :class:`Guard` s; a changed one means a fresh capture.
+
 ``functional_call`` (torch.func's and torch.nn.utils.stateless's both enter torch's
 ``_reparametrize_module``) swaps its tensors into the module while the trace runs. :class:`Watch`
 sees it: the modules holding swapped tensors are traced through (``F.linear(x, weight, bias)``
@@ -64,29 +69,70 @@ class Bound:
         return isinstance(value, Tensor) and _meta(value) == self.meta
 
 
+class Guard:
+    """A Python value the trace froze into the graph; the capture is stale once it changes."""
+
+    __slots__ = ("read", "where", "value")
+
+    def __init__(self, read: Reader, where: str) -> None:
+        self.read, self.where, self.value = read, where, read()
+
+    def fresh(self) -> bool:
+        try:
+            value = self.read()
+        except Exception:  # noqa: BLE001 -- gone: capture again
+            return False
+        old = self.value
+        return type(value) is type(old) and (value == old or (value != value and old != old))  # nan stays nan
+
+
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+def _scalar(v: Any) -> bool:
+    return type(v) in _SCALARS or (type(v) is tuple and all(type(e) in _SCALARS for e in v))
+
+
+class Attributes:
+    """The scalar attributes of a module the trace went through (see the note): unchanged, and no
+    attribute added or removed."""
+
+    __slots__ = ("where", "module", "size", "items")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.where, self.module, self.size = f"the attributes of {type(module).__name__}", module, len(module.__dict__)
+        self.items = [(k, v) for k, v in module.__dict__.items() if _scalar(v)]
+
+    def fresh(self) -> bool:
+        d = self.module.__dict__
+        return len(d) == self.size and all(type(d.get(k)) is type(v) and d.get(k) == v for k, v in self.items)
+
+
 def _meta(t: Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device)
 
 
-def sources(f: Any) -> dict[int, tuple[Reader, str]]:
-    """id of each tensor f can reach through its closure, globals and defaults -> (reader, where)."""
+def sources(f: Any) -> tuple[dict[int, tuple[Reader, str]], list[Guard]]:
+    """What f reaches through its closure, globals and defaults: each tensor's id -> (reader, where),
+    and a guard for each Python scalar."""
     found: dict[int, tuple[Reader, str]] = {}
+    guards: list[Guard] = []
     fn = getattr(f, "__func__", f)  # a bound method's function
     code = getattr(fn, "__code__", None)
     if code is None:
-        return found
+        return found, guards
     cells = getattr(fn, "__closure__", None) or ()
     for name, cell in zip(code.co_freevars, cells):
-        _walk(found, _cell_reader(cell), name, _DEPTH)
+        _walk(found, guards, _cell_reader(cell), name, _DEPTH)
     glob = getattr(fn, "__globals__", {})
     for name in code.co_names:
         if name in glob:
-            _walk(found, _key_reader(lambda g=glob: g, name), name, _DEPTH)
+            _walk(found, guards, _key_reader(lambda g=glob: g, name), name, _DEPTH)
     for i, _ in enumerate(getattr(fn, "__defaults__", None) or ()):
-        _walk(found, _key_reader(lambda fn=fn: fn.__defaults__, i), f"default {i}", _DEPTH)
+        _walk(found, guards, _key_reader(lambda fn=fn: fn.__defaults__, i), f"default {i}", _DEPTH)
     for name in getattr(fn, "__kwdefaults__", None) or {}:
-        _walk(found, _key_reader(lambda fn=fn: fn.__kwdefaults__, name), f"default {name}", _DEPTH)
-    return found
+        _walk(found, guards, _key_reader(lambda fn=fn: fn.__kwdefaults__, name), f"default {name}", _DEPTH)
+    return found, guards
 
 
 def _cell_reader(cell: Any) -> Reader:
@@ -97,17 +143,19 @@ def _key_reader(parent: Reader, key: Any) -> Reader:
     return lambda: parent()[key]
 
 
-def _walk(found: dict[int, tuple[Reader, str]], read: Reader, where: str, depth: int) -> None:
+def _walk(found: dict[int, tuple[Reader, str]], guards: list[Guard], read: Reader, where: str, depth: int) -> None:
     try:
         value = read()
     except Exception:  # noqa: BLE001 -- an empty cell
         return
     if isinstance(value, Tensor):
         found.setdefault(id(value), (read, where))
+    elif type(value) in _SCALARS and len(guards) < _MAX_TENSORS:
+        guards.append(Guard(read, where))
     elif depth > 0 and len(found) < _MAX_TENSORS and type(value) in (dict, list, tuple):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, _ in list(items)[:_MAX_TENSORS]:
-            _walk(found, _key_reader(read, key), f"{where}[{key!r}]", depth - 1)
+            _walk(found, guards, _key_reader(read, key), f"{where}[{key!r}]", depth - 1)
 
 
 def _name(func: Any) -> str:

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from .._cache import WeakCache
 from .._rules.base import Traced
 from .._rules.table import META, lookup
-from .bound import Bound, Watch, sources
+from .bound import Attributes, Bound, Watch, sources
 from .program import Program, Ref, Step, check, reject  # noqa: F401 -- the engines' view of capture
 
 _PROGRAMS = WeakCache("captured programs")
@@ -94,7 +94,8 @@ def program_for(f: Any) -> Union[Program, str]:
         return f"{hooked} has hooks"
     key = tuple((id(m), m.training) for m in modules)
     cached = _PROGRAMS.get(f, ("program",))
-    if cached is not None and cached[0] == key and (isinstance(cached[1], str) or all(b.fresh() for b in cached[1].bound)):
+    if cached is not None and cached[0] == key and (
+            isinstance(cached[1], str) or all(b.fresh() for b in (*cached[1].bound, *cached[1].guards))):
         return cached[1]
     try:
         found: Union[Program, str] = _capture(f)
@@ -208,7 +209,8 @@ def _in_place(node: fx.Node) -> bool:
 
 def _capture(f: Any) -> Union[Program, str]:
     root = f if isinstance(f, nn.Module) else _FnRoot(f, _used_modules(f))
-    watch, found = Watch(), sources(f)
+    watch, (found, closure_guards) = Watch(), sources(f)
+    guards: list[Any] = list(closure_guards)
     own = {id(t): name for name, t in [*root.named_parameters(), *root.named_buffers()]}
     try:
         graph, constants = _trace(root, watch)
@@ -268,7 +270,9 @@ def _capture(f: Any) -> Union[Program, str]:
             args = ((root.get_submodule(str(node.target)),) if module_first else ()) + tuple(ref(node.args))
             steps.append(Step(fn, args, dict(ref(node.kwargs)), rule is not None and rule is not META, node.name))
         slots[node] = len(steps)
-    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound)
+    leaves = {id(root.get_submodule(str(n.target))) for n in graph.nodes if n.op == "call_module"}
+    guards += [Attributes(m) for m in root.modules() if id(m) not in leaves]  # traced through: values frozen
+    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound, guards=guards)
 
 
 def _binding(value: Tensor, found: dict[int, Any], own: dict[int, str], watch: Watch,

@@ -45,6 +45,7 @@ class Program:
     output: Any
     ops: list[str]  # the traced operations, for plans
     bound: list[Any] = field(default_factory=list)  # tensors of f read on each run (``bound.Bound``)
+    guards: list[Any] = field(default_factory=list)  # Python values frozen into the steps (``bound.Guard``)
     checked: dict[tuple, Union[tuple[int, ...], str]] = field(default_factory=dict)  # shape -> out shape | reason
 
     def run(self, alg: Algebra, x: Traced) -> Any:
