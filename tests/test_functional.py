@@ -124,6 +124,14 @@ def test_transforms_over_a_jacmode_call(net: nn.Module, x: Tensor, name: str) ->
     assert close(vmap(grad(L))(stacked), vmap(grad(R))(stacked))
 
 
+@pytest.mark.parametrize("name", ["jacobian", "hessian", "divergence"])
+def test_grad_jacrev_jvp_over_a_jacmode_call(net: nn.Module, x: Tensor, name: str) -> None:
+    p, L, R = other(net), jm_loss(net, name, x), oracle_loss(net, name, x)
+    t = {k: torch.randn_like(v) for k, v in p.items()}
+    assert torch.allclose(jvp(L, (p,), (t,))[1], jvp(R, (p,), (t,))[1], rtol=1e-10)
+    assert close(jacrev(L)(p), jacrev(R)(p))
+
+
 @pytest.mark.xfail(reason="the coupling probe of the generic path takes a Python bool of batched values "
                    "(_coupling._agree), which vmap refuses; jacobian runs it even when the captured graph serves")
 def test_vmap_over_jacobian(net: nn.Module, x: Tensor) -> None:

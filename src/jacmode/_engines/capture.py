@@ -11,7 +11,9 @@ rule through the table. A plain function is traced inside a small root module th
 modules its closure and globals refer to, so ``lambda x: net(x)[:, :1]`` is captured too.
 Nodes that do not depend on the input (parameters, constants, shapes) are evaluated plainly.
 One trace serves every input shape; it is cached weakly per function and re-made when the
-modules, their hooks or their training flags change. The first call for each input shape runs
+modules, their hooks or their training flags change, or when a tensor or Python value it took from
+f's closure, globals or modules changed (see [Bound tensors] in ``bound.py``: a run reads f's
+tensors where f reads them, also those ``functional_call`` swaps in). The first call for each input shape runs
 the program on two samples and compares its value with ``f`` itself: a program that disagrees, or
 a rule that finds its assumptions broken (the batch moved away from dimension 0, samples mixed),
 rejects that shape, and those calls take the generic engine, whose plan says why.
