@@ -9,7 +9,9 @@ to the parameters.
 
 from __future__ import annotations
 
+import gc
 import warnings
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -241,6 +243,18 @@ def test_dict_entries_replaced_and_shapes_changed(x: Tensor) -> None:
     W["w"] = torch.randn(2, 5, dtype=DT)  # another shape: captured again
     assert torch.allclose(jm.laplacian(g, x), ref_lap(g, x), rtol=1e-10)
     assert _capture.program_for(f) is first  # unchanged tensors: the same program
+
+
+def test_captured_programs_do_not_keep_f_alive(net: nn.Module, x: Tensor) -> None:
+    p = other(net)
+    f = lambda x: functional_call(net, p, (x,))  # noqa: E731
+    g = mlp()
+    jm.laplacian(f, x), jm.laplacian(g, x)
+    assert isinstance(_capture.program_for(f), Program) and isinstance(_capture.program_for(g), Program)
+    refs = [weakref.ref(f), weakref.ref(g)]
+    del f, g
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
 
 
 NU = 1.0

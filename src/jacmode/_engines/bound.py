@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -100,11 +101,15 @@ class Attributes:
     __slots__ = ("where", "module", "size", "items")
 
     def __init__(self, module: torch.nn.Module) -> None:
-        self.where, self.module, self.size = f"the attributes of {type(module).__name__}", module, len(module.__dict__)
+        self.where, self.size = f"the attributes of {type(module).__name__}", len(module.__dict__)
+        self.module = weakref.ref(module)  # the cache is weak in f: never keep f (or its modules) alive
         self.items = [(k, v) for k, v in module.__dict__.items() if _scalar(v)]
 
     def fresh(self) -> bool:
-        d = self.module.__dict__
+        module = self.module()
+        if module is None:
+            return False
+        d = module.__dict__
         return len(d) == self.size and all(type(d.get(k)) is type(v) and d.get(k) == v for k, v in self.items)
 
 

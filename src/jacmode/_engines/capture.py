@@ -27,6 +27,7 @@ import builtins
 import contextlib
 import operator
 import threading
+import weakref
 from typing import Any, Callable, Iterator, Union
 
 import torch
@@ -273,6 +274,9 @@ def _capture(f: Any) -> Union[Program, str]:
             steps.append(Step(fn, args, dict(ref(node.kwargs)), rule is not None and rule is not META, node.name))
         slots[node] = len(steps)
     leaves = {id(root.get_submodule(str(n.target))) for n in graph.nodes if n.op == "call_module"}
+    if isinstance(root, _FnRoot):  # traced: the program never calls it, and it must not keep f alive
+        leaves |= {id(root), id(root.used)}
+        del root.fn
     guards += [Attributes(m) for m in root.modules() if id(m) not in leaves]  # traced through: values frozen
     return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound, guards=guards)
 
@@ -298,7 +302,10 @@ def _constant(value: Any) -> Callable[[], Any]:
 
 def _attr(root: nn.Module, path: str) -> Callable[[], Any]:
     getter = operator.attrgetter(path)
-    return lambda: getter(root)
+    if isinstance(root, _FnRoot):  # only the program holds it
+        return lambda: getter(root)
+    anchor = weakref.ref(root)  # f itself: the cache is weak in f
+    return lambda: getter(anchor())
 
 
 def _target(root: nn.Module, node: fx.Node) -> tuple[Any, str]:
