@@ -20,6 +20,7 @@ from . import _checks, _data
 from ._checks import Options, Wrt
 from ._coupling import probe
 from ._engines import layerio, probes
+from ._engines.fallback import classify
 from ._engines import ntk as _ntk
 from ._engines import products as _engine
 from ._engines.layerwise import columns
@@ -28,6 +29,7 @@ from ._planning.footprint import footprint
 from ._planning.memory import DEFAULT_FRACTION, available_bytes
 from ._problem import _has_random_layers
 from ._rules.base import NotCovered
+from ._rules.embedding import forward_gap
 from ._state import preserved_state
 
 Memory = Optional[Union[int, float, str]]
@@ -107,7 +109,8 @@ def per_sample_grads(
     _checks.check_target(y, x.shape[0])
     names, params = [n for n, _ in selected], [p for _, p in selected]
     n_params, batch = sum(p.numel() for p in params), x.shape[0]
-    _checks.check_fits(batch * n_params * x.new_empty(0, dtype=params[0].dtype).element_size(),
+    dtype = _engine.result_dtype(params)
+    _checks.check_fits(batch * n_params * dtype.itemsize,
                        _budget(opts, x.device, result=True), f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
                        "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
 
@@ -120,7 +123,7 @@ def per_sample_grads(
         if cov is not None and cov.uncovered and _has_random_layers(f):
             cov = None  # two passes would draw two dropout masks
         cols = columns(selected)
-        flat = x.new_empty(batch, n_params)
+        flat = torch.empty(batch, n_params, dtype=dtype, device=x.device)  # never x's dtype: ids are int
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
             try:
@@ -161,12 +164,16 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     fp = footprint(f, ("ntk", tuple(x1.shape[1:]), x1.dtype, str(x1.device)), f, x1[:1], 1)
     sizes = _ntk_plan.Sizes(x1.shape[0], b2, n_out, n_params, fp.flops + fp.conv_flops,
                             None if cov is None else _ntk_plan.pair_work(cov, n_out))
-    item = x1.new_empty(0, dtype=params[0].dtype).element_size()
+    item = _engine.result_dtype(params).itemsize
     result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
     _checks.check_fits(result, _budget(opts, x1.device, result=True), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
                        "Pass trace=True, smaller batches, or a larger max_memory.")
     per_sample = n_out * n_params * item  # a Jacobian block; products also pushes Y tangents over B2 samples
-    plan = _ntk_plan.choose(sizes, method, 1)
+    no_forward = forward_gap(f, [n for n, _ in selected])
+    if method == "products" and no_forward is not None:
+        raise ValueError(f"method: 'products' pushes rows of J(x1) forward through f(x2) with jvps, but forward "
+                         f"mode is not exact for {no_forward}. Use method='auto' or 'contraction'.")
+    plan = _ntk_plan.choose(sizes, method, 1, no_forward)
     if plan.method == "products":
         per_sample += int(3 * n_out * b2 * fp.act)
     chunk = _chunk(opts, per_sample, max(x1.shape[0], b2), x1.device)
@@ -240,9 +247,19 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
                 return _ntk.structured(f, cov, x1, x2, n_out, trace)
         second = x1 if x2 is None else x2
         if plan.method == "products":
-            return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
+            try:
+                return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
+            except (NotImplementedError, RuntimeError) as exc:  # an op without a jvp formula
+                gap = classify(exc)
+                if gap is None or gap[0] != "forward":
+                    raise
+                if method == "products":
+                    raise ValueError(f"method: 'products' pushes rows of J(x1) forward through f(x2) with jvps, "
+                                     f"but {gap[1]} has no forward-AD formula. Use method='auto' or "
+                                     "'contraction'.") from exc
         keep = second.shape[0] * n_out * sum(p.numel() for p in params) * 4 <= _budget(opts, x1.device) // 2
-        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, keep, max_memory)
+        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, keep, max_memory,
+                                _engine.result_dtype(params))
 
 
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
@@ -288,7 +305,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
     _checks.check_ggn_loss(loss, diagonal)
     params = [p for _, p in selected]
     n_params = sum(p.numel() for p in params)
-    item = x.new_empty(0, dtype=params[0].dtype).element_size()
+    item = _engine.result_dtype(params).itemsize
     if not diagonal:
         _checks.check_fits(n_params * n_params * item, _budget(opts, x.device, result=True), f"ggn: the (P, P) = ({n_params}, {n_params}) matrix",
                            "Pass diagonal=True for the diagonal (P,), select fewer parameters with wrt=[...], or raise max_memory.")

@@ -19,6 +19,7 @@ it only runs for the parameters the probes do not cover.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -30,6 +31,11 @@ from .._rules.base import NotCovered
 from . import layerio, layerwise, probes
 
 Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
+
+
+def result_dtype(params: Sequence[Tensor]) -> torch.dtype:
+    """The dtype of a product over ``params``: theirs, promoted where they differ; never the input's."""
+    return functools.reduce(torch.promote_types, [p.dtype for p in params])
 
 
 def factor_for(loss: Any, n_out: int) -> Callable[[Tensor], Factor]:
@@ -100,12 +106,13 @@ def ggn_generic(model: nn.Module, x: Tensor, factor: Factor, names: Sequence[str
     from .._jacobian import jacobian
 
     lf, signs = factor
-    result = x.new_zeros(n_params) if diagonal else x.new_zeros(n_params, n_params)
+    dtype = result_dtype([p for n, p in model.named_parameters() if n in set(names)])
+    result = torch.zeros((n_params,) if diagonal else (n_params, n_params), dtype=dtype, device=lf.device)
     for b0 in range(0, x.shape[0], chunk):
         jac = jacobian(model, x[b0:b0 + chunk], wrt=list(names), max_memory=max_memory)
         assert isinstance(jac, Tensor)
-        jl = torch.einsum("byp,byk->bkp", jac, lf[b0:b0 + chunk])  # (b, K, P): rows J_b^T l_bk
-        weighted = jl if signs is None else jl * signs[b0:b0 + chunk, :, None]
+        jl = torch.einsum("byp,byk->bkp", jac.to(dtype), lf[b0:b0 + chunk].to(dtype))  # (b, K, P): rows J_b^T l_bk
+        weighted = jl if signs is None else jl * signs[b0:b0 + chunk, :, None].to(dtype)
         if diagonal:
             result += (weighted * jl).sum((0, 1))
         else:

@@ -5,11 +5,20 @@ out[b, t] = W[idx[b, t]], so J_W[b, k] is zero except rows idx[b, t], which rece
 (summed when a sample repeats an index): one ``scatter_add_`` into a zeroed block. ``padding_idx``
 rows get nothing, as in torch. ``max_norm`` (rewrites the weight during the forward pass) and
 ``scale_grad_by_freq`` (scales by counts over the whole batch) are not covered.
+
+NOTE: [padding_idx and forward mode]
+torch defines the ``padding_idx`` row as a constant: the backward of ``embedding`` and
+``embedding_bag`` gives it no gradient. Their forward-mode formula ignores ``padding_idx`` (the jvp
+of ``embedding`` is ``embedding(tangent, ids)``), so jvps see the row as a parameter like any other,
+and ``_embedding_bag`` has no forward-mode formula at all. Zeroing the row's columns afterwards
+would be wrong when the weight is also used elsewhere (an output head tied to it), so
+``forward_gap`` reports such models and every forward-mode path (the jacobian engines, the NTK's
+products method) takes reverse mode instead, or an explicit ``mode="forward"`` refuses.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from torch import Tensor, nn
 
@@ -50,3 +59,20 @@ class EmbeddingRule(Rule):
 
 
 RULES: dict[type, Rule] = {nn.Embedding: EmbeddingRule()}
+
+
+def forward_gap(model: Any, names: Iterable[str]) -> Optional[str]:
+    """Why forward mode is not exact for the parameters ``names`` of ``model`` (see the note), or None."""
+    if not isinstance(model, nn.Module):
+        return None
+    wanted = set(names)
+    for prefix, module in model.named_modules():
+        name = f"{prefix}.weight" if prefix else "weight"
+        if name not in wanted:
+            continue
+        if isinstance(module, nn.EmbeddingBag):
+            return f"nn.EmbeddingBag {prefix or type(model).__name__!r} (torch's _embedding_bag has no forward-AD formula)"
+        if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+            return (f"nn.Embedding {prefix or type(model).__name__!r} with padding_idx={module.padding_idx} "
+                    "(torch's forward-AD formula for embedding ignores padding_idx, whose row torch holds constant)")
+    return None
