@@ -219,3 +219,35 @@ def test_structured_ntk_and_layer_engine_serve_token_ids() -> None:
     model, x = _seeded(Tokens(0)), _ids()
     J = ref_jacobian(model, x)
     torch.testing.assert_close(jm.ntk(model, x, method="structured"), torch.einsum("byp,czp->bcyz", J, J), **CLOSE)
+
+
+# --- recurrent layers: vmap cannot batch torch's fused kernels over samples ---
+
+
+class Recurrent(nn.Module):
+    def __init__(self, cell: type) -> None:
+        super().__init__()
+        self.rnn = cell(3, 4, batch_first=True)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.parametrize("cell", [nn.RNN, nn.GRU, nn.LSTM])
+def test_products_of_recurrent_layers_match_autograd(cell: type) -> None:
+    model = _seeded(Recurrent(cell))
+    x, y = torch.randn(4, 5, 3, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    before = snapshot(model)
+    with pytest.warns(jm.JacmodeWarning, match="per_sample_grads cannot vectorise f over samples"):
+        g = jm.per_sample_grads(model, x, lambda out, y: 0.5 * ((out - y) ** 2).sum(1), y=y)
+    torch.testing.assert_close(g, ref_grads(model, x, mse_b(None, y)), **CLOSE)  # type: ignore[arg-type]
+    sub = jm.per_sample_grads(model, x, lambda out, y: 0.5 * ((out - y) ** 2).sum(1), y=y, wrt=["rnn.bias_hh_l0"],
+                              flatten=False)
+    ref = ref_grads(model, x, mse_b(None, y))
+    lo = sum(p.numel() for n, p in model.named_parameters() if n in ("rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0"))
+    torch.testing.assert_close(sub["rnn.bias_hh_l0"], ref[:, lo:lo + model.rnn.bias_hh_l0.numel()], **CLOSE)
+    J = ref_jacobian(model, x)
+    torch.testing.assert_close(jm.ntk(model, x), torch.einsum("byp,czp->bcyz", J, J), **CLOSE)
+    torch.testing.assert_close(jm.ggn(model, x), torch.einsum("byp,byq->pq", J, J), **CLOSE)
+    assert_unchanged(model, before)

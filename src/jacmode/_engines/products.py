@@ -20,6 +20,7 @@ it only runs for the parameters the probes do not cover.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -27,6 +28,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
 from .._checks import check_hessians
+from .._errors import JacmodeWarning
 from .._rules.base import NotCovered
 from . import layerio, layerwise, probes
 
@@ -82,10 +84,36 @@ def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], l
     primal = {n: p.detach() for n, p in named}
     step = vmap(grad(one), in_dims=(None, 0, None if y is None else 0), randomness="different")
     for b0 in range(0, x.shape[0], chunk):
-        g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
+        try:
+            g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
+        except RuntimeError as exc:  # vmap cannot batch f (fused RNN kernels, .item(), ...): loop instead
+            warnings.warn(f"jacmode: per_sample_grads cannot vectorise f over samples ({str(exc).splitlines()[0][:120]}), "
+                          "so it loops over samples with autograd: exact, only slower.", JacmodeWarning, stacklevel=4)
+            _loop(model, x[b0:], None if y is None else y[b0:], loss, named, cols, result[b0:])
+            return
         for n in primal:
             lo, size = cols[n]
             result[b0:b0 + chunk, lo:lo + size] = g[n].reshape(g[n].shape[0], size)
+
+
+def _loop(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., Tensor],
+          named: Sequence[tuple[str, Tensor]], cols: dict[str, tuple[int, int]], result: Tensor) -> None:
+    """The columns of ``named`` for each sample alone: one forward and one ``autograd.grad`` per sample."""
+    params = [p for _, p in named]
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            for b in range(x.shape[0]):
+                out = model(x[b:b + 1])
+                value = (loss(out) if y is None else loss(out, y[b:b + 1])).reshape(())
+                for (n, p), g in zip(named, torch.autograd.grad(value, params, allow_unused=True)):
+                    lo, size = cols[n]
+                    result[b, lo:lo + size] = 0 if g is None else g.reshape(size)
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
 
 
 def ggn_diagonal_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
