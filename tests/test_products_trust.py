@@ -251,3 +251,136 @@ def test_products_of_recurrent_layers_match_autograd(cell: type) -> None:
     torch.testing.assert_close(jm.ntk(model, x), torch.einsum("byp,czp->bcyz", J, J), **CLOSE)
     torch.testing.assert_close(jm.ggn(model, x), torch.einsum("byp,byq->pq", J, J), **CLOSE)
     assert_unchanged(model, before)
+
+
+# --- torch's loss modules, any reduction; cross entropy with classes on dim 1 ---
+
+
+def ref_torch_grads(model: nn.Module, x: Tensor, loss: nn.Module, y: Tensor) -> Tensor:
+    """(B, P): row b differentiates torch's own batch loss through sample b's output only."""
+    params, rows = _params(model), []
+    for b in range(x.shape[0]):
+        out = model(x)
+        only_b = torch.zeros(out.shape[0], dtype=torch.bool)
+        only_b[b] = True
+        mixed = torch.where(only_b.view(-1, *[1] * (out.dim() - 1)), out, out.detach())
+        rows.append(_flat(torch.autograd.grad(loss(mixed, y).sum(), params, allow_unused=True), params))
+    return torch.stack(rows)
+
+
+def ref_torch_ggn(model: nn.Module, x: Tensor, batch_loss: Callable[[Tensor], Tensor]) -> Tensor:
+    """(P, P): J^T H J over the whole batch, H the Hessian of torch's batch loss in all outputs."""
+    J = ref_jacobian(model, x).reshape(-1, sum(p.numel() for p in _params(model)))  # (B*Y, P)
+    out = model(x).detach()
+    H = torch.autograd.functional.hessian(lambda o: batch_loss(o.reshape(out.shape)).sum(), out.reshape(-1))
+    return J.t() @ H @ J
+
+
+class Seq(nn.Module):
+    """(B, D, T) -> (B, C, T) logits: classes on dim 1, positions after (torch's convention)."""
+
+    def __init__(self, log: bool = False) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 3, 1)
+        self.fc = nn.Linear(5, 5)
+        self.log = log
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(torch.tanh(self.conv(x)))
+        return torch.log_softmax(h, dim=1) if self.log else h
+
+
+def _classes(batch: int = 4, positions: Optional[int] = 5, ignore: bool = False) -> Tensor:
+    gen = torch.Generator().manual_seed(1)
+    y = torch.randint(0, 3, (batch,) if positions is None else (batch, positions), generator=gen)
+    if ignore:
+        y.view(-1)[::4] = -100
+    return y
+
+
+def _loss_cases() -> dict[str, tuple[nn.Module, str]]:
+    cases: dict[str, tuple[nn.Module, str]] = {}
+    for red in ("mean", "sum", "none"):
+        cases[f"mse-{red}"] = (nn.MSELoss(reduction=red), "values")
+        cases[f"ce-{red}"] = (nn.CrossEntropyLoss(reduction=red), "classes")
+        cases[f"bce-{red}"] = (nn.BCEWithLogitsLoss(reduction=red, pos_weight=torch.rand(5, dtype=torch.float64)), "bits")
+        cases[f"nll-{red}"] = (nn.NLLLoss(reduction=red, weight=torch.rand(3, dtype=torch.float64) + 0.5), "log-classes")
+    cases["ce-weight-ignore-mean"] = (nn.CrossEntropyLoss(weight=torch.rand(3, dtype=torch.float64) + 0.5), "classes-ignore")
+    cases["ce-smoothing-mean"] = (nn.CrossEntropyLoss(label_smoothing=0.2, weight=torch.rand(3, dtype=torch.float64) + 0.5),
+                                  "classes-ignore")
+    cases["ce-probabilities-mean"] = (nn.CrossEntropyLoss(), "probabilities")
+    cases["ce-flat-mean"] = (nn.CrossEntropyLoss(), "flat")
+    return cases
+
+
+LOSSES = _loss_cases()
+
+
+def _loss_problem(kind: str) -> tuple[nn.Module, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 4, 5, dtype=torch.float64, generator=gen)
+    model = _seeded(Seq(log=kind == "log-classes"))
+    if kind == "flat":  # (B, C) logits
+        model = _seeded(nn.Sequential(nn.Flatten(), nn.Linear(20, 3)))
+        return model, x, _classes(positions=None)
+    if kind in ("classes", "log-classes", "classes-ignore"):
+        return model, x, _classes(ignore=kind == "classes-ignore")
+    if kind == "probabilities":
+        return model, x, torch.softmax(torch.randn(4, 3, 5, dtype=torch.float64, generator=gen), 1)
+    if kind == "bits":
+        return model, x, torch.rand(4, 3, 5, dtype=torch.float64, generator=gen).round()
+    return model, x, torch.randn(4, 3, 5, dtype=torch.float64, generator=gen)
+
+
+@pytest.mark.parametrize("case", list(LOSSES))
+def test_torch_loss_modules_give_the_per_sample_terms_of_torchs_loss(case: str) -> None:
+    loss, kind = LOSSES[case]
+    model, x, y = _loss_problem(kind)
+    before = snapshot(model)
+    ref = ref_torch_grads(model, x, loss, y)
+    g = jm.per_sample_grads(model, x, loss, y=y)
+    torch.testing.assert_close(g, ref, **CLOSE)
+    if loss.reduction != "none":  # rows sum to the gradient of torch's batch loss (BackPACK's convention)
+        total = torch.autograd.grad(loss(model(x), y), _params(model))
+        torch.testing.assert_close(g.sum(0), torch.cat([t.reshape(-1) for t in total]), **CLOSE)
+    G = ref_torch_ggn(model, x, lambda o: loss(o, y))
+    torch.testing.assert_close(jm.ggn(model, x, loss, y=y), G, **CLOSE)
+    torch.testing.assert_close(jm.ggn(model, x, loss, y=y, diagonal=True), G.diagonal(), **CLOSE)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("kind", ["flat", "classes"])
+def test_cross_entropy_string_takes_classes_on_dim_1(kind: str) -> None:
+    """"cross_entropy" is torch's F.cross_entropy(reduction='sum'): one softmax per position."""
+    model, x, y = _loss_problem(kind)
+    G = ref_torch_ggn(model, x, lambda o: F.cross_entropy(o, y, reduction="sum"))
+    torch.testing.assert_close(jm.ggn(model, x, "cross_entropy"), G, **CLOSE)
+    torch.testing.assert_close(jm.ggn(model, x, "cross_entropy", diagonal=True), G.diagonal(), **CLOSE)
+
+
+def test_torch_loss_modules_over_a_data_set_take_targets_from_the_batches() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, x, y = _loss_problem("classes")
+    loss = nn.CrossEntropyLoss(reduction="sum")
+    data = DataLoader(TensorDataset(x, y), batch_size=2)
+    torch.testing.assert_close(jm.per_sample_grads(model, data, loss), jm.per_sample_grads(model, x, loss, y=y), **CLOSE)
+    torch.testing.assert_close(jm.ggn(model, data, loss), jm.ggn(model, x, loss, y=y), **CLOSE)
+    with pytest.raises(ValueError, match="y: with a data set as x, the targets come from"):
+        jm.ggn(model, data, loss, y=y)
+
+
+def test_torch_loss_errors_name_the_argument_and_the_fix() -> None:
+    model, x, y = _loss_problem("classes")
+    with pytest.raises(ValueError, match=r"y: ggn with nn.CrossEntropyLoss needs the targets .* pass y="):
+        jm.ggn(model, x, nn.CrossEntropyLoss())
+    with pytest.raises(ValueError, match=r"y: per_sample_grads with nn.MSELoss needs the targets"):
+        jm.per_sample_grads(model, x, nn.MSELoss())
+    with pytest.raises(TypeError, match=r"loss: per_sample_grads takes torch's nn.MSELoss.*got KLDivLoss"):
+        jm.per_sample_grads(model, x, nn.KLDivLoss(), y=y)
+    with pytest.raises(TypeError, match=r"loss: ggn takes torch's .*got MultiMarginLoss"):
+        jm.ggn(model, x, nn.MultiMarginLoss(), y=y)
+    with pytest.raises(ValueError, match="y: a Hessian callable gets f.x. only, never targets"):
+        jm.ggn(model, x, lambda out: torch.eye(15).expand(4, 15, 15), y=y)
+    with pytest.raises(ValueError, match="y: expected"):
+        jm.ggn(model, x, nn.CrossEntropyLoss(), y=y[:2])

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _losses
 from ._checks import Wrt
 from ._jacobian import jacobian
 from ._streams import collective
@@ -162,13 +162,18 @@ def per_sample_grads_over(per_sample_grads: Callable[..., Any], f: Any, batches:
     return {n: t.reshape(len(flat), *p.shape) for (n, p), t in zip(selected, blocks)}
 
 
-def ggn_over(ggn: Callable[..., Tensor], f: Any, batches: Iterable[Any], loss: Any, *,
+def ggn_over(ggn: Callable[..., Tensor], f: Any, batches: Iterable[Any], loss: Any, *, y: Optional[Tensor],
              progress: Optional[bool], **kw: Any) -> Tensor:
-    """ggn over a data set: the sum over batches (all_reduce over ranks); targets are not needed."""
+    """ggn over a data set: the sum over batches (all_reduce over ranks); targets from (x, y)
+    batches for torch's loss modules (each batch's loss as torch defines it for that batch)."""
     diagonal = kw.pop("diagonal")
     _product_checks(f, batches, "x", progress, **kw)
     _checks.check_ggn_loss(loss, diagonal)
-    return sum_over(batches, lambda xb, _: ggn(f, xb, loss, diagonal=diagonal, **kw),
+    if y is not None:
+        raise ValueError("y: with a data set as x, the targets come from its (x, y) batches; "
+                         "drop y= (or yield (x, y) tuples, e.g. a DataLoader over TensorDataset(x, y)).")
+    targets = _losses.is_torch_loss(loss)
+    return sum_over(batches, lambda xb, yb: ggn(f, xb, loss, y=yb if targets else None, diagonal=diagonal, **kw),
                     progress=progress, desc="ggn")
 
 

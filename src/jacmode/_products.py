@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from . import _checks, _data
+from . import _checks, _data, _losses
 from ._checks import Options, Wrt
 from ._coupling import probe
 from ._engines import layerio, probes
@@ -79,7 +79,12 @@ def per_sample_grads(
         x: the batch, shape (B, *in); samples must be independent. Or a data set (an iterable of
             (x, y) batches, y then taken from it): rows in order (see docs/datasets.md).
         loss: ``loss(out)``, or ``loss(out, y)`` when ``y`` is given, mapping f(x) (B, *out) to
-            per-sample losses (B,) (no reduction over the batch).
+            per-sample losses (B,) (no reduction over the batch). Or one of torch's loss modules
+            (``nn.MSELoss``, ``nn.CrossEntropyLoss``, ``nn.BCEWithLogitsLoss``, ``nn.NLLLoss``,
+            ``nn.L1Loss``, ``nn.HuberLoss``, ``nn.SmoothL1Loss``, ``nn.BCELoss``), any
+            ``reduction``, with ``y``: row b is then the gradient of sample b's term of torch's
+            batch loss, so the rows sum to its gradient (for reduction='mean' that includes
+            torch's 1/N; reduction='none' is read as 'sum'; see docs/products.md).
         y: targets, one row per sample, passed to ``loss``.
         wrt: "params" or a list of parameter names (a subset).
         flatten: False returns a dict name -> (B, *param.shape).
@@ -88,7 +93,8 @@ def per_sample_grads(
         progress: for a data set, None shows a progress bar on a terminal, True always, False never.
 
     Returns:
-        (B, P), the parameters flattened and concatenated in ``named_parameters()`` order.
+        (B, P), the parameters flattened and concatenated in ``named_parameters()`` order, in
+        the parameters' dtype (promoted where they differ), whatever x's dtype (token ids).
 
     Example:
         >>> import torch, jacmode as jm
@@ -106,6 +112,7 @@ def per_sample_grads(
                                            wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory, flatten)
     _checks.check_loss(loss)
+    _checks.check_torch_loss(loss, y, "per_sample_grads")
     _checks.check_target(y, x.shape[0])
     names, params = [n for n, _ in selected], [p for _, p in selected]
     n_params, batch = sum(p.numel() for p in params), x.shape[0]
@@ -119,6 +126,9 @@ def per_sample_grads(
 
     with preserved_state(f), torch.no_grad():
         _out_shape(f, x)
+        if _losses.is_torch_loss(loss):  # torch's module -> its per-sample terms (see _losses.py)
+            assert y is not None
+            loss = _losses.per_sample(loss, f(x), y)
         cov = layerio.usable(f, x, selected)
         if cov is not None and cov.uncovered and _has_random_layers(f):
             cov = None  # two passes would draw two dropout masks
@@ -262,9 +272,9 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
                                 _engine.result_dtype(params))
 
 
-def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
-        diagonal: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
-        progress: Optional[bool] = None) -> Tensor:
+def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *,
+        y: Optional[Tensor] = None, wrt: Wrt = "params", diagonal: bool = False,
+        chunk_size: Optional[int] = None, max_memory: Memory = None, progress: Optional[bool] = None) -> Tensor:
     """The generalised Gauss-Newton matrix sum_b J_b^T H_b J_b, or its diagonal.
 
     H_b is the Hessian of sample b's loss with respect to its output f(x_b) (Y values).
@@ -273,9 +283,13 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
         x: the batch, (B, *in), or a data set (an iterable of batches): summed over its batches
             (see docs/datasets.md).
-        loss: "mse" (per-sample loss 0.5 * ||f(x_b) - y_b||^2, H = I), "cross_entropy" (softmax
-            over the Y outputs, H = diag(p) - p p^T with p = softmax(f(x_b))), or a callable
-            mapping f(x) to the per-sample Hessians (B, Y, Y). The targets do not enter H.
+        loss: "mse" (per-sample loss 0.5 * ||f(x_b) - y_b||^2, H = I), "cross_entropy" (torch's
+            convention: classes on dim 1 of f(x) (B, C, *T), one softmax per position, summed over
+            positions; per position H = diag(p) - p p^T with p = softmax over the C classes), one
+            of torch's loss modules with its targets ``y`` (any ``reduction``: the GGN of torch's
+            batch loss, see docs/products.md), or a callable mapping f(x) to the per-sample
+            Hessians (B, Y, Y). The strings' Hessians do not depend on the targets.
+        y: targets for a torch loss module, one row per sample (ignored by the strings).
         wrt: "params" or a list of parameter names.
         diagonal: return the diagonal (P,) without ever forming (P, P).
         chunk_size: samples per Jacobian block of the generic engine.
@@ -299,10 +313,12 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         True
     """
     if _data.is_batches(x):  # a data set: summed batch by batch (docs/datasets.md)
-        return _data.ggn_over(ggn, f, x, loss, diagonal=diagonal, progress=progress, wrt=wrt,
+        return _data.ggn_over(ggn, f, x, loss, y=y, diagonal=diagonal, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory)
     _checks.check_ggn_loss(loss, diagonal)
+    _checks.check_torch_loss(loss, y, "ggn")
+    _checks.check_ggn_target(loss, y, x.shape[0])
     params = [p for _, p in selected]
     n_params = sum(p.numel() for p in params)
     item = _engine.result_dtype(params).itemsize
@@ -311,7 +327,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
                            "Pass diagonal=True for the diagonal (P,), select fewer parameters with wrt=[...], or raise max_memory.")
     with preserved_state(f), torch.no_grad():
         n_out = math.prod(_out_shape(f, x))
-        factor = _engine.factor_for(loss, n_out)
+        factor = _engine.factor_for(loss, n_out, y)
         cov = layerio.usable(f, x, selected) if diagonal else None
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         result: Optional[Tensor] = None

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from .. import _losses
 from .._checks import check_hessians
 from .._errors import JacmodeWarning
 from .._rules.base import NotCovered
@@ -40,17 +41,22 @@ def result_dtype(params: Sequence[Tensor]) -> torch.dtype:
     return functools.reduce(torch.promote_types, [p.dtype for p in params])
 
 
-def factor_for(loss: Any, n_out: int) -> Callable[[Tensor], Factor]:
-    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T."""
+def factor_for(loss: Any, n_out: int, y: Optional[Tensor] = None) -> Callable[[Tensor], Factor]:
+    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T.
+
+    ``loss``: "mse", "cross_entropy" (classes on dim 1, one softmax per position), one of torch's
+    loss modules (with targets ``y``; see ``_losses.py``) or a callable out -> (B, Y, Y).
+    """
     def factor(out: Tensor) -> Factor:
-        flat = out.reshape(out.shape[0], n_out)
-        if loss == "mse":
+        if isinstance(loss, str) and loss == "mse":
             return torch.eye(n_out, dtype=out.dtype, device=out.device).expand(out.shape[0], n_out, n_out), None
-        if loss == "cross_entropy":  # H = diag(p) - p p^T = L L^T, L = diag(sqrt p) - p sqrt(p)^T
-            p = torch.softmax(flat, dim=1)
-            s = p.sqrt()
-            return torch.diag_embed(s) - p[:, :, None] * s[:, None, :], None
-        h = check_hessians(loss(out), out.shape[0], n_out)
+        if isinstance(loss, str) and loss == "cross_entropy":
+            return _losses.cross_entropy_factor(out if out.dim() > 1 else out.unsqueeze(1)), None
+        if _losses.is_torch_loss(loss):
+            assert y is not None  # checked by the entry point
+            h = _losses.hessians(loss, out, y)
+        else:
+            h = check_hessians(loss(out), out.shape[0], n_out)
         values, vectors = torch.linalg.eigh(0.5 * (h + h.transpose(1, 2)))
         return vectors * values.abs().sqrt()[:, None, :], torch.sign(values)
     return factor
