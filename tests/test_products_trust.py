@@ -384,3 +384,62 @@ def test_torch_loss_errors_name_the_argument_and_the_fix() -> None:
         jm.ggn(model, x, lambda out: torch.eye(15).expand(4, 15, 15), y=y)
     with pytest.raises(ValueError, match="y: expected"):
         jm.ggn(model, x, nn.CrossEntropyLoss(), y=y[:2])
+
+
+# --- a tuple is never silently read as a data set ---
+
+
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        return self.fc(x if mask is None else x * mask)
+
+
+class WithMask(nn.Module):
+    """The fix the error names: one input, the mask held fixed."""
+
+    def __init__(self, model: nn.Module, mask: Tensor) -> None:
+        super().__init__()
+        self.model, self.mask = model, mask
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x, self.mask)
+
+
+TUPLE = r"got a (tuple|list) of 2 entries holding tensors, which jacmode reads neither as one input nor as a data set"
+
+
+def test_a_tuple_of_tensors_is_refused_everywhere_with_the_fix() -> None:
+    model = _seeded(Masked())
+    x = torch.randn(5, 3, dtype=torch.float64)
+    mask = (torch.rand(3) > 0.3).to(torch.float64)
+    mse = lambda out: (out ** 2).sum(1)  # noqa: E731
+    with pytest.raises(TypeError, match="x: " + TUPLE + r".*lambda x: model\(x, mask\).*iter\(\[x1, x2\]\)"):
+        jm.per_sample_grads(model, (x, mask), mse)
+    with pytest.raises(TypeError, match="x1: " + TUPLE):
+        jm.ntk(model, (x, mask))
+    with pytest.raises(TypeError, match="x2: " + TUPLE):
+        jm.ntk(model, x, [x, mask])
+    with pytest.raises(TypeError, match="x: " + TUPLE):
+        jm.ggn(model, (x, mask))
+    with pytest.raises(TypeError, match="batches: " + TUPLE):
+        jm.jacobians(model, (x, mask))
+    fixed = WithMask(model, mask)  # the fix: the same numbers as the users' loop, B rows not 2B
+    before = snapshot(model)
+    torch.testing.assert_close(jm.per_sample_grads(fixed, x, mse), ref_grads(fixed, x, lambda o, b: (o ** 2).sum()), **CLOSE)
+    J = ref_jacobian(fixed, x)
+    torch.testing.assert_close(jm.ntk(fixed, x), torch.einsum("byp,czp->bcyz", J, J), **CLOSE)
+    assert_unchanged(model, before)
+
+
+def test_explicit_data_sets_still_stream() -> None:
+    model = _seeded(Masked())
+    x = torch.randn(6, 3, dtype=torch.float64)
+    mse = lambda out: (out ** 2).sum(1)  # noqa: E731
+    whole = jm.per_sample_grads(model, x, mse)
+    for data in (iter([x[:4], x[4:]]), [(x[:4],), (x[4:],)], (b for b in x.split(4))):
+        torch.testing.assert_close(jm.per_sample_grads(model, data, mse), whole, **CLOSE)
+    torch.testing.assert_close(jm.ggn(model, [(x[:4],), (x[4:],)]), jm.ggn(model, x), **CLOSE)

@@ -291,15 +291,28 @@ def check_devices(f: Callable[..., Any], x: Tensor) -> None:
             break
 
 
+def check_not_arguments(value: Any, name: str) -> None:
+    """A tuple or list holding tensors is never read as a data set (nor as several arguments)."""
+    if isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+        raise TypeError(
+            f"{name}: got a {type(value).__name__} of {len(value)} entries holding tensors, which jacmode "
+            "reads neither as one input nor as a data set. For a model with extra inputs (a mask), give f "
+            "one input: `lambda x: model(x, mask)`, or for parameters an nn.Module whose forward(x) calls "
+            "model(x, mask) (per-sample extras: concatenate them into x and split them in forward). For a "
+            "data set, wrap the batches: `iter([x1, x2])`, a DataLoader, or a list of (x,) / (x, y) tuples."
+        )
+
+
 def check_batches(batches: Any, name: str) -> None:
-    """A data set must be an iterable of batches, not a tensor, string or mapping."""
+    """A data set must be an iterable of batches, not a tensor, string, mapping or tuple of tensors."""
     if isinstance(batches, Tensor) or isinstance(batches, (str, bytes, dict)) or not hasattr(
             batches, "__iter__"):
         raise TypeError(
-            f"{name}: expected an iterable of batches (a DataLoader, a list of tensors or of "
+            f"{name}: expected an iterable of batches (a DataLoader, a generator, a list of (x,) or "
             f"(x, y) tuples), got {type(batches).__name__} ({_fmt(batches)}). For one tensor x, "
-            "call jm.jacobian(f, x, wrt='params'), or pass [x]."
+            "call jm.jacobian(f, x, wrt='params'), or pass iter([x])."
         )
+    check_not_arguments(batches, name)
 
 
 def check_progress(progress: Any) -> None:

@@ -76,8 +76,10 @@ def per_sample_grads(
 
     Args:
         f: the model, an ``nn.Module`` mapping x (B, *in) to (B, *out).
-        x: the batch, shape (B, *in); samples must be independent. Or a data set (an iterable of
-            (x, y) batches, y then taken from it): rows in order (see docs/datasets.md).
+        x: the batch, shape (B, *in), any dtype (token ids too); samples must be independent. Or a
+            data set (a DataLoader or another iterable of x or (x, y) batches, y then taken from
+            it): rows in order. A tuple or list holding tensors is neither and raises a TypeError
+            (see docs/datasets.md).
         loss: ``loss(out)``, or ``loss(out, y)`` when ``y`` is given, mapping f(x) (B, *out) to
             per-sample losses (B,) (no reduction over the batch). Or one of torch's loss modules
             (``nn.MSELoss``, ``nn.CrossEntropyLoss``, ``nn.BCEWithLogitsLoss``, ``nn.NLLLoss``,
@@ -218,8 +220,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
     Args:
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
         x1: the first batch, (B1, *in). x2: the second batch, (B2, *in); None for x1 itself.
-            Either may be a data set (an iterable of batches): the kernel in blocks, rows by
-            x1's batches (see docs/datasets.md).
+            Either may be a data set (a DataLoader or another iterable of batches, not a tuple or
+            list holding tensors): the kernel in blocks, rows by x1's batches (see docs/datasets.md).
         wrt: "params" or a list of parameter names (the kernel of that subset).
         method: "contraction" (Jacobian blocks multiplied chunk by chunk), "products" (rows of
             J(x1) pushed forward through f(x2): no Jacobian of x2), "structured" (per Linear
@@ -246,7 +248,7 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         >>> jm.ntk(net, x1, x2, trace=True, method="products").shape
         torch.Size([4, 6])
     """
-    if _data.is_batches(x1) or _data.is_batches(x2):  # data sets: Gram blocks (docs/datasets.md)
+    if _data.is_batches(x1, "x1") or _data.is_batches(x2, "x2"):  # data sets: Gram blocks (docs/datasets.md)
         return _data.ntk_over(ntk, f, x1, x2, method=method, trace=trace, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
     with preserved_state(f), torch.no_grad():
@@ -281,8 +283,8 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
 
     Args:
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
-        x: the batch, (B, *in), or a data set (an iterable of batches): summed over its batches
-            (see docs/datasets.md).
+        x: the batch, (B, *in), or a data set (a DataLoader or another iterable of batches, not a
+            tuple or list holding tensors): summed over its batches (see docs/datasets.md).
         loss: "mse" (per-sample loss 0.5 * ||f(x_b) - y_b||^2, H = I), "cross_entropy" (torch's
             convention: classes on dim 1 of f(x) (B, C, *T), one softmax per position, summed over
             positions; per position H = diag(p) - p p^T with p = softmax over the C classes), one
