@@ -20,9 +20,9 @@ from . import _checks, _data, _losses
 from ._checks import Options, Wrt
 from ._coupling import probe
 from ._engines import layerio, probes
-from ._engines.fallback import classify
 from ._engines import ntk as _ntk
 from ._engines import products as _engine
+from ._engines.fallback import classify
 from ._engines.layerwise import columns
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
