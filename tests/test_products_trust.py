@@ -147,7 +147,8 @@ def test_jacobian_wrt_params_of_token_models_matches_autograd(name: str) -> None
     if name == "embedding":
         torch.testing.assert_close(jm.jacobian(model, x, wrt="params", mode="forward"), ref, **CLOSE)
     else:  # padding rows and bags: torch's forward mode is wrong or missing (see _rules/embedding.py)
-        with pytest.raises(ValueError, match="mode: 'forward' needs .*nn.Embedding(Bag)? 'emb|bag'"):
+        with pytest.raises(ValueError, match=r"mode: 'forward' (would not be exact for nn.Embedding 'emb' with padding_idx=0"
+                           r"|would not be exact for nn.EmbeddingBag 'bag'|needs a forward-AD .* _embedding_bag).*mode='reverse'"):
             jm.jacobian(model, x, wrt="params", mode="forward")
     if name == "embedding-padding":  # with the padded weight left out of wrt, forward mode is exact again
         names = ["fc.weight", "fc.bias"]
@@ -443,3 +444,27 @@ def test_explicit_data_sets_still_stream() -> None:
     for data in (iter([x[:4], x[4:]]), [(x[:4],), (x[4:],)], (b for b in x.split(4))):
         torch.testing.assert_close(jm.per_sample_grads(model, data, mse), whole, **CLOSE)
     torch.testing.assert_close(jm.ggn(model, [(x[:4],), (x[4:],)]), jm.ggn(model, x), **CLOSE)
+
+
+class PositionalBag(nn.Module):
+    """Per-sample weights passed positionally, as the probes see them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 4, mode="sum", padding_idx=0)
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.tanh(self.bag(x, None, torch.sigmoid(0.3 * x.to(self.fc.weight.dtype)))))
+
+
+@pytest.mark.parametrize("name", ["bag-sum", "bag-mean", "bag-sum-padding", "bag-mean-padding", "positional"])
+def test_embedding_bags_take_the_per_layer_engine(name: str) -> None:
+    model = _seeded(PositionalBag() if name == "positional" else TOKEN_MODELS[name]())
+    x = _ids()
+    J = ref_jacobian(model, x)
+    torch.testing.assert_close(jm.ntk(model, x, method="structured"), torch.einsum("byp,czp->bcyz", J, J), **CLOSE)
+    y = torch.randn(x.shape[0], 2, dtype=torch.float64)
+    torch.testing.assert_close(jm.per_sample_grads(model, x, lambda out, y: 0.5 * ((out - y) ** 2).sum(1), y=y),
+                               ref_grads(model, x, mse_b(None, y)), **CLOSE)  # type: ignore[arg-type]
+    torch.testing.assert_close(jm.ggn(model, x, diagonal=True), torch.einsum("byp,byp->p", J, J), **CLOSE)

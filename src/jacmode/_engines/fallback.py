@@ -180,6 +180,11 @@ def learn(ident: Any, key: tuple, caps: Caps, plan: Any, kind: str, what: str) -
 
 def explicit_error(mode: str, kind: str, what: str) -> ValueError:
     """The error for an explicit mode that cannot run ``f``."""
+    if kind == "forward" and what.startswith("nn.Embedding"):  # see [padding_idx and forward mode]
+        return ValueError(
+            f"mode: 'forward' would not be exact for {what}. Use mode='reverse' (or mode='auto', which "
+            "takes reverse), or leave that layer's weight out of wrt=[...]."
+        )
     if kind == "forward":
         return ValueError(
             f"mode: 'forward' needs a forward-AD (jvp) formula for every operation of f, but {what} "

@@ -1,4 +1,5 @@
-"""Rule for ``nn.Embedding``: the cotangents of the looked-up rows land on the rows they came from.
+"""Rules for ``nn.Embedding`` and ``nn.EmbeddingBag``: the cotangents of the looked-up rows land on
+the rows they came from.
 
 NOTE: [Embedding blocks]
 out[b, t] = W[idx[b, t]], so J_W[b, k] is zero except rows idx[b, t], which receive G[k, b, t]
@@ -20,9 +21,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+import torch
 from torch import Tensor, nn
 
-from .base import Blocks, Rule, batch_view, cotangent_view
+from .base import Blocks, NotCovered, Rule, batch_view, cotangent_view
 
 
 class EmbeddingRule(Rule):
@@ -58,7 +60,56 @@ class EmbeddingRule(Rule):
             self._scatter(module, inputs, G, targets["weight"])
 
 
-RULES: dict[type, Rule] = {nn.Embedding: EmbeddingRule()}
+class EmbeddingBagRule(Rule):
+    """``nn.EmbeddingBag`` over 2-D ids (B, L), one bag per sample: out[b] = sum_l w_bl W[idx[b, l]].
+
+    w_bl is the per-sample weight (positional), 0 on ``padding_idx`` entries, and for mode "mean"
+    divided by the bag's count of other entries (an empty bag gives zeros). 1-D ids with offsets
+    and weights passed by keyword are not seen here (``NotCovered``, or the completeness check
+    sends the layer to the generic engine); mode "max" always takes the generic engine.
+    """
+
+    attrs = ("weight",)
+
+    def unsupported(self, module: nn.Module) -> Optional[str]:
+        if module.mode == "max":
+            return "EmbeddingBag(mode='max') routes each feature to its arg-max entry"
+        if module.max_norm is not None:
+            return "EmbeddingBag with max_norm rewrites its weight during the forward pass"
+        if module.scale_grad_by_freq:
+            return "EmbeddingBag with scale_grad_by_freq scales by counts over the whole batch"
+        return None
+
+    def _scatter(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, block: Tensor) -> None:
+        idx = inputs[0]
+        if idx.dim() != 2 or (len(inputs) > 1 and inputs[1] is not None) or idx.shape[0] != G.shape[1]:
+            raise NotCovered("EmbeddingBag with 1-D ids and offsets: bags are not samples along dim 0")
+        g = G.transpose(0, 1)  # (B, K, E)
+        w = (inputs[2] if len(inputs) > 2 and inputs[2] is not None
+             else torch.ones(idx.shape, dtype=g.dtype, device=g.device)).to(g.dtype)
+        pad: Optional[int] = module.padding_idx
+        if pad is not None:
+            w = w * idx.ne(pad).to(g.dtype)
+        if module.mode == "mean":
+            count = idx.ne(pad).sum(1) if pad is not None else torch.full((idx.shape[0],), idx.shape[1], device=idx.device)
+            w = w / count.clamp(min=1).to(g.dtype)[:, None]
+        contrib = w[:, None, :, None] * g[:, :, None, :]  # (B, K, L, E)
+        block.scatter_add_(2, idx[:, None, :, None].expand(contrib.shape), contrib)
+
+    def per_sample(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor) -> Blocks:
+        K, B = G.shape[:2]
+        block = G.new_zeros(B, K, *module.weight.shape)  # type: ignore[misc]
+        self._scatter(module, inputs, G, block)
+        return {"weight": block}
+
+    def write(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, targets: Blocks, accumulate: bool) -> None:
+        if "weight" in targets:
+            if not accumulate:
+                targets["weight"].zero_()
+            self._scatter(module, inputs, G, targets["weight"])
+
+
+RULES: dict[type, Rule] = {nn.Embedding: EmbeddingRule(), nn.EmbeddingBag: EmbeddingBagRule()}
 
 
 def forward_gap(model: Any, names: Iterable[str]) -> Optional[str]:
