@@ -468,3 +468,21 @@ def test_embedding_bags_take_the_per_layer_engine(name: str) -> None:
     torch.testing.assert_close(jm.per_sample_grads(model, x, lambda out, y: 0.5 * ((out - y) ** 2).sum(1), y=y),
                                ref_grads(model, x, mse_b(None, y)), **CLOSE)  # type: ignore[arg-type]
     torch.testing.assert_close(jm.ggn(model, x, diagonal=True), torch.einsum("byp,byp->p", J, J), **CLOSE)
+
+
+def test_data_sets_of_token_ids_give_float_results() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, x = _seeded(Tokens(0)), _ids(batch=7)
+    y = torch.randn(7, 2, dtype=torch.float64)
+    data = DataLoader(TensorDataset(x, y), batch_size=3)
+    mse = lambda out, y: 0.5 * ((out - y) ** 2).sum(1)  # noqa: E731
+    J = ref_jacobian(model, x)
+    g = jm.per_sample_grads(model, data, mse)
+    assert g.dtype == torch.float64
+    torch.testing.assert_close(g, ref_grads(model, x, mse_b(None, y)), **CLOSE)  # type: ignore[arg-type]
+    torch.testing.assert_close(jm.ggn(model, data), torch.einsum("byp,byq->pq", J, J), **CLOSE)
+    torch.testing.assert_close(jm.ntk(model, data, trace=True), torch.einsum("byp,cyp->bc", J, J), **CLOSE)
+    torch.testing.assert_close(torch.cat(list(jm.jacobians(model, data))), J, **CLOSE)
+    out = jm.jacobians(model, data, out=torch.empty_like(J))
+    torch.testing.assert_close(out, J, **CLOSE)
