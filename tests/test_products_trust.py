@@ -486,3 +486,12 @@ def test_data_sets_of_token_ids_give_float_results() -> None:
     torch.testing.assert_close(torch.cat(list(jm.jacobians(model, data))), J, **CLOSE)
     out = jm.jacobians(model, data, out=torch.empty_like(J))
     torch.testing.assert_close(out, J, **CLOSE)
+
+
+def test_a_loss_weighted_per_sample_is_refused_clearly() -> None:
+    model, x, y = _loss_problem("bits")
+    loss = nn.BCEWithLogitsLoss(weight=torch.rand(4, 3, 5, dtype=torch.float64))  # one weight row per sample
+    with pytest.raises(ValueError, match="loss: BCEWithLogitsLoss cannot be evaluated on one sample alone"):
+        jm.per_sample_grads(model, x, loss, y=y)
+    with pytest.raises(ValueError, match="loss: BCEWithLogitsLoss cannot be evaluated on one sample alone"):
+        jm.ggn(model, x, loss, y=y)

@@ -69,7 +69,20 @@ def per_sample(module: nn.Module, out: Tensor, y: Tensor) -> PerSample:
         v = unreduced(o, t)
         return v.reshape(v.shape[0], -1).sum(1) * s
 
+    try:  # the engines evaluate one sample at a time: a weight shaped like the batch cannot follow
+        alone = terms(out[:1], y[:1])
+    except RuntimeError as exc:
+        raise ValueError(
+            f"loss: {type(module).__name__} cannot be evaluated on one sample alone ({str(exc).splitlines()[0][:100]}); "
+            "a weight with one row per sample is the usual cause. Pass a callable `lambda out, y: ...` "
+            "returning per-sample losses (B,), with per-sample weights carried in y."
+        ) from exc
     mine, theirs = terms(out, y), module(out, y)
+    if alone.shape != (1,) or not torch.allclose(alone, mine[:1], rtol=1e-6, atol=1e-6 * float(mine.abs().max())):
+        raise ValueError(
+            f"loss: {type(module).__name__} gives sample 0 a different loss alone than in the batch, so it is "
+            "not a sum of per-sample terms. Pass a callable `lambda out, y: ...` returning per-sample losses (B,)."
+        )
     if module.reduction == "none":
         mine, theirs = mine, theirs.reshape(theirs.shape[0], -1).sum(1)
     else:
