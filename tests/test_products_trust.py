@@ -428,6 +428,10 @@ def test_a_tuple_of_tensors_is_refused_everywhere_with_the_fix() -> None:
         jm.ggn(model, (x, mask))
     with pytest.raises(TypeError, match="batches: " + TUPLE):
         jm.jacobians(model, (x, mask))
+    with pytest.raises(TypeError, match="x1: " + TUPLE):
+        jm.ntk_plan(model, (x, mask))
+    with pytest.raises(TypeError, match="x2: " + TUPLE):
+        jm.ntk_plan(model, x, (x, mask))
     fixed = WithMask(model, mask)  # the fix: the same numbers as the users' loop, B rows not 2B
     before = snapshot(model)
     torch.testing.assert_close(jm.per_sample_grads(fixed, x, mse), ref_grads(fixed, x, lambda o, b: (o ** 2).sum()), **CLOSE)

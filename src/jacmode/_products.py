@@ -36,10 +36,11 @@ Memory = Optional[Union[int, float, str]]
 
 
 def _setup(f: Any, x: Any, wrt: Wrt, chunk_size: Any, max_memory: Any,
-           flatten: Any = True) -> tuple[Options, list[tuple[str, nn.Parameter]]]:
+           flatten: Any = True, name: str = "x") -> tuple[Options, list[tuple[str, nn.Parameter]]]:
     _checks.check_function(f)
     opts = _checks.check_product_options(wrt=wrt, chunk_size=chunk_size, max_memory=max_memory, flatten=flatten)
-    _checks.check_input(x, wrt="params", batched=True)
+    _checks.check_not_arguments(x, name)
+    _checks.check_input(x, wrt="params", batched=True, name=name)
     _checks.check_devices(f, x)
     return opts, _checks.check_param_selection(f, opts.param_names)
 
@@ -155,7 +156,8 @@ def per_sample_grads(
 
 def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chunk_size: Any,
                max_memory: Any) -> tuple[Options, list[tuple[str, nn.Parameter]], int, Any, _ntk_plan.NtkPlan]:
-    opts, selected = _setup(f, x1, wrt, chunk_size, max_memory)
+    opts, selected = _setup(f, x1, wrt, chunk_size, max_memory, name="x1")
+    _checks.check_not_arguments(x2, "x2")
     _checks.check_second_input(x1, x2)
     _checks.check_ntk_method(method, trace)
     params = [p for _, p in selected]
