@@ -2,9 +2,10 @@
 
 A data set is any iterable of batches (a ``DataLoader`` yielding ``x`` or ``(x, y)``, a generator,
 a list of ``(x,)`` or ``(x, y)`` tuples) that is not a tensor, nor a tuple or list holding tensors:
-those are refused (``_checks.check_not_arguments``), never read as batches. Per-sample results keep the rows one process iterating the batches would give them;
-sums accumulate over batches; under ``torch.distributed`` every rank computes its share and gets
-the whole result (see ``_streams/``).
+those are refused (``_checks.check_not_arguments``), never read as batches. Per-sample results
+keep the rows one process iterating the batches would give them; sums accumulate over batches;
+under ``torch.distributed`` every rank computes its share and gets the whole result (see
+``_streams/``).
 """
 
 from __future__ import annotations
