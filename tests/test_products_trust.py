@@ -472,6 +472,10 @@ def test_embedding_bags_take_the_per_layer_engine(name: str) -> None:
     torch.testing.assert_close(jm.per_sample_grads(model, x, lambda out, y: 0.5 * ((out - y) ** 2).sum(1), y=y),
                                ref_grads(model, x, mse_b(None, y)), **CLOSE)  # type: ignore[arg-type]
     torch.testing.assert_close(jm.ggn(model, x, diagonal=True), torch.einsum("byp,byp->p", J, J), **CLOSE)
+    signed = jm.ggn(model, x, nn.MSELoss(reduction="sum"), y=y, diagonal=True)  # H = 2 I through eigh, with signs
+    torch.testing.assert_close(signed, 2 * torch.einsum("byp,byp->p", J, J), **CLOSE)
+    torch.testing.assert_close(jm.ntk(model, x, x[:2], method="structured", trace=True),
+                               torch.einsum("byp,cyp->bc", J, J[:2]), **CLOSE)
 
 
 def test_data_sets_of_token_ids_give_float_results() -> None:

@@ -105,11 +105,14 @@ def choose(s: Sizes, method: str, sample_chunk: int, no_forward: Optional[str] =
 
 def pair_work(cov: Any, y: int) -> float:
     """Structured work per pair of samples: Y^2 * (O + 1) + I per Linear layer (closed-form Gram),
-    Y^2 * (its parameters) for other covered layers (Gram of per-sample blocks)."""
+    Y^2 * E + V per EmbeddingBag, Y^2 * (its parameters) for other covered layers (Gram of
+    per-sample blocks)."""
     work = 0.0
     for module in cov.modules:
         if type(module) is nn.Linear:
             work += y * y * (module.out_features + 1) + module.in_features
+        elif type(module) is nn.EmbeddingBag:  # closed form too: (c1 c2^T) * (G1 . G2)
+            work += y * y * module.embedding_dim + module.num_embeddings
         else:
             work += y * y * sum(p.numel() for p in module.parameters(recurse=False))
     return work

@@ -19,7 +19,7 @@ products method) takes reverse mode instead, or an explicit ``mode="forward"`` r
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -80,21 +80,43 @@ class EmbeddingBagRule(Rule):
             return "EmbeddingBag with scale_grad_by_freq scales by counts over the whole batch"
         return None
 
-    def _scatter(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, block: Tensor) -> None:
+    def _weights(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor) -> tuple[Tensor, Tensor]:
+        """ids (B, L) and their coefficients w (B, L): out[b] = sum_l w[b, l] W[ids[b, l]]."""
         idx = inputs[0]
         if idx.dim() != 2 or (len(inputs) > 1 and inputs[1] is not None) or idx.shape[0] != G.shape[1]:
             raise NotCovered("EmbeddingBag with 1-D ids and offsets: bags are not samples along dim 0")
-        g = G.transpose(0, 1)  # (B, K, E)
         w = (inputs[2] if len(inputs) > 2 and inputs[2] is not None
-             else torch.ones(idx.shape, dtype=g.dtype, device=g.device)).to(g.dtype)
+             else torch.ones(idx.shape, dtype=G.dtype, device=G.device)).to(G.dtype)
         pad: Optional[int] = module.padding_idx
         if pad is not None:
-            w = w * idx.ne(pad).to(g.dtype)
+            w = w * idx.ne(pad).to(G.dtype)
         if module.mode == "mean":
             count = idx.ne(pad).sum(1) if pad is not None else torch.full((idx.shape[0],), idx.shape[1], device=idx.device)
-            w = w / count.clamp(min=1).to(g.dtype)[:, None]
+            w = w / count.clamp(min=1).to(G.dtype)[:, None]
+        return idx, w
+
+    def _rows(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor) -> Tensor:
+        """c (B, V): c[b, v] = sum of sample b's coefficients on row v, so J[b, k, v] = c[b, v] G[k, b]."""
+        idx, w = self._weights(module, inputs, G)
+        return w.new_zeros(idx.shape[0], module.num_embeddings).scatter_add_(1, idx, w)
+
+    def _scatter(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, block: Tensor) -> None:
+        idx, w = self._weights(module, inputs, G)
+        g = G.transpose(0, 1)  # (B, K, E)
         contrib = w[:, None, :, None] * g[:, :, None, :]  # (B, K, L, E)
         block.scatter_add_(2, idx[:, None, :, None].expand(contrib.shape), contrib)
+
+    def sq_sum(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, signs: Optional[Tensor]) -> Blocks:
+        """sum over b, k of s[b, k] J[b, k]^2 = (c^2)^T (sum_k s G^2): no per-sample block (V, E)."""
+        g2 = G.square() if signs is None else G.square() * signs.t()[:, :, None]  # (K, B, E)
+        return {"weight": self._rows(module, inputs, G).square().t() @ g2.sum(0)}
+
+    def gram(self, module: nn.Module, inputs1: tuple[Any, ...], G1: Tensor, inputs2: tuple[Any, ...], G2: Tensor,
+             attrs: Sequence[str], trace: bool) -> Tensor:
+        """J1[b1, k1] . J2[b2, k2] = (c1 c2^T)[b1, b2] (G1[k1, b1] . G2[k2, b2])."""
+        scale = self._rows(module, inputs1, G1) @ self._rows(module, inputs2, G2).t()  # (B1, B2)
+        gg = torch.einsum("kbe,kce->bc" if trace else "kbe,zce->bckz", G1, G2)
+        return gg.mul_(scale if trace else scale[:, :, None, None])
 
     def per_sample(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor) -> Blocks:
         K, B = G.shape[:2]
