@@ -462,8 +462,10 @@ class PositionalBag(nn.Module):
         return self.fc(torch.tanh(self.bag(x, None, torch.sigmoid(0.3 * x.to(self.fc.weight.dtype)))))
 
 
-@pytest.mark.parametrize("name", ["bag-sum", "bag-mean", "bag-sum-padding", "bag-mean-padding", "positional"])
-def test_embedding_bags_take_the_per_layer_engine(name: str) -> None:
+@pytest.mark.parametrize("name", ["embedding", "embedding-padding", "bag-sum", "bag-mean", "bag-sum-padding",
+                                  "bag-mean-padding", "positional"])
+def test_embeddings_take_the_per_layer_engine(name: str) -> None:
+    """Closed forms (GGN diagonal, Gram blocks) against the oracle, repeated ids within a sample included."""
     model = _seeded(PositionalBag() if name == "positional" else TOKEN_MODELS[name]())
     x = _ids()
     J = ref_jacobian(model, x)

@@ -53,6 +53,25 @@ class EmbeddingRule(Rule):
         self._scatter(module, inputs, G, block)
         return {"weight": block}
 
+    def sq_sum(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, signs: Optional[Tensor]) -> Blocks:
+        """sum over b, k of s[b, k] J[b, k]^2 without the (B, K, V, E) blocks.
+
+        Row v of J[b, k] is sum_t [ids[b, t] = v] g[k, b, t], so its square is the sum over pairs of
+        positions holding the same id: sum_t g_t * (sum_u [ids_t = ids_u] g_u), scattered to row ids_t.
+        """
+        idx = batch_view(inputs[0], G.shape[1], 0)  # (B, T)
+        g = cotangent_view(G, 1)  # (K, B, T, E)
+        pad: Optional[int] = getattr(module, "padding_idx", None)
+        if pad is not None:
+            g = g * idx.ne(pad)[None, :, :, None].to(g.dtype)
+        same = (idx[:, :, None] == idx[:, None, :]).to(g.dtype)  # (B, T, T)
+        pairs = g * torch.einsum("btu,kbue->kbte", same, g)  # (K, B, T, E)
+        if signs is not None:
+            pairs = pairs * signs.t()[:, :, None, None]
+        out = g.new_zeros(module.weight.shape)
+        out.index_add_(0, idx.reshape(-1), pairs.sum(0).reshape(-1, g.shape[-1]))
+        return {"weight": out}
+
     def write(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, targets: Blocks, accumulate: bool) -> None:
         if "weight" in targets:
             if not accumulate:
