@@ -44,14 +44,14 @@ def results() -> dict[str, torch.Tensor]:
         "out_sampled": jm.jacobians(net, sampled, out=out.fill_(float("nan"))).clone(),
         "iter_plain": torch.cat(list(jm.jacobians(net, plain))),
         "iter_sampled": torch.cat(list(jm.jacobians(net, sampled))),
-        "list": torch.cat(list(jm.jacobians(net, [x for x, _ in plain]))),
+        "list": torch.cat(list(jm.jacobians(net, [(x,) for x, _ in plain]))),
         "sum_plain": _data.sum_over(plain, sq_sum(net), progress=False, desc="t"),
         "sum_sampled": _data.sum_over(sampled, sq_sum(net), progress=False, desc="t"),
         "rows_sampled": _data.rows_over(sampled, lambda x, y: net(x) - y, progress=False, desc="t"),
         "ggn_diag": jm.ggn(net, plain, diagonal=True),
         "ggn_sampled": jm.ggn(net, sampled, "cross_entropy"),
         "psg": jm.per_sample_grads(net, sampled, lambda o, y: ((o - y) ** 2).sum(1)),
-        "ntk": jm.ntk(net, plain, [data.tensors[0][:7], data.tensors[0][7:9]]),
+        "ntk": jm.ntk(net, plain, [(data.tensors[0][:7],), (data.tensors[0][7:9],)]),
         "ntk_trace": jm.ntk(net, sampled, plain, trace=True),
     }
     return res

@@ -33,9 +33,9 @@ def problem() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
 
 
 def loaders(x: torch.Tensor, y: torch.Tensor) -> list:
-    """The shapes data sets come in: DataLoader of (x, y), of x, a list of tensors, a generator."""
+    """The shapes data sets come in: DataLoader of (x, y), of x, a list of (x,) tuples, a generator."""
     return [DataLoader(TensorDataset(x, y), batch_size=4), DataLoader(TensorDataset(x), batch_size=5),
-            list(x.split(7)), (b for b in x.split(6))]
+            [(b,) for b in x.split(7)], (b for b in x.split(6))]
 
 
 # --- jacobians: iterator and out=, against the users' loop in float64 ---
@@ -56,7 +56,7 @@ def test_jacobians_match_the_users_loop(problem, kind: int) -> None:
 def test_jacobians_of_problem_2_and_a_parameter_subset() -> None:
     torch.manual_seed(1)
     net, t = NetX().double(), torch.rand(9, 1, dtype=torch.float64)
-    got = torch.cat(list(jm.jacobians(net, t.split(4), wrt=["out.weight", "out.bias"], mode="forward")))
+    got = torch.cat(list(jm.jacobians(net, iter(t.split(4)), wrt=["out.weight", "out.bias"], mode="forward")))
     torch.testing.assert_close(got, ref_param_jacobian(net, t, ["out.weight", "out.bias"]))
 
 
@@ -70,7 +70,7 @@ def test_jacobians_is_lazy_and_validates_eagerly(problem) -> None:
     with pytest.raises(TypeError, match="batches: expected an iterable of batches"):
         jm.jacobians(net, x)
     with pytest.raises(TypeError, match="wrt='params' needs an nn.Module"):
-        jm.jacobians(lambda v: v, [x])
+        jm.jacobians(lambda v: v, iter([x]))
 
 
 # --- out= backed by a NumPy memmap ---
@@ -83,7 +83,7 @@ def test_memmap_out_holds_the_whole_data_set(problem, tmp_path, as_tensor: bool)
     mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=tuple(ref.shape))
     out = torch.from_numpy(mm) if as_tensor else mm
     assert file_backed(torch.from_numpy(mm)) and not file_backed(torch.empty(100))
-    jm.jacobians(net, x.split(4), out=out)
+    jm.jacobians(net, iter(x.split(4)), out=out)
     del out, mm
     torch.testing.assert_close(torch.from_numpy(np.load(path)), ref, rtol=1e-10, atol=1e-12)
 
@@ -126,33 +126,33 @@ def test_out_with_too_few_or_too_many_rows(problem) -> None:
     shape = (3, sum(p.numel() for p in net.parameters()))
     with pytest.raises(jm.BatchError, match="batch 2 failed: ValueError: out: has 10 rows but the data "
                        "set has more samples") as info:
-        jm.jacobians(net, x.split(4), out=torch.zeros(10, *shape, dtype=torch.float64))
+        jm.jacobians(net, iter(x.split(4)), out=torch.zeros(10, *shape, dtype=torch.float64))
     assert info.value.rows_written == 8
     with pytest.warns(jm.JacmodeWarning, match="out: has 30 rows but the data set had 23 samples; rows 23.."):
-        jm.jacobians(net, x.split(4), out=torch.zeros(30, *shape, dtype=torch.float64))
+        jm.jacobians(net, iter(x.split(4)), out=torch.zeros(30, *shape, dtype=torch.float64))
 
 
 def test_bad_batches_and_out_are_reported(problem, tmp_path) -> None:
     net, x, y = problem
     with pytest.raises(jm.BatchError, match="batch 1 failed: TypeError: batches: item 1 is str"):
-        list(jm.jacobians(net, [x, "x"]))
+        list(jm.jacobians(net, [(x,), "x"]))
     with pytest.raises(jm.BatchError, match="item 0 has 4 inputs but 3 targets"):
         list(jm.jacobians(net, [(x[:4], y[:3])]))
     with pytest.raises(jm.BatchError, match="second entry is str"):
         list(jm.jacobians(net, [(x[:4], "y")]))
     with pytest.raises(TypeError, match="out: expected a torch.Tensor or a NumPy array"):
-        jm.jacobians(net, [x], out=[1, 2])
+        jm.jacobians(net, [(x,)], out=[1, 2])
     with pytest.raises(ValueError, match="out: expected a contiguous tensor"):
-        jm.jacobians(net, [x], out=torch.zeros(N, 58, 3).transpose(1, 2))
+        jm.jacobians(net, [(x,)], out=torch.zeros(N, 58, 3).transpose(1, 2))
     readonly = np.zeros((N, 3, 58))
     readonly.flags.writeable = False
     with pytest.raises(ValueError, match="out: the NumPy array is read-only"):
-        jm.jacobians(net, [x], out=readonly)
+        jm.jacobians(net, [(x,)], out=readonly)
     with pytest.raises(TypeError, match="progress: expected None, True or False"):
-        jm.jacobians(net, [x], progress="yes")
+        jm.jacobians(net, [(x,)], progress="yes")
     with pytest.raises(ValueError, match="out: only supported for parameter Jacobians"):
-        jm.jacobians(net, [x], wrt="inputs", out=torch.zeros(N, 3, 6))
-    got = torch.cat(list(jm.jacobians(net, x.split(10), wrt="inputs")))
+        jm.jacobians(net, [(x,)], wrt="inputs", out=torch.zeros(N, 3, 6))
+    got = torch.cat(list(jm.jacobians(net, iter(x.split(10)), wrt="inputs")))
     torch.testing.assert_close(got, jm.jacobian(net, x))
 
 
@@ -169,9 +169,9 @@ def test_products_over_batches_equal_one_batch(problem) -> None:
     whole = jm.per_sample_grads(net, x, mse, y=y, flatten=False)
     assert split.keys() == whole.keys() and all(torch.allclose(split[k], whole[k]) for k in whole)
     k = jm.ntk(net, x, x[:9])
-    torch.testing.assert_close(jm.ntk(net, data, [x[:5], x[5:9]]), k, **same)
+    torch.testing.assert_close(jm.ntk(net, data, [(x[:5],), (x[5:9],)]), k, **same)
     torch.testing.assert_close(jm.ntk(net, data, x[:9]), k, **same)
-    torch.testing.assert_close(jm.ntk(net, x, [x[:5], (x[5:9],)]), k, **same)
+    torch.testing.assert_close(jm.ntk(net, x, [(x[:5],), (x[5:9],)]), k, **same)
     torch.testing.assert_close(jm.ntk(net, data, trace=True), jm.ntk(net, x, trace=True), **same)
     torch.testing.assert_close(jm.ntk(net, x[:9], data, trace=True), jm.ntk(net, x[:9], x, trace=True), **same)
 
@@ -179,11 +179,11 @@ def test_products_over_batches_equal_one_batch(problem) -> None:
 def test_product_arguments_are_checked_before_reading_data(problem) -> None:
     net, x, y = problem
     with pytest.raises(ValueError, match="y: with a data set as x, the targets come from"):
-        jm.per_sample_grads(net, [x], mse, y=y)
+        jm.per_sample_grads(net, [(x,)], mse, y=y)
     with pytest.raises(ValueError, match="x1: a one-shot iterator cannot be read once per block"):
         jm.ntk(net, (b for b in x.split(5)))
     with pytest.raises(TypeError, match="progress: expected None, True or False"):
-        jm.ggn(net, [x], progress=1)
+        jm.ggn(net, [(x,)], progress=1)
 
 
 # --- progress bar ---
@@ -191,14 +191,14 @@ def test_product_arguments_are_checked_before_reading_data(problem) -> None:
 def test_progress_shows_samples_per_second_or_nothing(problem, capsys, monkeypatch) -> None:
     pytest.importorskip("tqdm")
     net, x, _ = problem
-    jm.ggn(net, x.split(5), diagonal=True, progress=True)
+    jm.ggn(net, [(b,) for b in x.split(5)], diagonal=True, progress=True)
     err = capsys.readouterr().err
     assert "ggn: 100%" in err and "23/23" in err and "samples/s" in err
-    jm.ggn(net, x.split(5), diagonal=True)  # stderr is not a terminal here
-    jm.ggn(net, x.split(5), diagonal=True, progress=False)
+    jm.ggn(net, iter(x.split(5)), diagonal=True)  # stderr is not a terminal here
+    jm.ggn(net, iter(x.split(5)), diagonal=True, progress=False)
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
-    list(jm.jacobians(net, x.split(5)))  # None on a terminal: the bar
+    list(jm.jacobians(net, [(b,) for b in x.split(5)]))  # None on a terminal: the bar
     assert "jacobians: 100%" in capsys.readouterr().err
 
 
@@ -206,11 +206,11 @@ def test_progress_without_tqdm(problem, capsys, monkeypatch) -> None:
     net, x, _ = problem
     monkeypatch.setitem(sys.modules, "tqdm.auto", None)
     with pytest.raises(ImportError, match=r"progress=True needs tqdm.*pip install 'jacmode\[progress\]'"):
-        jm.ggn(net, x.split(5), diagonal=True, progress=True)
+        jm.ggn(net, iter(x.split(5)), diagonal=True, progress=True)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        jm.ggn(net, x.split(5), diagonal=True)  # None on a terminal without tqdm: no bar, no noise
+        jm.ggn(net, iter(x.split(5)), diagonal=True)  # None on a terminal without tqdm: no bar, no noise
     assert capsys.readouterr().err == ""
 
 
@@ -288,4 +288,4 @@ def test_a_gpu_model_streams_into_a_cpu_memmap(problem, tmp_path) -> None:
     mm = np.lib.format.open_memmap(str(tmp_path / "J.npy"), mode="w+", dtype=np.float64, shape=tuple(ref.shape))
     jm.jacobians(net.cuda(), DataLoader(TensorDataset(x.cuda(), y.cuda()), batch_size=4), out=mm)
     torch.testing.assert_close(torch.from_numpy(np.array(mm)), ref, rtol=1e-9, atol=1e-11)
-    torch.testing.assert_close(jm.ggn(net, [x.cuda()], diagonal=True).cpu(), jm.ggn(net.cpu(), x, diagonal=True))
+    torch.testing.assert_close(jm.ggn(net, [(x.cuda(),)], diagonal=True).cpu(), jm.ggn(net.cpu(), x, diagonal=True))

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ._losses import SUPPORTED, is_torch_loss
+
 MODES = ("auto", "forward", "reverse", "autotune")
 STRUCTURES = ("auto", "independent", "coupled", "diagonal")
 WRT_KINDS = ("inputs", "params")
@@ -289,15 +291,28 @@ def check_devices(f: Callable[..., Any], x: Tensor) -> None:
             break
 
 
+def check_not_arguments(value: Any, name: str) -> None:
+    """A tuple or list holding tensors is never read as a data set (nor as several arguments)."""
+    if isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
+        raise TypeError(
+            f"{name}: got a {type(value).__name__} of {len(value)} entries holding tensors, which jacmode "
+            "reads neither as one input nor as a data set. For a model with extra inputs (a mask), give f "
+            "one input: `lambda x: model(x, mask)`, or for parameters an nn.Module whose forward(x) calls "
+            "model(x, mask) (per-sample extras: concatenate them into x and split them in forward). For a "
+            "data set, wrap the batches: `iter([x1, x2])`, a DataLoader, or a list of (x,) / (x, y) tuples."
+        )
+
+
 def check_batches(batches: Any, name: str) -> None:
-    """A data set must be an iterable of batches, not a tensor, string or mapping."""
+    """A data set must be an iterable of batches, not a tensor, string, mapping or tuple of tensors."""
     if isinstance(batches, Tensor) or isinstance(batches, (str, bytes, dict)) or not hasattr(
             batches, "__iter__"):
         raise TypeError(
-            f"{name}: expected an iterable of batches (a DataLoader, a list of tensors or of "
+            f"{name}: expected an iterable of batches (a DataLoader, a generator, a list of (x,) or "
             f"(x, y) tuples), got {type(batches).__name__} ({_fmt(batches)}). For one tensor x, "
-            "call jm.jacobian(f, x, wrt='params'), or pass [x]."
+            "call jm.jacobian(f, x, wrt='params'), or pass iter([x])."
         )
+    check_not_arguments(batches, name)
 
 
 def check_progress(progress: Any) -> None:
@@ -352,6 +367,26 @@ def check_loss(loss: Any, *, name: str = "loss") -> None:
         )
 
 
+def check_torch_loss(loss: Any, y: Any, where: str) -> None:
+    """One of torch's loss modules: a supported type, with targets ``y`` (see ``_losses.py``)."""
+    if not is_torch_loss(loss):
+        return
+    if not isinstance(loss, SUPPORTED):
+        names = ", ".join(f"nn.{t.__name__}" for t in SUPPORTED)
+        raise TypeError(
+            f"loss: {where} takes torch's {names}; got {type(loss).__name__}, whose reduction jacmode "
+            "cannot read. Pass a callable `lambda out, y: ...` returning per-sample losses (B,)."
+        )
+    if loss.reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"loss: reduction must be 'mean', 'sum' or 'none', got {loss.reduction!r}.")
+    if y is None:
+        raise ValueError(
+            f"y: {where} with nn.{type(loss).__name__} needs the targets it compares f(x) with; pass "
+            "y= (one row per sample: class indices (B, *T) for cross entropy, values shaped like f(x) "
+            "otherwise), or yield (x, y) batches from a data set."
+        )
+
+
 def check_losses(value: Any, batch: int) -> Tensor:
     """The loss must return one floating tensor of shape (B,): one loss per sample."""
     if not isinstance(value, Tensor) or not value.is_floating_point():
@@ -363,7 +398,8 @@ def check_losses(value: Any, batch: int) -> Tensor:
         raise ValueError(
             f"loss: expected per-sample losses of shape ({batch},), got {tuple(value.shape)}. "
             "Do not reduce over the batch: pass reduction='none' (e.g. F.mse_loss(out, y, "
-            "reduction='none').sum(1)), and sum any per-sample output dimensions."
+            "reduction='none').sum(1)) and sum any per-sample output dimensions, or pass torch's loss "
+            "module itself (e.g. nn.MSELoss(), any reduction)."
         )
     return value
 
@@ -406,7 +442,7 @@ def check_ntk_method(method: Any, trace: Any) -> None:
 
 
 def check_ggn_loss(loss: Any, diagonal: Any) -> None:
-    """``loss`` of ggn: 'mse', 'cross_entropy' or a callable returning (B, Y, Y) Hessians."""
+    """``loss`` of ggn: 'mse', 'cross_entropy', a torch loss module or a callable returning (B, Y, Y)."""
     if isinstance(loss, str):
         if loss not in GGN_LOSSES:
             raise ValueError(
@@ -420,6 +456,18 @@ def check_ggn_loss(loss: Any, diagonal: Any) -> None:
         )
     if not isinstance(diagonal, bool):
         raise TypeError(f"diagonal: expected True or False, got {type(diagonal).__name__} ({_fmt(diagonal)}).")
+
+
+def check_ggn_target(loss: Any, y: Any, batch: int) -> None:
+    """``y`` of ggn: targets of a torch loss module; a Hessian callable never receives them."""
+    if y is None:
+        return
+    if callable(loss) and not is_torch_loss(loss) and not isinstance(loss, str):
+        raise ValueError(
+            "y: a Hessian callable gets f(x) only, never targets. Close over them "
+            "(`lambda out: hessians(out, y)`), or pass torch's loss module (e.g. nn.CrossEntropyLoss()) with y=."
+        )
+    check_target(y, batch)
 
 
 def check_hessians(value: Any, batch: int, n_out: int) -> Tensor:

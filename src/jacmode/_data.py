@@ -1,9 +1,11 @@
 """Whole data sets: ``jacobians`` over batches, and the streaming behind ggn, ntk, per_sample_grads.
 
-A data set is any iterable of batches (a ``DataLoader`` yielding ``x`` or ``(x, y)``, a list of
-tensors). Per-sample results keep the rows one process iterating the batches would give them;
-sums accumulate over batches; under ``torch.distributed`` every rank computes its share and gets
-the whole result (see ``_streams/``).
+A data set is any iterable of batches (a ``DataLoader`` yielding ``x`` or ``(x, y)``, a generator,
+a list of ``(x,)`` or ``(x, y)`` tuples) that is not a tensor, nor a tuple or list holding tensors:
+those are refused (``_checks.check_not_arguments``), never read as batches. Per-sample results
+keep the rows one process iterating the batches would give them; sums accumulate over batches;
+under ``torch.distributed`` every rank computes its share and gets the whole result (see
+``_streams/``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _checks, _losses
 from ._checks import Wrt
 from ._jacobian import jacobian
 from ._streams import collective
@@ -25,8 +27,13 @@ from ._streams.rounds import run_rounds
 Out = Union[Tensor, np.ndarray]
 
 
-def is_batches(x: Any) -> bool:
-    """Whether ``x`` is a data set (an iterable of batches) rather than one tensor."""
+def is_batches(x: Any, name: str = "x") -> bool:
+    """Whether ``x`` is a data set (an iterable of batches) rather than one tensor.
+
+    A tuple or list holding tensors is neither: a TypeError says how to pass it (issue 17: a
+    model's ``(x, mask)`` was read as a data set of two batches).
+    """
+    _checks.check_not_arguments(x, name)
     return not isinstance(x, (Tensor, str, bytes, dict)) and hasattr(x, "__iter__")
 
 
@@ -68,7 +75,9 @@ def jacobians(
 
     Args:
         f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out).
-        batches: an iterable of ``x`` or ``(x, y)`` batches, e.g. a ``DataLoader``.
+        batches: an iterable of ``x`` or ``(x, y)`` batches: a ``DataLoader``, a generator,
+            ``iter([x1, x2])`` or a list of ``(x,)`` tuples. A tuple or list holding tensors
+            (``x.split(4)``, ``(x, mask)``) raises a TypeError: wrap it in ``iter(...)``.
         wrt: "params", a list of parameter names, or "inputs" (see :func:`jacmode.jacobian`).
         out: (N, Y, P) with N the number of samples, for ``wrt`` parameters.
         progress: None shows a tqdm bar (samples per second) when stderr is a terminal, True
@@ -162,13 +171,18 @@ def per_sample_grads_over(per_sample_grads: Callable[..., Any], f: Any, batches:
     return {n: t.reshape(len(flat), *p.shape) for (n, p), t in zip(selected, blocks)}
 
 
-def ggn_over(ggn: Callable[..., Tensor], f: Any, batches: Iterable[Any], loss: Any, *,
+def ggn_over(ggn: Callable[..., Tensor], f: Any, batches: Iterable[Any], loss: Any, *, y: Optional[Tensor],
              progress: Optional[bool], **kw: Any) -> Tensor:
-    """ggn over a data set: the sum over batches (all_reduce over ranks); targets are not needed."""
+    """ggn over a data set: the sum over batches (all_reduce over ranks); targets from (x, y)
+    batches for torch's loss modules (each batch's loss as torch defines it for that batch)."""
     diagonal = kw.pop("diagonal")
     _product_checks(f, batches, "x", progress, **kw)
     _checks.check_ggn_loss(loss, diagonal)
-    return sum_over(batches, lambda xb, _: ggn(f, xb, loss, diagonal=diagonal, **kw),
+    if y is not None:
+        raise ValueError("y: with a data set as x, the targets come from its (x, y) batches; "
+                         "drop y= (or yield (x, y) tuples, e.g. a DataLoader over TensorDataset(x, y)).")
+    targets = _losses.is_torch_loss(loss)
+    return sum_over(batches, lambda xb, yb: ggn(f, xb, loss, y=yb if targets else None, diagonal=diagonal, **kw),
                     progress=progress, desc="ggn")
 
 
@@ -181,7 +195,7 @@ def _columns(x2: Any, name: str) -> Callable[[], Iterator[Tensor]]:
                          "the same data set without the sampler.")
     if iter(x2) is x2:
         raise ValueError(f"{name}: a one-shot iterator cannot be read once per block of rows; "
-                         "pass a list of batches or a DataLoader.")
+                         "pass a DataLoader or a list of (x,) tuples.")
     return lambda: (unpack(item, i)[0] for i, item in enumerate(x2))
 
 
@@ -189,7 +203,7 @@ def ntk_over(ntk: Callable[..., Tensor], f: Any, x1: Any, x2: Any, *, trace: boo
              progress: Optional[bool], **kw: Any) -> Tensor:
     """ntk with x1 and/or x2 data sets: Gram blocks, rows of x1's batches split over ranks."""
     method = kw.pop("method")
-    one, two = is_batches(x1), x2 is not None and is_batches(x2)
+    one, two = is_batches(x1, "x1"), x2 is not None and is_batches(x2, "x2")
     _product_checks(f, x1 if one else x2, "x1" if one else "x2", progress, **kw)
 
     def block(a: Tensor, b: Tensor) -> Tensor:

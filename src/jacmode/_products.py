@@ -16,28 +16,31 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from . import _checks, _data
+from . import _checks, _data, _losses
 from ._checks import Options, Wrt
 from ._coupling import probe
 from ._engines import layerio, probes
 from ._engines import ntk as _ntk
 from ._engines import products as _engine
+from ._engines.fallback import classify
 from ._engines.layerwise import columns
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
 from ._planning.memory import DEFAULT_FRACTION, available_bytes
 from ._problem import _has_random_layers
 from ._rules.base import NotCovered
+from ._rules.embedding import forward_gap
 from ._state import preserved_state
 
 Memory = Optional[Union[int, float, str]]
 
 
 def _setup(f: Any, x: Any, wrt: Wrt, chunk_size: Any, max_memory: Any,
-           flatten: Any = True) -> tuple[Options, list[tuple[str, nn.Parameter]]]:
+           flatten: Any = True, name: str = "x") -> tuple[Options, list[tuple[str, nn.Parameter]]]:
     _checks.check_function(f)
     opts = _checks.check_product_options(wrt=wrt, chunk_size=chunk_size, max_memory=max_memory, flatten=flatten)
-    _checks.check_input(x, wrt="params", batched=True)
+    _checks.check_not_arguments(x, name)
+    _checks.check_input(x, wrt="params", batched=True, name=name)
     _checks.check_devices(f, x)
     return opts, _checks.check_param_selection(f, opts.param_names)
 
@@ -74,10 +77,17 @@ def per_sample_grads(
 
     Args:
         f: the model, an ``nn.Module`` mapping x (B, *in) to (B, *out).
-        x: the batch, shape (B, *in); samples must be independent. Or a data set (an iterable of
-            (x, y) batches, y then taken from it): rows in order (see docs/datasets.md).
+        x: the batch, shape (B, *in), any dtype (token ids too); samples must be independent. Or a
+            data set (a DataLoader or another iterable of x or (x, y) batches, y then taken from
+            it): rows in order. A tuple or list holding tensors is neither and raises a TypeError
+            (see docs/datasets.md).
         loss: ``loss(out)``, or ``loss(out, y)`` when ``y`` is given, mapping f(x) (B, *out) to
-            per-sample losses (B,) (no reduction over the batch).
+            per-sample losses (B,) (no reduction over the batch). Or one of torch's loss modules
+            (``nn.MSELoss``, ``nn.CrossEntropyLoss``, ``nn.BCEWithLogitsLoss``, ``nn.NLLLoss``,
+            ``nn.L1Loss``, ``nn.HuberLoss``, ``nn.SmoothL1Loss``, ``nn.BCELoss``), any
+            ``reduction``, with ``y``: row b is then the gradient of sample b's term of torch's
+            batch loss, so the rows sum to its gradient (for reduction='mean' that includes
+            torch's 1/N; reduction='none' is read as 'sum'; see docs/products.md).
         y: targets, one row per sample, passed to ``loss``.
         wrt: "params" or a list of parameter names (a subset).
         flatten: False returns a dict name -> (B, *param.shape).
@@ -86,7 +96,8 @@ def per_sample_grads(
         progress: for a data set, None shows a progress bar on a terminal, True always, False never.
 
     Returns:
-        (B, P), the parameters flattened and concatenated in ``named_parameters()`` order.
+        (B, P), the parameters flattened and concatenated in ``named_parameters()`` order, in
+        the parameters' dtype (promoted where they differ), whatever x's dtype (token ids).
 
     Example:
         >>> import torch, jacmode as jm
@@ -104,10 +115,12 @@ def per_sample_grads(
                                            wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory, flatten)
     _checks.check_loss(loss)
+    _checks.check_torch_loss(loss, y, "per_sample_grads")
     _checks.check_target(y, x.shape[0])
     names, params = [n for n, _ in selected], [p for _, p in selected]
     n_params, batch = sum(p.numel() for p in params), x.shape[0]
-    _checks.check_fits(batch * n_params * x.new_empty(0, dtype=params[0].dtype).element_size(),
+    dtype = _engine.result_dtype(params)
+    _checks.check_fits(batch * n_params * dtype.itemsize,
                        _budget(opts, x.device, result=True), f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
                        "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
 
@@ -116,11 +129,14 @@ def per_sample_grads(
 
     with preserved_state(f), torch.no_grad():
         _out_shape(f, x)
+        if _losses.is_torch_loss(loss):  # torch's module -> its per-sample terms (see _losses.py)
+            assert y is not None
+            loss = _losses.per_sample(loss, f(x), y)
         cov = layerio.usable(f, x, selected)
         if cov is not None and cov.uncovered and _has_random_layers(f):
             cov = None  # two passes would draw two dropout masks
         cols = columns(selected)
-        flat = x.new_empty(batch, n_params)
+        flat = torch.empty(batch, n_params, dtype=dtype, device=x.device)  # never x's dtype: ids are int
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
             try:
@@ -140,7 +156,8 @@ def per_sample_grads(
 
 def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chunk_size: Any,
                max_memory: Any) -> tuple[Options, list[tuple[str, nn.Parameter]], int, Any, _ntk_plan.NtkPlan]:
-    opts, selected = _setup(f, x1, wrt, chunk_size, max_memory)
+    opts, selected = _setup(f, x1, wrt, chunk_size, max_memory, name="x1")
+    _checks.check_not_arguments(x2, "x2")
     _checks.check_second_input(x1, x2)
     _checks.check_ntk_method(method, trace)
     params = [p for _, p in selected]
@@ -161,12 +178,16 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     fp = footprint(f, ("ntk", tuple(x1.shape[1:]), x1.dtype, str(x1.device)), f, x1[:1], 1)
     sizes = _ntk_plan.Sizes(x1.shape[0], b2, n_out, n_params, fp.flops + fp.conv_flops,
                             None if cov is None else _ntk_plan.pair_work(cov, n_out))
-    item = x1.new_empty(0, dtype=params[0].dtype).element_size()
+    item = _engine.result_dtype(params).itemsize
     result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
     _checks.check_fits(result, _budget(opts, x1.device, result=True), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
                        "Pass trace=True, smaller batches, or a larger max_memory.")
     per_sample = n_out * n_params * item  # a Jacobian block; products also pushes Y tangents over B2 samples
-    plan = _ntk_plan.choose(sizes, method, 1)
+    no_forward = forward_gap(f, [n for n, _ in selected])
+    if method == "products" and no_forward is not None:
+        raise ValueError(f"method: 'products' pushes rows of J(x1) forward through f(x2) with jvps, but forward "
+                         f"mode is not exact for {no_forward}. Use method='auto' or 'contraction'.")
+    plan = _ntk_plan.choose(sizes, method, 1, no_forward)
     if plan.method == "products":
         per_sample += int(3 * n_out * b2 * fp.act)
     chunk = _chunk(opts, per_sample, max(x1.shape[0], b2), x1.device)
@@ -201,8 +222,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
     Args:
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
         x1: the first batch, (B1, *in). x2: the second batch, (B2, *in); None for x1 itself.
-            Either may be a data set (an iterable of batches): the kernel in blocks, rows by
-            x1's batches (see docs/datasets.md).
+            Either may be a data set (a DataLoader or another iterable of batches, not a tuple or
+            list holding tensors): the kernel in blocks, rows by x1's batches (see docs/datasets.md).
         wrt: "params" or a list of parameter names (the kernel of that subset).
         method: "contraction" (Jacobian blocks multiplied chunk by chunk), "products" (rows of
             J(x1) pushed forward through f(x2): no Jacobian of x2), "structured" (per Linear
@@ -229,7 +250,7 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         >>> jm.ntk(net, x1, x2, trace=True, method="products").shape
         torch.Size([4, 6])
     """
-    if _data.is_batches(x1) or _data.is_batches(x2):  # data sets: Gram blocks (docs/datasets.md)
+    if _data.is_batches(x1, "x1") or _data.is_batches(x2, "x2"):  # data sets: Gram blocks (docs/datasets.md)
         return _data.ntk_over(ntk, f, x1, x2, method=method, trace=trace, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
     with preserved_state(f), torch.no_grad():
@@ -240,25 +261,39 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
                 return _ntk.structured(f, cov, x1, x2, n_out, trace)
         second = x1 if x2 is None else x2
         if plan.method == "products":
-            return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
+            try:
+                return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
+            except (NotImplementedError, RuntimeError) as exc:  # an op without a jvp formula
+                gap = classify(exc)
+                if gap is None or gap[0] != "forward":
+                    raise
+                if method == "products":
+                    raise ValueError(f"method: 'products' pushes rows of J(x1) forward through f(x2) with jvps, "
+                                     f"but {gap[1]} has no forward-AD formula. Use method='auto' or "
+                                     "'contraction'.") from exc
         keep = second.shape[0] * n_out * sum(p.numel() for p in params) * 4 <= _budget(opts, x1.device) // 2
-        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, keep, max_memory)
+        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, keep, max_memory,
+                                _engine.result_dtype(params))
 
 
-def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *, wrt: Wrt = "params",
-        diagonal: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
-        progress: Optional[bool] = None) -> Tensor:
+def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *,
+        y: Optional[Tensor] = None, wrt: Wrt = "params", diagonal: bool = False,
+        chunk_size: Optional[int] = None, max_memory: Memory = None, progress: Optional[bool] = None) -> Tensor:
     """The generalised Gauss-Newton matrix sum_b J_b^T H_b J_b, or its diagonal.
 
     H_b is the Hessian of sample b's loss with respect to its output f(x_b) (Y values).
 
     Args:
         f: the model, mapping x (B, *in) to (B, *out); Y = prod(out).
-        x: the batch, (B, *in), or a data set (an iterable of batches): summed over its batches
-            (see docs/datasets.md).
-        loss: "mse" (per-sample loss 0.5 * ||f(x_b) - y_b||^2, H = I), "cross_entropy" (softmax
-            over the Y outputs, H = diag(p) - p p^T with p = softmax(f(x_b))), or a callable
-            mapping f(x) to the per-sample Hessians (B, Y, Y). The targets do not enter H.
+        x: the batch, (B, *in), or a data set (a DataLoader or another iterable of batches, not a
+            tuple or list holding tensors): summed over its batches (see docs/datasets.md).
+        loss: "mse" (per-sample loss 0.5 * ||f(x_b) - y_b||^2, H = I), "cross_entropy" (torch's
+            convention: classes on dim 1 of f(x) (B, C, *T), one softmax per position, summed over
+            positions; per position H = diag(p) - p p^T with p = softmax over the C classes), one
+            of torch's loss modules with its targets ``y`` (any ``reduction``: the GGN of torch's
+            batch loss, see docs/products.md), or a callable mapping f(x) to the per-sample
+            Hessians (B, Y, Y). The strings' Hessians do not depend on the targets.
+        y: targets for a torch loss module, one row per sample (ignored by the strings).
         wrt: "params" or a list of parameter names.
         diagonal: return the diagonal (P,) without ever forming (P, P).
         chunk_size: samples per Jacobian block of the generic engine.
@@ -282,19 +317,21 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         True
     """
     if _data.is_batches(x):  # a data set: summed batch by batch (docs/datasets.md)
-        return _data.ggn_over(ggn, f, x, loss, diagonal=diagonal, progress=progress, wrt=wrt,
+        return _data.ggn_over(ggn, f, x, loss, y=y, diagonal=diagonal, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory)
     _checks.check_ggn_loss(loss, diagonal)
+    _checks.check_torch_loss(loss, y, "ggn")
+    _checks.check_ggn_target(loss, y, x.shape[0])
     params = [p for _, p in selected]
     n_params = sum(p.numel() for p in params)
-    item = x.new_empty(0, dtype=params[0].dtype).element_size()
+    item = _engine.result_dtype(params).itemsize
     if not diagonal:
         _checks.check_fits(n_params * n_params * item, _budget(opts, x.device, result=True), f"ggn: the (P, P) = ({n_params}, {n_params}) matrix",
                            "Pass diagonal=True for the diagonal (P,), select fewer parameters with wrt=[...], or raise max_memory.")
     with preserved_state(f), torch.no_grad():
         n_out = math.prod(_out_shape(f, x))
-        factor = _engine.factor_for(loss, n_out)
+        factor = _engine.factor_for(loss, n_out, y)
         cov = layerio.usable(f, x, selected) if diagonal else None
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         result: Optional[Tensor] = None

@@ -37,6 +37,7 @@ from torch.func import functional_call, jvp, vjp, vmap
 from .._cache import WeakCache, rng_kept
 from .._errors import JacmodeWarning
 from .._problem import Problem
+from .._rules.embedding import forward_gap
 
 _CAPS = WeakCache("capabilities")
 _WARNED_OPS: set[str] = set()
@@ -140,6 +141,8 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
     if caps is not None:
         return caps
     caps = Caps()
+    if p.kind == "params":  # exactness, not only ability: see [padding_idx and forward mode]
+        caps.forward = forward_gap(f, [n for n, _ in p.params])
     if p.batch > 0 and p.n_in > 0:
         g, pt = _one_sample(f, p)
         with rng_kept(p.device), torch.no_grad(), warnings.catch_warnings():
@@ -148,7 +151,7 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
             if gap is not None and gap[0] == "functorch":
                 caps.functorch = gap[1]
             else:
-                gap = _try(lambda: jvp(g, (pt,), (torch.ones_like(pt),)))
+                gap = None if caps.forward else _try(lambda: jvp(g, (pt,), (torch.ones_like(pt),)))
                 if gap is not None:
                     caps.forward = gap[1]
                 if p.kind == "params" and p.batched and p.structure == "independent" and p.sample_fn:
@@ -177,6 +180,11 @@ def learn(ident: Any, key: tuple, caps: Caps, plan: Any, kind: str, what: str) -
 
 def explicit_error(mode: str, kind: str, what: str) -> ValueError:
     """The error for an explicit mode that cannot run ``f``."""
+    if kind == "forward" and what.startswith("nn.Embedding"):  # see [padding_idx and forward mode]
+        return ValueError(
+            f"mode: 'forward' would not be exact for {what}. Use mode='reverse' (or mode='auto', which "
+            "takes reverse), or leave that layer's weight out of wrt=[...]."
+        )
     if kind == "forward":
         return ValueError(
             f"mode: 'forward' needs a forward-AD (jvp) formula for every operation of f, but {what} "

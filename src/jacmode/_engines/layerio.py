@@ -36,7 +36,7 @@ def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverag
     Completeness of the covered parameters is ``_engines/layerwise.py``'s check on a few samples;
     the verdict and the coverage are cached per model, per-sample signature and selection.
     """
-    if not x.is_floating_point() or x.shape[0] == 0:
+    if x.shape[0] == 0:
         return None
     key = (*problem_key(model, x, True, "params", "products", False), tuple((n, id(p)) for n, p in named))
     hit = _COVERAGE.get(model, key)

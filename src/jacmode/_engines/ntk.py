@@ -38,17 +38,18 @@ def _jacobians(model: nn.Module, x: Tensor, names: Sequence[str], chunk: int,
         yield b0, jac
 
 
-def _empty(x1: Tensor, b2: int, y: int, trace: bool) -> Tensor:
-    return x1.new_zeros(x1.shape[0], b2) if trace else x1.new_zeros(x1.shape[0], b2, y, y)
+def _empty(x1: Tensor, b2: int, y: int, trace: bool, dtype: torch.dtype) -> Tensor:
+    """The zeroed result in the parameters' dtype (never x1's: token ids are integers)."""
+    return torch.zeros((x1.shape[0], b2) if trace else (x1.shape[0], b2, y, y), dtype=dtype, device=x1.device)
 
 
 def contraction(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], n_out: int,
-                trace: bool, chunk: int, keep_second: bool, max_memory: Any) -> Tensor:
+                trace: bool, chunk: int, keep_second: bool, max_memory: Any, dtype: torch.dtype) -> Tensor:
     """K from Jacobian blocks; the second batch's blocks are kept if ``keep_second``, else redone.
 
     With ``x2 is x1`` and kept blocks, each block is formed once.
     """
-    result = _empty(x1, x2.shape[0], n_out, trace)
+    result = _empty(x1, x2.shape[0], n_out, trace, dtype)
     second = list(_jacobians(model, x2, names, chunk, max_memory)) if keep_second else None
     first = second if second is not None and x2 is x1 else _jacobians(model, x1, names, chunk, max_memory)
     for b0, j1 in first:
@@ -73,7 +74,7 @@ def products(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], par
         return functional_call(model, named, (x2,)).reshape(x2.shape[0], n_out)
 
     push = vmap(lambda row: jvp(f2, (z,), (row,))[1], randomness="different")
-    result = _empty(x1, x2.shape[0], n_out, trace)
+    result = _empty(x1, x2.shape[0], n_out, trace, z.dtype)
     for b0, j1 in _jacobians(model, x1, names, chunk, max_memory):
         cols = push(j1.reshape(-1, z.numel())).view(j1.shape[0], n_out, x2.shape[0], n_out)
         b1 = b0 + j1.shape[0]

@@ -19,30 +19,44 @@ it only runs for the parameters the probes do not cover.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from .. import _losses
 from .._checks import check_hessians
+from .._errors import JacmodeWarning
 from .._rules.base import NotCovered
 from . import layerio, layerwise, probes
 
 Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
 
 
-def factor_for(loss: Any, n_out: int) -> Callable[[Tensor], Factor]:
-    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T."""
+def result_dtype(params: Sequence[Tensor]) -> torch.dtype:
+    """The dtype of a product over ``params``: theirs, promoted where they differ; never the input's."""
+    return functools.reduce(torch.promote_types, [p.dtype for p in params])
+
+
+def factor_for(loss: Any, n_out: int, y: Optional[Tensor] = None) -> Callable[[Tensor], Factor]:
+    """The symmetric factor L (B, Y, K) and signs of each sample's output Hessian H = L S L^T.
+
+    ``loss``: "mse", "cross_entropy" (classes on dim 1, one softmax per position), one of torch's
+    loss modules (with targets ``y``; see ``_losses.py``) or a callable out -> (B, Y, Y).
+    """
     def factor(out: Tensor) -> Factor:
-        flat = out.reshape(out.shape[0], n_out)
-        if loss == "mse":
+        if isinstance(loss, str) and loss == "mse":
             return torch.eye(n_out, dtype=out.dtype, device=out.device).expand(out.shape[0], n_out, n_out), None
-        if loss == "cross_entropy":  # H = diag(p) - p p^T = L L^T, L = diag(sqrt p) - p sqrt(p)^T
-            p = torch.softmax(flat, dim=1)
-            s = p.sqrt()
-            return torch.diag_embed(s) - p[:, :, None] * s[:, None, :], None
-        h = check_hessians(loss(out), out.shape[0], n_out)
+        if isinstance(loss, str) and loss == "cross_entropy":
+            return _losses.cross_entropy_factor(out if out.dim() > 1 else out.unsqueeze(1)), None
+        if _losses.is_torch_loss(loss):
+            assert y is not None  # checked by the entry point
+            h = _losses.hessians(loss, out, y)
+        else:
+            h = check_hessians(loss(out), out.shape[0], n_out)
         values, vectors = torch.linalg.eigh(0.5 * (h + h.transpose(1, 2)))
         return vectors * values.abs().sqrt()[:, None, :], torch.sign(values)
     return factor
@@ -76,10 +90,36 @@ def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], l
     primal = {n: p.detach() for n, p in named}
     step = vmap(grad(one), in_dims=(None, 0, None if y is None else 0), randomness="different")
     for b0 in range(0, x.shape[0], chunk):
-        g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
+        try:
+            g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
+        except RuntimeError as exc:  # vmap cannot batch f (fused RNN kernels, .item(), ...): loop instead
+            warnings.warn(f"jacmode: per_sample_grads cannot vectorise f over samples ({str(exc).splitlines()[0][:120]}), "
+                          "so it loops over samples with autograd: exact, only slower.", JacmodeWarning, stacklevel=4)
+            _loop(model, x[b0:], None if y is None else y[b0:], loss, named, cols, result[b0:])
+            return
         for n in primal:
             lo, size = cols[n]
             result[b0:b0 + chunk, lo:lo + size] = g[n].reshape(g[n].shape[0], size)
+
+
+def _loop(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., Tensor],
+          named: Sequence[tuple[str, Tensor]], cols: dict[str, tuple[int, int]], result: Tensor) -> None:
+    """The columns of ``named`` for each sample alone: one forward and one ``autograd.grad`` per sample."""
+    params = [p for _, p in named]
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            for b in range(x.shape[0]):
+                out = model(x[b:b + 1])
+                value = (loss(out) if y is None else loss(out, y[b:b + 1])).reshape(())
+                for (n, p), g in zip(named, torch.autograd.grad(value, params, allow_unused=True)):
+                    lo, size = cols[n]
+                    result[b, lo:lo + size] = 0 if g is None else g.reshape(size)
+    finally:
+        for p, flag in zip(params, flags):
+            p.requires_grad_(flag)
 
 
 def ggn_diagonal_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
@@ -100,12 +140,13 @@ def ggn_generic(model: nn.Module, x: Tensor, factor: Factor, names: Sequence[str
     from .._jacobian import jacobian
 
     lf, signs = factor
-    result = x.new_zeros(n_params) if diagonal else x.new_zeros(n_params, n_params)
+    dtype = result_dtype([p for n, p in model.named_parameters() if n in set(names)])
+    result = torch.zeros((n_params,) if diagonal else (n_params, n_params), dtype=dtype, device=lf.device)
     for b0 in range(0, x.shape[0], chunk):
         jac = jacobian(model, x[b0:b0 + chunk], wrt=list(names), max_memory=max_memory)
         assert isinstance(jac, Tensor)
-        jl = torch.einsum("byp,byk->bkp", jac, lf[b0:b0 + chunk])  # (b, K, P): rows J_b^T l_bk
-        weighted = jl if signs is None else jl * signs[b0:b0 + chunk, :, None]
+        jl = torch.einsum("byp,byk->bkp", jac.to(dtype), lf[b0:b0 + chunk].to(dtype))  # (b, K, P): rows J_b^T l_bk
+        weighted = jl if signs is None else jl * signs[b0:b0 + chunk, :, None].to(dtype)
         if diagonal:
             result += (weighted * jl).sum((0, 1))
         else:

@@ -85,12 +85,18 @@ class NtkPlan:
                 f"  estimated: {est}\n  why: {self.reason}")
 
 
-def choose(s: Sizes, method: str, sample_chunk: int) -> NtkPlan:
-    """The plan for ``method`` ("auto" picks the cheapest estimate among those that can run)."""
-    runnable = [m for m in METHODS if m != "structured" or s.pair is not None]
+def choose(s: Sizes, method: str, sample_chunk: int, no_forward: Optional[str] = None) -> NtkPlan:
+    """The plan for ``method`` ("auto" picks the cheapest estimate among those that can run).
+
+    ``no_forward`` says why forward mode is not exact for f (then products, a jvp, cannot run).
+    """
+    runnable = [m for m in METHODS if (m != "structured" or s.pair is not None)
+                and (m != "products" or no_forward is None)]
     costs = {m: estimate(m, s) for m in runnable}
     sizes = f"B1={s.b1}, B2={s.b2}, Y={s.y}, P={s.p}, forward {s.flops:.3g} flops/sample"
     cover = "" if s.pair is not None else "; structured needs a per-layer rule for every selected parameter"
+    if no_forward is not None:
+        cover += f"; products needs forward mode, not exact for {no_forward}"
     if method != "auto":
         return NtkPlan(method, costs, sample_chunk, f"method={method!r} was asked for ({sizes})")
     best = min(costs, key=lambda m: costs[m])
@@ -99,11 +105,14 @@ def choose(s: Sizes, method: str, sample_chunk: int) -> NtkPlan:
 
 def pair_work(cov: Any, y: int) -> float:
     """Structured work per pair of samples: Y^2 * (O + 1) + I per Linear layer (closed-form Gram),
-    Y^2 * (its parameters) for other covered layers (Gram of per-sample blocks)."""
+    Y^2 * E + V per EmbeddingBag, Y^2 * (its parameters) for other covered layers (Gram of
+    per-sample blocks)."""
     work = 0.0
     for module in cov.modules:
         if type(module) is nn.Linear:
             work += y * y * (module.out_features + 1) + module.in_features
+        elif type(module) is nn.EmbeddingBag:  # closed form too: (c1 c2^T) * (G1 . G2)
+            work += y * y * module.embedding_dim + module.num_embeddings
         else:
             work += y * y * sum(p.numel() for p in module.parameters(recurse=False))
     return work

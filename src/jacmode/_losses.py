@@ -1,0 +1,127 @@
+"""torch's loss modules as per-sample losses and per-sample output Hessians, for the products.
+
+NOTE: [Per-sample terms of torch's losses]
+Every supported torch loss, with any ``reduction``, is a sum over samples of terms that each
+depend on one sample's output: ``loss(f(x), y) = sum_b c_b(f(x_b))`` with
+
+    c_b = s * (sum over sample b's entries of the loss with reduction='none'),
+
+s = 1 for 'sum' and 'none', and for 'mean' s = 1 / (what torch divides by): every entry of the
+broadcast output for the elementwise losses (MSE, L1, Huber, BCE, BCEWithLogits), the B * prod(T)
+positions for cross entropy with class probabilities, and the summed class weights of the
+targets that are not ``ignore_index`` for class indices (the count of them without weights). s
+depends on the targets only, so it is a constant of the batch. ``per_sample_grads`` returns
+grad c_b (its rows sum to the gradient of torch's batch loss: BackPACK's BatchGrad convention) and
+``ggn`` sums J_b^T (d^2 c_b / d f(x_b)^2) J_b (the GGN of torch's batch loss). Every call checks the
+decomposition against the module itself, so a loss that does not split this way is refused, never
+silently mis-scaled. See docs/products.md for the scale against BackPACK, curvlinops and Opacus.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+from torch import Tensor, nn
+from torch.func import hessian, vmap
+
+ELEMENTWISE = (nn.MSELoss, nn.L1Loss, nn.HuberLoss, nn.SmoothL1Loss, nn.BCELoss, nn.BCEWithLogitsLoss)
+CLASSES = (nn.CrossEntropyLoss, nn.NLLLoss)
+SUPPORTED = ELEMENTWISE + CLASSES
+
+PerSample = Callable[[Tensor, Tensor], Tensor]
+
+
+def is_torch_loss(loss: Any) -> bool:
+    """Whether ``loss`` is one of torch's loss modules (``nn.modules.loss._Loss``)."""
+    return isinstance(loss, nn.modules.loss._Loss)
+
+
+def _scale(module: nn.Module, out: Tensor, y: Tensor) -> float:
+    """s of the note: 1, or one over what torch's reduction='mean' divides by."""
+    if module.reduction != "mean":
+        return 1.0
+    if isinstance(module, CLASSES) and not y.is_floating_point():  # class indices
+        keep = y != module.ignore_index
+        weight = module.weight
+        total = keep.sum() if weight is None else weight[torch.where(keep, y, 0)][keep].sum()
+        return 1.0 / float(total)
+    if isinstance(module, CLASSES):  # class probabilities: one term per position
+        return 1.0 / (out.numel() // out.shape[1])
+    return 1.0 / torch.broadcast_shapes(out.shape, y.shape).numel()
+
+
+def per_sample(module: nn.Module, out: Tensor, y: Tensor) -> PerSample:
+    """``(out, y) -> (b,)``: the terms c_b of the note for any rows of this batch.
+
+    ``out`` (B, *out) and ``y`` are the whole batch: they fix s, and the decomposition is
+    checked against ``module(out, y)`` on them.
+
+    Raises:
+        ValueError: the module's loss is not the sum of these terms (then pass a callable).
+    """
+    unreduced = copy.copy(module)  # a shallow copy shares weight buffers; only its reduction differs
+    unreduced.reduction = "none"
+    s = _scale(module, out, y)
+
+    def terms(o: Tensor, t: Tensor) -> Tensor:
+        v = unreduced(o, t)
+        return v.reshape(v.shape[0], -1).sum(1) * s
+
+    try:  # the engines evaluate one sample at a time: a weight shaped like the batch cannot follow
+        alone = terms(out[:1], y[:1])
+    except RuntimeError as exc:
+        raise ValueError(
+            f"loss: {type(module).__name__} cannot be evaluated on one sample alone ({str(exc).splitlines()[0][:100]}); "
+            "a weight with one row per sample is the usual cause. Pass a callable `lambda out, y: ...` "
+            "returning per-sample losses (B,), with per-sample weights carried in y."
+        ) from exc
+    mine, theirs = terms(out, y), module(out, y)
+    if alone.shape != (1,) or not torch.allclose(alone, mine[:1], rtol=1e-6, atol=1e-6 * float(mine.abs().max())):
+        raise ValueError(
+            f"loss: {type(module).__name__} gives sample 0 a different loss alone than in the batch, so it is "
+            "not a sum of per-sample terms. Pass a callable `lambda out, y: ...` returning per-sample losses (B,)."
+        )
+    if module.reduction == "none":
+        mine, theirs = mine, theirs.reshape(theirs.shape[0], -1).sum(1)
+    else:
+        mine = mine.sum()
+    tol = 1e-9 if out.dtype == torch.float64 else 1e-4
+    if mine.shape != theirs.shape or not torch.allclose(mine, theirs, rtol=tol, atol=tol * float(theirs.abs().max())):
+        raise ValueError(
+            f"loss: {type(module).__name__}(reduction={module.reduction!r}) with these arguments is not a sum of "
+            "per-sample terms as jacmode reads it (see docs/products.md). Pass a callable "
+            "`lambda out, y: ...` returning per-sample losses (B,) instead."
+        )
+    return terms
+
+
+def hessians(module: nn.Module, out: Tensor, y: Tensor) -> Tensor:
+    """(B, Y, Y): d^2 c_b / d f(x_b)^2 of every sample, by autograd through the module itself."""
+    terms = per_sample(module, out, y)
+
+    def one(o: Tensor, t: Tensor) -> Tensor:
+        return terms(o.unsqueeze(0), t.unsqueeze(0))[0]
+
+    h = vmap(hessian(one))(out.detach(), y)
+    n_out = out[0].numel()
+    return h.reshape(out.shape[0], n_out, n_out)
+
+
+def cross_entropy_factor(out: Tensor) -> Tensor:
+    """L (B, Y, Y) with L L^T = the Hessian of sum over positions of cross entropy, classes on dim 1.
+
+    For out (B, C) one softmax; for out (B, C, *T) one per position, as torch's
+    ``F.cross_entropy``: per position H_t = diag(p_t) - p_t p_t^T = L_t L_t^T with
+    L_t = diag(sqrt p_t) - p_t sqrt(p_t)^T, and L is block diagonal over positions.
+    """
+    batch, classes = out.shape[0], out.shape[1]
+    p = torch.softmax(out.reshape(batch, classes, -1), dim=1).transpose(1, 2)  # (B, T, C)
+    s = p.sqrt()
+    blocks = torch.diag_embed(s) - p[..., :, None] * s[..., None, :]  # (B, T, C, C)
+    if p.shape[1] == 1:
+        return blocks[:, 0]
+    eye = torch.eye(p.shape[1], dtype=out.dtype, device=out.device)
+    n_out = classes * p.shape[1]
+    return torch.einsum("btcd,tu->bctdu", blocks, eye).reshape(batch, n_out, n_out)
