@@ -175,13 +175,13 @@ def test_value_dependent_branch_gives_a_local_pattern():
 
 
 def test_index_from_the_input_is_local_and_exact():
-    f = lambda x: x[torch.argsort(x)] * x  # noqa: E731
+    f = lambda x: x[torch.argsort(x)] * x
     p = check_exact(f, torch.rand(6, dtype=D))
     assert p.scope == "local"
 
 
 def test_op_without_rule_reads_its_own_jacobian():
-    f = lambda x: torch.diff(torch.sin(x)) * 2  # noqa: E731
+    f = lambda x: torch.diff(torch.sin(x)) * 2
     p = check_exact(f, torch.rand(9, dtype=D))
     assert p.scope == "local" and "diff" in p.reason and p.nnz == 16
 
@@ -285,8 +285,8 @@ def test_sparse_hessian_of_a_sum_of_local_terms_is_exact():
 
 def test_auto_mode_follows_the_colour_counts():
     x = torch.rand(60, dtype=D)
-    dense_row = lambda z: torch.cat([torch.sin(z), z.sum().reshape(1)])  # noqa: E731
-    dense_col = lambda z: torch.sin(z) * z[0]  # noqa: E731
+    dense_row = lambda z: torch.cat([torch.sin(z), z.sum().reshape(1)])
+    dense_col = lambda z: torch.sin(z) * z[0]
     p1 = jm.plan(dense_row, x, batched=False, structure="sparse")
     p2 = jm.plan(dense_col, x, batched=False, structure="sparse")
     assert (p1.mode, p1.directions) == ("reverse", 2)
@@ -297,7 +297,7 @@ def test_auto_mode_follows_the_colour_counts():
 
 def test_structure_auto_uses_sparsity_for_a_large_point_only():
     n = 4096
-    f = lambda z: z[1:] * z[:-1]  # noqa: E731
+    f = lambda z: z[1:] * z[:-1]
     x = torch.rand(n, dtype=torch.float32)
     assert jm.plan(f, x, batched=False).strategy == "sparse"
     J = jm.jacobian(f, x, batched=False)

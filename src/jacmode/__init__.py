@@ -21,7 +21,14 @@ from ._planning.autotune import autotune_cache
 from ._planning.ntk import NtkPlan
 from ._planning.plan import Plan
 from ._products import ggn, ntk, ntk_plan, per_sample_grads
-from ._sparse import Coloring, SparsityPattern, coloring, sparse_hessian, sparse_jacobian, sparsity
+from ._sparse import (
+    Coloring,
+    SparsityPattern,
+    coloring,
+    sparse_hessian,
+    sparse_jacobian,
+    sparsity,
+)
 
 __version__ = "0.1.0"
 

@@ -20,9 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from typing_extensions import TypeAlias
+
 import numpy as np
 
-Index = np.ndarray
+Index: TypeAlias = np.ndarray
 
 
 @dataclass(frozen=True)
