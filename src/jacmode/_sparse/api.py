@@ -15,6 +15,7 @@ import warnings
 import weakref
 from typing import Any, Callable, Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -106,12 +107,23 @@ def _color(p: SparsityPattern, partition: str, order: str = "best") -> Coloring:
     cache = _COLORINGS.setdefault(p, {})
     key = (partition, order)
     if key not in cache:
-        if partition == "auto":
+        other = {"row": "column", "column": "row"}.get(partition)
+        if other is not None and (other, order) in cache and _symmetric(p):
+            c = cache[(other, order)]  # the same graph: reuse its colours
+            cache[key] = Coloring(partition, c.colors, c.n_colors, c.lower_bound, c.order, p)
+        elif partition == "auto":
             col, row = _color(p, "column", order), _color(p, "row", order)
             cache[key] = col if cost(col) <= cost(row) else row
         else:
             cache[key] = color(p, partition, order)
     return cache[key]
+
+
+def _symmetric(p: SparsityPattern) -> bool:
+    if p.shape[0] != p.shape[1]:
+        return False
+    t = p.transpose()
+    return bool(np.array_equal(t.crow, p.crow) and np.array_equal(t.col, p.col))
 
 
 def cost(c: Coloring) -> float:

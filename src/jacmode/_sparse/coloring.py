@@ -25,7 +25,7 @@ The lower bound is the largest number of nonzeros in one row (columns), column (
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -158,10 +158,15 @@ def _smallest_last(ptr: np.ndarray, adj: np.ndarray) -> np.ndarray:
     return np.asarray(out[::-1], dtype=np.int64)
 
 
-def greedy(ptr: np.ndarray, adj: np.ndarray, order: np.ndarray) -> np.ndarray:
-    """Distance-1 greedy colouring of the graph (ptr, adj) in ``order``."""
-    n = ptr.shape[0] - 1
-    P, A = ptr.tolist(), adj.tolist()
+def _lists(ptr: Any, adj: Any) -> tuple[list[int], list[int]]:
+    return (ptr.tolist() if isinstance(ptr, np.ndarray) else ptr,
+            adj.tolist() if isinstance(adj, np.ndarray) else adj)
+
+
+def greedy(ptr: Any, adj: Any, order: np.ndarray) -> np.ndarray:
+    """Distance-1 greedy colouring of the graph (ptr, adj) in ``order`` (arrays or lists)."""
+    P, A = _lists(ptr, adj)
+    n = len(P) - 1
     color = [-1] * n
     mark = [-1] * (n + 1)
     for v in order.tolist():
@@ -176,7 +181,7 @@ def greedy(ptr: np.ndarray, adj: np.ndarray, order: np.ndarray) -> np.ndarray:
     return np.asarray(color, dtype=np.int64)
 
 
-def star_greedy(ptr: np.ndarray, adj: np.ndarray, order: np.ndarray) -> np.ndarray:
+def star_greedy(ptr: Any, adj: Any, order: np.ndarray) -> np.ndarray:
     """Greedy star colouring (Gebremedhin, Manne, Pothen 2005, Algorithm 4.1).
 
     For vertex v: forbid the colours of its neighbours w; for every neighbour x of a neighbour w
@@ -184,8 +189,8 @@ def star_greedy(ptr: np.ndarray, adj: np.ndarray, order: np.ndarray) -> np.ndarr
     forbid colour(x) when x has another neighbour y != w of colour(w) (which would close a
     two-coloured path y - x - w - v).
     """
-    n = ptr.shape[0] - 1
-    P, A = ptr.tolist(), adj.tolist()
+    P, A = _lists(ptr, adj)
+    n = len(P) - 1
     color = [-1] * n
     mark = [-1] * (n + 1)
     for v in order.tolist():
@@ -216,7 +221,9 @@ def star_greedy(ptr: np.ndarray, adj: np.ndarray, order: np.ndarray) -> np.ndarr
 def color(p: SparsityPattern, partition: str = "column", order: str = "best") -> Coloring:
     """Colour ``p`` (see the note); ``partition`` one of "column", "row", "star"."""
     if partition == "row":
-        c = color(p.transpose(), "column", order)
+        t = p.transpose()
+        same = t.shape == p.shape and np.array_equal(t.crow, p.crow) and np.array_equal(t.col, p.col)
+        c = color(p if same else t, "column", order)  # structurally symmetric: the same graph
         return Coloring("row", c.colors, c.n_colors, c.lower_bound, c.order, p)
     n = p.shape[1]
     if partition == "star":
@@ -231,12 +238,13 @@ def color(p: SparsityPattern, partition: str = "column", order: str = "best") ->
         ptr, adj = graph
         run = greedy
     best: Optional[tuple[np.ndarray, str]] = None
+    lists = _lists(ptr, adj)
     for name in (ORDERS if order == "best" else (order,)):
         for candidate in vertex_orders(name, ptr, adj, p):
-            colors = run(ptr, adj, candidate)
+            colors = run(*lists, candidate)
             if best is None or colors.max(initial=-1) < best[0].max(initial=-1):
                 best = (colors, name)
     if best is None:  # "fields" of a vector that does not split: natural
-        best = (run(ptr, adj, np.arange(n, dtype=np.int64)), "natural")
+        best = (run(*lists, np.arange(n, dtype=np.int64)), "natural")
     colors, name = best
     return Coloring(partition, colors, int(colors.max(initial=-1)) + 1, bound, name, p)

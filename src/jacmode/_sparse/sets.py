@@ -20,9 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from typing_extensions import TypeAlias
-
 import numpy as np
+from typing_extensions import TypeAlias
 
 Index: TypeAlias = np.ndarray
 
