@@ -314,7 +314,7 @@ def test_structure_auto_uses_sparsity_for_a_large_point_only():
 def test_errors_name_the_argument_and_the_fix():
     f = brusselator(2)
     x = torch.rand(8, dtype=D)
-    with pytest.raises(ValueError, match="structure: 'sparse' .* batched=False"):
+    with pytest.raises(ValueError, match="structure: .sparse. is for the Jacobian of one point"):
         jm.jacobian(f, x, structure="sparse")
     with pytest.raises(ValueError, match="layout: expected one of"):
         jm.sparse_jacobian(f, x, layout="bsr")
@@ -340,3 +340,38 @@ def test_errors_name_the_argument_and_the_fix():
         jm.sparsity(f, x, hessian="yes")
     with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
         jm.sparsity(f, [1.0, 2.0])
+
+
+def test_a_python_number_read_from_a_differentiated_value_falls_back():
+    f = lambda z: z * z.sum().item()
+    x = torch.rand(5, dtype=D)
+    jm.clear_cache()
+    with pytest.warns(jm.JacmodeWarning, match=r"item\(\) of a value computed from x"):
+        p = jm.sparsity(f, x)
+    assert p.scope == "dense"
+
+
+def test_data_dependent_shapes_are_local_and_exact():
+    f = lambda z: torch.masked_select(z, z > 0.3) * 2 + z[z > 0.3] ** 2
+    x = torch.tensor([0.1, 0.5, 0.9, 0.2, 0.7], dtype=D)
+    p = check_exact(f, x)
+    assert p.scope == "local" and p.shape == (3, 5)
+
+
+def test_random_operations_are_noted_and_keep_structure_auto_dense():
+    net = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5)).double()
+    x = torch.rand(512, 8, dtype=D)
+    assert jm.sparsity(net, x).random
+    net.eval()
+    assert not jm.sparsity(net, x).random
+
+
+def test_hessian_of_a_module_is_exact_and_leaves_it_as_found():
+    net = nn.Sequential(nn.Linear(6, 6), nn.Tanh()).double()
+    e = lambda z: (net(z.reshape(4, 6)) ** 2).sum()
+    x = torch.rand(24, dtype=D)
+    H = jm.sparse_hessian(e, x)
+    assert not H.values().requires_grad and all(p.grad is None for p in net.parameters())
+    torch.testing.assert_close(H.to_dense(), torch.func.hessian(e)(x))
+    with pytest.raises(ValueError, match="out: not supported with structure='sparse'"):
+        jm.jacobian(lambda z: z * 2, x, batched=False, structure="sparse", out=torch.empty(24, 24))

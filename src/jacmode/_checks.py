@@ -148,7 +148,8 @@ def check_options(
         )
     if structure == "sparse" and (batched or kind != "inputs"):
         raise ValueError(
-            "structure: 'sparse' computes the sparse Jacobian of one point with respect to x, got "
+            "structure: 'sparse' is for the Jacobian of one point with respect to x (jm.jacobian "
+            "with batched=False) or the Hessian of a scalar function (jm.hessian), got "
             f"batched={batched!r}, wrt={wrt!r}. Pass batched=False (and wrt='inputs'); for "
             "independent samples the default structure='auto' already skips the zero blocks."
         )

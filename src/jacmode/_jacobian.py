@@ -151,6 +151,9 @@ def jacobian(
     opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
                     chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
                     flatten=flatten)
+    if opts.structure == "sparse" and out is not None:
+        raise ValueError("out: not supported with structure='sparse' (the result is a new sparse tensor); "
+                         "drop out=.")
     if opts.structure == "sparse" or (out is None and _sparse.auto(f, x, opts) is not None):
         layout = "csr" if opts.structure == "sparse" else "dense"
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=chunk_size,

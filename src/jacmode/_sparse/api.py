@@ -187,7 +187,7 @@ def run(f: Fn, x: Tensor, c: Coloring, layout: str, chunk_size: Optional[int],
     xin = x if create_graph else x.detach()
     chunk, _ = _chunk(c, x, chunk_size, max_memory)
     vals = evaluate.values(f, xin, c, chunk, p.out_shape)
-    if c not in _VERIFIED:
+    if c not in _VERIFIED and not p.random:
         err = evaluate.probe_check(f, x, c, vals)
         if err is not None:
             warnings.warn(
@@ -338,7 +338,8 @@ def sparse_hessian(
     if coloring is not None and coloring.partition != "star":
         raise ValueError(f"coloring: a Hessian needs a star colouring, got a {coloring.partition} one. "
                          "Pass jm.coloring(jm.sparsity(f, x, hessian=True)).")
-    with preserved_state(f), torch.enable_grad():
+    grad_mode = torch.enable_grad() if create_graph else torch.no_grad()  # torch.func.grad ignores no_grad
+    with preserved_state(f), grad_mode:
         _check_scalar(f, x)
         c = prepare(f, x, "auto", pattern, coloring, hessian=True)
         return run(f, x, c, layout, opts.chunk_size, opts.max_memory, create_graph)
@@ -408,7 +409,7 @@ def auto(f: Fn, x: Tensor, opts: Any) -> Optional[Coloring]:
                 warnings.simplefilter("ignore")
                 with preserved_state(f):
                     hit = _detect._trace(f, x, False)
-        if hit is None or hit.scope != "global":
+        if hit is None or hit.scope != "global" or hit.random:
             raise LookupError
         _detect._PATTERNS.put(f, key, hit)
         c = _color(hit, _PARTITION.get(opts.mode, "auto"))

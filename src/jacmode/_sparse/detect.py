@@ -15,8 +15,9 @@ That is what decides the scope of the pattern:
 * **local**: some were (value-dependent branches, ``x[x > 0]``, an ``argsort`` used as an index),
   or an operation has no rule and its own Jacobian at this input gave its pattern. Valid at this
   input; recomputed per call.
-* **dense**: an operation could not be handled at all (no rule and no Jacobian of its own): the
-  exact fallback takes the nonzeros of the dense Jacobian at this input, with a ``JacmodeWarning``.
+* **dense**: an operation could not be handled at all (no rule and no Jacobian of its own, a
+  differentiated value read as a Python number, an in-place operation on a view): the exact
+  fallback takes the nonzeros of the dense Jacobian at this input, with a ``JacmodeWarning``.
 
 The second-order pass (Hessians of scalar functions) additionally carries, per tensor, the input
 pairs its Hessian can touch (see ``rules.py``).
@@ -50,7 +51,8 @@ _PATTERNS = WeakCache("sparsity patterns")
 _R_OPS = {"radd": "add", "rsub": "sub", "rmul": "mul", "rtruediv": "rdiv", "rdiv": "rdiv",
           "rpow": "rpow", "rmatmul": "rmatmul"}
 _DUNDER = {"truediv": "div", "pos": "positive", "mod": "remainder", "floordiv": "floor_divide",
-           "float": "float_"}
+           "bool": "py_bool", "int": "py_int", "float": "py_float", "index": "py_index",
+           "complex": "py_complex", "array": "py_array"}
 _INPLACE_CONSTANT = {"zero", "fill", "normal", "uniform", "random", "bernoulli", "exponential"}
 
 
@@ -82,6 +84,7 @@ class Tracer(TorchFunctionMode):
         self._infos: dict[int, tuple[Tensor, Info]] = {}
         self.local_reasons: list[str] = []
         self.bytes_seen = 0
+        self.random = False  # a random operation ran (dropout in training mode, rand_like, ...)
 
     # --- bookkeeping used by the rules ---
     def get(self, t: Any) -> Optional[Info]:
@@ -112,13 +115,18 @@ class Tracer(TorchFunctionMode):
         name, inplace = op_name(func)
         leaves = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
         known = [i for i in (self.get(a) for a in leaves) if i is not None]
-        if name in rules.LEAKS:
+        if name in rules.RANDOM and (name != "dropout" or _dropout_active(args, kwargs)):
+            self.random = True
+        if name in rules.VALUE_READS and any(i.rows is not None for i in known):
+            raise Unsupported(f"{name}() of a value computed from x (its derivative leaves the graph)")
+        if name in rules.BRANCHES or name in rules.VALUE_READS:
             if any(i.tainted for i in known):
-                self.local(f"{name}() of a value computed from the input")
-            return func(*args, **kwargs)
+                self.local(f"{name.replace('py_', '')}() of a value computed from the input")
+            if name not in rules.BRANCHES or name.startswith("py_") or name in ("equal", "allclose"):
+                return func(*args, **kwargs)
         target = args[0] if inplace and args and isinstance(args[0], Tensor) else None
-        if known and target is not None and target._base is not None and self.get(target._base) is not None:
-            raise Unsupported(f"in-place {name} on a view of a tensor computed from the input")
+        if known and target is not None and target._base is not None:
+            raise Unsupported(f"in-place {name} on a view (its base would not see the change)")
         out = func(*args, **kwargs)
         if not known or (name in rules.CONSTANT and not inplace):
             return out
@@ -138,8 +146,13 @@ class Tracer(TorchFunctionMode):
         rule = rules.RULES.get(name)
         if rule is None:
             self._own_jacobian(func, name, args, kwargs, out)
-        else:
+            return out
+        try:
             rule(self, name, args, kwargs, out, func)
+        except Unsupported:
+            raise
+        except Exception as err:  # noqa: BLE001 -- a call the rule does not cover: fall back, exactly
+            raise Unsupported(f"{name} (its sparsity rule failed: {type(err).__name__}: {err})") from err
         return out
 
     def _own_jacobian(self, func: Callable, name: str, args: tuple, kwargs: dict, out: Any) -> None:
@@ -171,6 +184,11 @@ class Tracer(TorchFunctionMode):
                                     [self.pairs_of(d) for d in deps]) if self.second else rules.NO_PAIRS
             self.put(o, Info(rows, True, pairs))
         self.local(f"no sparsity rule for {name}: its pattern was read off its Jacobian at this input")
+
+
+def _dropout_active(args: tuple, kwargs: dict) -> bool:
+    training = args[2] if len(args) > 2 else kwargs.get("training", True)
+    return bool(training)
 
 
 def _key(f: Any, x: Tensor, second: bool) -> tuple:
@@ -215,16 +233,17 @@ def _trace(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool) -> Optional[
     reason = "; ".join(tracer.local_reasons)
     if not hessian:
         return SparsityPattern((y.numel(), n), y_rows.ptr, y_rows.idx, tuple(x.shape), tuple(y.shape),
-                               scope, False, reason, tracer.bytes_seen)
+                               scope, False, reason, tracer.bytes_seen, tracer.random)
     pairs = info.pairs if info is not None else rules.NO_PAIRS
     if pairs is None:
         _LAST_ERROR["reason"] = "the Hessian pattern is dense (more pairs than the detection holds)"
         return None
-    return _hessian_pattern(pairs, y_rows, n, tuple(x.shape), scope, reason, tracer.bytes_seen)
+    return _hessian_pattern(pairs, y_rows, n, tuple(x.shape), scope, reason, tracer.bytes_seen,
+                            tracer.random)
 
 
 def _hessian_pattern(pairs: Index, first: Rows, n: int, in_shape: tuple[int, ...], scope: str,
-                     reason: str, pass_bytes: int) -> SparsityPattern:
+                     reason: str, pass_bytes: int, random: bool) -> SparsityPattern:
     """Symmetric pattern from pair keys, with the whole diagonal of the inputs f depends on
     (a stored zero costs nothing and keeps star colouring's diagonal recovery simple)."""
     diag = sets.unique(first.idx) if first.nnz else np.arange(0, dtype=np.int64)
@@ -232,7 +251,7 @@ def _hessian_pattern(pairs: Index, first: Rows, n: int, in_shape: tuple[int, ...
     r = keys // n
     crow = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(np.bincount(r, minlength=n), out=crow[1:])
-    return SparsityPattern((n, n), crow, keys - r * n, in_shape, (), scope, True, reason, pass_bytes)
+    return SparsityPattern((n, n), crow, keys - r * n, in_shape, (), scope, True, reason, pass_bytes, random)
 
 
 def _dense_fallback(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool) -> SparsityPattern:

@@ -30,6 +30,8 @@ class SparsityPattern:
         reason: why the scope is what it is (empty for "global").
         pass_bytes: bytes of the intermediate tensors of one evaluation of ``f`` (the memory a
             pushed direction costs, for chunking).
+        random: ``f`` ran a random operation (dropout in training mode, ``rand_like``, ...): the
+            pattern holds, but two evaluations differ, so results are not cross-checked.
     """
 
     shape: tuple[int, int]
@@ -41,6 +43,7 @@ class SparsityPattern:
     symmetric: bool = False
     reason: str = ""
     pass_bytes: int = 0
+    random: bool = False
 
     @property
     def nnz(self) -> int:
@@ -72,7 +75,7 @@ class SparsityPattern:
         np.cumsum(self.col_counts(), out=crow[1:])
         return SparsityPattern((self.shape[1], self.shape[0]), crow, self.rows()[order],
                                self.out_shape, self.in_shape, self.scope, self.symmetric, self.reason,
-                               self.pass_bytes)
+                               self.pass_bytes, self.random)
 
     def to_dense(self) -> Tensor:
         """The pattern as a dense boolean tensor (Y, N); mind the size for large N."""

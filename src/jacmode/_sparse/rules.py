@@ -89,7 +89,7 @@ def structural(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, fun
         if not a.is_floating_point():
             if info is not None and info.tainted:
                 tainted_index[0] = True
-            return a
+            return a.cpu()  # ids live on the CPU
         if info is None or info.rows is None:
             return torch.zeros(a.shape, dtype=torch.float64)
         ids = _ids(tuple(a.shape), base[0])
@@ -153,7 +153,7 @@ def setitem(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, func: 
     for leaf in tree_flatten(index)[0]:
         if isinstance(leaf, Tensor) and (i := tr.get(leaf)) is not None and i.tainted:
             tr.local("an assignment at an index computed from the input")
-    ids_t[index] = ids_v
+    ids_t[tree_map(lambda a: a.cpu() if isinstance(a, Tensor) else a, index)] = ids_v
     pairs = sets.merge_keys([tr.pairs_of(a) for a in (target, value) if isinstance(a, Tensor)
                              and tr.get(a) is not None]) if tr.second else NO_PAIRS
     tr.put(target, Info(sets.gather(_concat(parts), _src(ids_t)), True, pairs))
@@ -260,7 +260,7 @@ def reduction(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, func
     rows = grouped if name in REDUCTIONS else sets.gather(grouped, fibre)
     pairs: Optional[Index] = NO_PAIRS
     if tr.second:
-        nonlin = name not in SUMS and name not in PIECEWISE_LINEAR
+        nonlin = name not in SUMS and name not in PIECEWISE_LINEAR and name != "cumsum"
         own = sets.pairs_within(grouped, tr.n, tr.cap) if nonlin else NO_PAIRS
         pairs = sets.merge_keys([own, tr.pairs_of(x)])
     tr.put(outs[0], Info(rows, True, pairs))
@@ -380,16 +380,20 @@ RULES: dict[str, Callable[..., None]] = {}
 RULES.update({n: structural for n in STRUCTURAL})
 RULES.update({n: elementwise for n in ELEMENTWISE})
 RULES.update({n: reduction for n in REDUCTIONS | ALONG})
-RULES.update({n: matmul for n in ("matmul", "mm", "bmm", "mv", "dot", "inner", "rmatmul", "linear", "addmm")})
+RULES.update({n: matmul for n in ("matmul", "mm", "bmm", "mv", "dot", "rmatmul", "linear", "addmm")})
 RULES.update({"conv1d": conv, "conv2d": conv, "setitem": setitem})
 
 # Ops whose output has a structurally zero derivative, and ops whose output does not depend on
 # the values at all (only on shapes).
 ZERO_DERIVATIVE = {"sign", "sgn", "floor", "ceil", "round", "trunc", "heaviside", "detach", "data",
-                   "detach_", "argmax", "argmin", "argsort"}
+                   "argmax", "argmin", "argsort", "floor_divide"}
 CONSTANT = {"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like",
             "new_zeros", "new_ones", "new_full", "new_empty", "new_tensor", "randint_like"}
-# Python reading a value: control flow or data-dependent shapes follow (local patterns).
-LEAKS = {"bool", "item", "tolist", "int", "float_", "index", "complex", "numpy", "array", "nonzero",
-         "masked_select", "unique", "unique_consecutive", "equal", "allclose", "format", "repr",
-         "str", "argwhere", "bincount"}
+# Python branching on a value computed from x, or a shape that depends on values: local patterns.
+BRANCHES = {"py_bool", "py_index", "equal", "allclose", "nonzero", "masked_select", "unique",
+            "unique_consecutive", "argwhere", "bincount"}
+# A value with a derivative leaving the graph as a Python number: no pattern can follow it.
+VALUE_READS = {"item", "tolist", "py_float", "py_int", "py_complex", "numpy", "py_array"}
+RANDOM = {"dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout",
+          "rand_like", "randn_like", "randint_like", "bernoulli", "normal", "rand", "randn",
+          "multinomial", "uniform", "rrelu"}
