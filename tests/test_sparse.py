@@ -375,3 +375,16 @@ def test_hessian_of_a_module_is_exact_and_leaves_it_as_found():
     torch.testing.assert_close(H.to_dense(), torch.func.hessian(e)(x))
     with pytest.raises(ValueError, match="out: not supported with structure='sparse'"):
         jm.jacobian(lambda z: z * 2, x, batched=False, structure="sparse", out=torch.empty(24, 24))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3])
+def test_chunks_and_create_graph_of_the_sparse_hessian(chunk_size):
+    e = lambda z: ((z[1:] - z[:-1]) ** 2).sum() + (z ** 4).sum() + torch.sin(z[2:] * z[:-2]).sum()
+    x = torch.rand(40, dtype=D, requires_grad=True)
+    H = jm.sparse_hessian(e, x, chunk_size=chunk_size, create_graph=True)
+    torch.testing.assert_close(H.to_dense(), torch.func.hessian(e)(x.detach()))
+    g = torch.autograd.grad(H.values().sum(), x)[0]
+    torch.testing.assert_close(g, torch.autograd.grad(torch.func.hessian(e)(x).sum(), x)[0])
+    for mode in ("forward", "reverse"):
+        J = jm.sparse_jacobian(lambda z: torch.sin(z[1:] * z[:-1]), x.detach(), mode=mode, chunk_size=chunk_size)
+        torch.testing.assert_close(J.to_dense(), torch.func.jacfwd(lambda z: torch.sin(z[1:] * z[:-1]))(x.detach()))
