@@ -388,3 +388,12 @@ def test_chunks_and_create_graph_of_the_sparse_hessian(chunk_size):
     for mode in ("forward", "reverse"):
         J = jm.sparse_jacobian(lambda z: torch.sin(z[1:] * z[:-1]), x.detach(), mode=mode, chunk_size=chunk_size)
         torch.testing.assert_close(J.to_dense(), torch.func.jacfwd(lambda z: torch.sin(z[1:] * z[:-1]))(x.detach()))
+
+
+def test_structure_auto_gives_up_early_on_a_dense_function():
+    net = nn.Sequential(nn.Linear(4096, 64), nn.Tanh(), nn.Linear(64, 8)).double().eval()
+    x = torch.rand(4096, dtype=D)
+    assert jm.plan(net, x, batched=False).strategy != "sparse"
+    from jacmode._sparse import detect
+    assert detect._trace(net, x, False, max_average=512).startswith("dense")  # abandoned at the first layer
+    torch.testing.assert_close(jm.jacobian(net, x, batched=False), torch.func.jacrev(net)(x))

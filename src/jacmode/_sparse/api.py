@@ -195,7 +195,9 @@ def run(f: Fn, x: Tensor, c: Coloring, layout: str, chunk_size: Optional[int],
                 f"input (relative error {err:.2g} against an exact product); recomputing from the "
                 "dense Jacobian's nonzeros. Please report the function (an operation's rule is wrong).",
                 JacmodeWarning, stacklevel=3)
-            dense = _detect._dense_fallback(f, x, p.symmetric)
+            with warnings.catch_warnings():  # one warning (above) is enough
+                warnings.simplefilter("ignore", JacmodeWarning)
+                dense = _detect._dense_fallback(f, x, p.symmetric, f"the {p.scope} pattern missed nonzeros")
             c = color(dense, c.partition if c.partition != "star" else "star")
             _VERIFIED.add(c)
             return run(f, x, c, layout, chunk_size, max_memory, create_graph)
@@ -408,8 +410,8 @@ def auto(f: Fn, x: Tensor, opts: Any) -> Optional[Coloring]:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 with preserved_state(f):
-                    hit = _detect._trace(f, x, False)
-        if hit is None or hit.scope != "global" or hit.random:
+                    hit = _detect._trace(f, x, False, max(16, x.numel() // AUTO_GAIN))
+        if not isinstance(hit, SparsityPattern) or hit.scope != "global" or hit.random:
             raise LookupError
         _detect._PATTERNS.put(f, key, hit)
         c = _color(hit, _PARTITION.get(opts.mode, "auto"))

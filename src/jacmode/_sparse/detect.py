@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
@@ -78,9 +78,10 @@ def op_name(func: Callable) -> tuple[str, bool]:
 class Tracer(TorchFunctionMode):
     """Carries an :class:`~jacmode._sparse.rules.Info` for every tensor that depends on x."""
 
-    def __init__(self, n: int, second: bool) -> None:
+    def __init__(self, n: int, second: bool, max_average: Optional[int] = None) -> None:
         super().__init__()
         self.n, self.second, self.cap = n, second, PAIR_CAP
+        self.max_average = max_average  # abandon once a tensor's sets average more (structure="auto")
         self._infos: dict[int, tuple[Tensor, Info]] = {}
         self.local_reasons: list[str] = []
         self.bytes_seen = 0
@@ -93,7 +94,14 @@ class Tracer(TorchFunctionMode):
         hit = self._infos.get(id(t))
         return hit[1] if hit is not None and hit[0] is t else None
 
+    def check_size(self, nnz: int, numel: int) -> None:
+        """Give up (an ``Unsupported``) before building sets that average over ``max_average``."""
+        if self.max_average is not None and nnz > self.max_average * max(numel, 1):
+            raise Unsupported(f"dense: index sets of {nnz / max(numel, 1):.0f} inputs per element")
+
     def put(self, t: Tensor, info: Info) -> None:
+        if info.rows is not None:
+            self.check_size(info.rows.nnz, t.numel())
         self._infos[id(t)] = (t, info)
         self.bytes_seen += t.numel() * t.element_size()
 
@@ -204,27 +212,25 @@ def detect(f: Callable[[Tensor], Tensor], x: Tensor, *, hessian: bool = False) -
     if hit is not None:
         return hit
     pattern = _trace(f, x, hessian)
-    if pattern is None:
-        pattern = _dense_fallback(f, x, hessian)
+    if isinstance(pattern, str):
+        pattern = _dense_fallback(f, x, hessian, pattern)
     elif pattern.scope == "global":
         _PATTERNS.put(f, key, pattern)
     return pattern
 
 
-_LAST_ERROR: dict[str, str] = {}
-
-
-def _trace(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool) -> Optional[SparsityPattern]:
+def _trace(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool,
+           max_average: Optional[int] = None) -> Union[SparsityPattern, str]:
+    """The pattern, or why there is none (a string)."""
     n = x.numel()
     xx = x.detach().clone()
-    tracer = Tracer(n, hessian)
+    tracer = Tracer(n, hessian, max_average)
     tracer.put(xx, Info(sets.identity(n), True))
     try:
         with preserved_state(f), torch.no_grad(), tracer:
             y = f(xx)
     except Unsupported as err:
-        _LAST_ERROR["reason"] = str(err)
-        return None
+        return str(err)
     if not isinstance(y, Tensor):
         raise TypeError(f"f: expected f(x) to return one torch.Tensor, got {type(y).__name__}.")
     info = tracer.get(y)
@@ -236,8 +242,7 @@ def _trace(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool) -> Optional[
                                scope, False, reason, tracer.bytes_seen, tracer.random)
     pairs = info.pairs if info is not None else rules.NO_PAIRS
     if pairs is None:
-        _LAST_ERROR["reason"] = "the Hessian pattern is dense (more pairs than the detection holds)"
-        return None
+        return "the Hessian pattern is dense (more pairs than the detection holds)"
     return _hessian_pattern(pairs, y_rows, n, tuple(x.shape), scope, reason, tracer.bytes_seen,
                             tracer.random)
 
@@ -254,9 +259,8 @@ def _hessian_pattern(pairs: Index, first: Rows, n: int, in_shape: tuple[int, ...
     return SparsityPattern((n, n), crow, keys - r * n, in_shape, (), scope, True, reason, pass_bytes, random)
 
 
-def _dense_fallback(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool) -> SparsityPattern:
+def _dense_fallback(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool, why: str) -> SparsityPattern:
     """The exact fallback: the nonzeros of the dense Jacobian (or Hessian) at this input."""
-    why = _LAST_ERROR.pop("reason", "detection failed")
     warnings.warn(
         f"jacmode: no sparsity pattern could be detected for f ({why}); using the nonzeros of the "
         "dense " + ("Hessian" if hessian else "Jacobian") + " at this input instead (exact here, "

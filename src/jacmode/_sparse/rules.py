@@ -257,6 +257,8 @@ def reduction(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, func
     outs = _float_out(out)
     dims = _dims(name, x, args, kwargs)
     grouped, fibre = fibres(tr.rows(x), tuple(x.shape), dims, tr.n)
+    if name not in REDUCTIONS:
+        tr.check_size(int(grouped.lengths()[fibre].sum()), x.numel())
     rows = grouped if name in REDUCTIONS else sets.gather(grouped, fibre)
     pairs: Optional[Index] = NO_PAIRS
     if tr.second:
@@ -275,14 +277,17 @@ def _matmul_rows(tr: "Tracer", a: Optional[Rows], ashape: tuple, b: Optional[Row
     b2 = bshape if len(bshape) > 1 else bshape + (1,)
     full = tuple(torch.broadcast_shapes(a2[:-2], b2[:-2])) + (a2[-2], b2[-1])
     parts = []
+    numel = math.prod(full)
     if a is not None:
         ra, _ = fibres(a, a2, (len(a2) - 1,), tr.n)
-        ids = torch.arange(ra.m).reshape(a2[:-1] + (1,)).broadcast_to(full)
-        parts.append(sets.gather(ra, ids.reshape(-1).numpy()))
+        ids = torch.arange(ra.m).reshape(a2[:-1] + (1,)).broadcast_to(full).reshape(-1).numpy()
+        tr.check_size(int(ra.lengths()[ids].sum()), numel)
+        parts.append(sets.gather(ra, ids))
     if b is not None:
         rb, _ = fibres(b, b2, (len(b2) - 2,), tr.n)
-        ids = torch.arange(rb.m).reshape(b2[:-2] + (1, b2[-1])).broadcast_to(full)
-        parts.append(sets.gather(rb, ids.reshape(-1).numpy()))
+        ids = torch.arange(rb.m).reshape(b2[:-2] + (1, b2[-1])).broadcast_to(full).reshape(-1).numpy()
+        tr.check_size(int(rb.lengths()[ids].sum()), numel)
+        parts.append(sets.gather(rb, ids))
     rows = sets.union(parts, tr.n)
     own: Optional[Index] = NO_PAIRS
     if tr.second and len(parts) == 2:
