@@ -9,7 +9,7 @@ import pytest
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # Pages whose ```pycon examples are checked; add a page here when it gains examples.
-PAGES = ["index.md", "structure.md", "products.md", "datasets.md"]
+PAGES = ["index.md", "structure.md", "products.md", "datasets.md", "sparse.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)

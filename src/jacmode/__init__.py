@@ -21,17 +21,28 @@ from ._planning.autotune import autotune_cache
 from ._planning.ntk import NtkPlan
 from ._planning.plan import Plan
 from ._products import ggn, ntk, ntk_plan, per_sample_grads
+from ._sparse import (
+    Coloring,
+    SparsityPattern,
+    coloring,
+    sparse_hessian,
+    sparse_jacobian,
+    sparsity,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BatchError",
+    "Coloring",
     "CoupledBatchError",
     "JacmodeWarning",
     "NtkPlan",
     "Plan",
+    "SparsityPattern",
     "autotune_cache",
     "clear_cache",
+    "coloring",
     "derivative",
     "divergence",
     "ggn",
@@ -45,4 +56,7 @@ __all__ = [
     "partials",
     "per_sample_grads",
     "plan",
+    "sparse_hessian",
+    "sparse_jacobian",
+    "sparsity",
 ]

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from ._losses import SUPPORTED, is_torch_loss
 
 MODES = ("auto", "forward", "reverse", "autotune")
-STRUCTURES = ("auto", "independent", "coupled", "diagonal")
+STRUCTURES = ("auto", "independent", "coupled", "diagonal", "sparse")
 WRT_KINDS = ("inputs", "params")
 
 Wrt = Union[str, Sequence[str]]
@@ -127,7 +127,7 @@ def check_options(
             f"structure: expected one of {STRUCTURES}, got {structure!r}. 'auto' assumes "
             "independent samples and checks it; 'independent' skips the check; 'coupled' "
             "computes the exact diagonal blocks of the whole-batch Jacobian; 'diagonal' is for "
-            "elementwise functions."
+            "elementwise functions; 'sparse' (with batched=False) detects and colours the pattern."
         )
     for name, value in (("batched", batched), ("create_graph", create_graph), ("flatten", flatten)):
         if not isinstance(value, bool):
@@ -147,6 +147,13 @@ def check_options(
         raise ValueError(
             "structure: 'diagonal' (elementwise functions) applies to wrt='inputs' only, got "
             f"wrt={wrt!r}. Use structure='auto' for parameter Jacobians."
+        )
+    if structure == "sparse" and (batched or kind != "inputs"):
+        raise ValueError(
+            "structure: 'sparse' is for the Jacobian of one point with respect to x (jm.jacobian "
+            "with batched=False) or the Hessian of a scalar function (jm.hessian), got "
+            f"batched={batched!r}, wrt={wrt!r}. Pass batched=False (and wrt='inputs'); for "
+            "independent samples the default structure='auto' already skips the zero blocks."
         )
     if not batched and structure == "coupled":
         raise ValueError(
@@ -488,3 +495,33 @@ def check_fits(needed: int, budget: int, what: str, fix: str) -> None:
         raise MemoryError(
             f"{what} needs {needed / 2**20:.1f} MiB but the memory budget is {budget / 2**20:.1f} MiB. {fix}"
         )
+
+
+# --- sparse Jacobians and Hessians (jacmode._sparse) ---
+
+SPARSE_LAYOUTS = ("csr", "coo", "dense")
+SPARSE_MODES = ("auto", "forward", "reverse")
+PARTITIONS = ("auto", "column", "row", "star")
+COLOR_ORDERS = ("best", "natural", "largest_first", "smallest_last", "incidence", "fields")
+
+
+def check_sparse_args(*, layout: Any = "csr", mode: Any = "auto", hessian: Any = False,
+                      pattern: Any = None, partition: Any = "auto", order: Any = "best") -> None:
+    """Options of jm.sparsity, jm.coloring, jm.sparse_jacobian and jm.sparse_hessian."""
+    from ._sparse.pattern import SparsityPattern
+
+    for name, value, allowed in (("layout", layout, SPARSE_LAYOUTS), ("mode", mode, SPARSE_MODES),
+                                 ("partition", partition, PARTITIONS), ("order", order, COLOR_ORDERS)):
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"{name}: expected one of {allowed}, got {_fmt(value)}.")
+    if not isinstance(hessian, bool):
+        raise TypeError(f"hessian: expected True or False, got {type(hessian).__name__} ({_fmt(hessian)}).")
+    if pattern is not None and not isinstance(pattern, SparsityPattern):
+        raise TypeError(f"pattern: expected a SparsityPattern from jm.sparsity(f, x), got "
+                        f"{type(pattern).__name__} ({_fmt(pattern)}).")
+    if pattern is not None and partition == "star" and not pattern.symmetric:
+        raise ValueError("partition: 'star' colours symmetric (Hessian) patterns, got a Jacobian "
+                         "pattern. Use 'column' or 'row', or jm.sparsity(f, x, hessian=True).")
+    if pattern is not None and partition in ("column", "row") and pattern.symmetric:
+        raise ValueError(f"partition: a Hessian pattern is coloured with 'star' (or 'auto'), got "
+                         f"{partition!r}.")

@@ -221,12 +221,14 @@ def hessian(
         f: maps x of shape (B, D) (or (B, *in)) to (B, *out).
         x: the batch of points.
         structure: "auto" checks that samples are independent; "independent" skips the check;
-            "coupled" differentiates each sample with the others held fixed (B times the work).
+            "coupled" differentiates each sample with the others held fixed (B times the work);
+            "sparse": x is one point and f scalar, the (N, N) sparse CSR Hessian from one
+            Hessian-vector product per star colour (see :func:`jacmode.sparse_hessian`).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
         create_graph: keep the result differentiable with respect to parameters and input.
 
     Returns:
-        Shape (B, *out, D, D) (or (B, *out, *in, *in)).
+        Shape (B, *out, D, D) (or (B, *out, *in, *in)); (N, N) sparse for structure="sparse".
 
     Example:
         >>> import torch, jacmode as jm
@@ -235,6 +237,10 @@ def hessian(
         tensor([[[[4., 2.],
                   [2., 0.]]]])
     """
+    if structure == "sparse":
+        from ._sparse.api import sparse_hessian
+
+        return sparse_hessian(f, x, chunk_size=chunk_size, create_graph=create_graph)
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     def body(t: Target) -> Tensor:
         n = math.prod(t.in_shape)

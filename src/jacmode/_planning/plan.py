@@ -60,7 +60,7 @@ class Plan:
 
     Attributes:
         mode: "forward" or "reverse".
-        strategy: "broadcast", "per-sample", "whole-batch", "full" or "diagonal".
+        strategy: "broadcast", "per-sample", "whole-batch", "full", "diagonal" or "sparse".
         directions: tangents (forward) or cotangents (reverse) pushed in all (per sample for
             the per-sample strategy).
         chunk_size: directions per vectorised pass.
@@ -72,6 +72,8 @@ class Plan:
         loop: None for the vectorised engines; "samples" for a Python loop over samples,
             "autograd" for plain ``torch.autograd.grad`` loops (fallbacks, see ``_engines/fallback.py``).
         reason: one line on why this mode and strategy were chosen.
+        coloring: for strategy "sparse", the :class:`jacmode.Coloring` used (colours, lower
+            bound, partition; see docs/sparse.md), else None.
     """
 
     mode: str
@@ -85,6 +87,7 @@ class Plan:
     budget_bytes: int = 0
     loop: Optional[str] = None
     reason: str = ""
+    coloring: Optional[Any] = None
 
     @property
     def peak_bytes(self) -> int:
