@@ -12,6 +12,7 @@ from ._checks import Options, Wrt
 from ._planning.decide import decide, execute
 from ._planning.plan import Plan
 from ._problem import Problem, describe
+from ._rules.decompositions import exact
 from ._state import preserved_state
 
 Result = Union[Tensor, dict[str, Tensor]]
@@ -163,7 +164,8 @@ def jacobian(
             else:
                 decision = decide(f, problem, opts, out_given=out is not None)
                 _calls.store(f, sig, problem, decision)
-            flat = execute(f, problem, decision, opts, out)
+            with exact(create_graph):  # the graph the user differentiates again: see _rules/decompositions
+                flat = execute(f, problem, decision, opts, out)
     return _assemble(problem, flat, opts, out)
 
 
