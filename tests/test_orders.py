@@ -140,7 +140,8 @@ OPS: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], Callable[[Tens
     "slogdet": ((2, 2), lambda x: torch.linalg.slogdet(x + M).logabsdet, lambda x: torch.log(det2_ref(x + M).abs())),
     "logdet": ((2, 2), lambda x: torch.logdet(x + M), lambda x: torch.log(det2_ref(x + M))),
     "solve": ((2, 2), lambda x: torch.linalg.solve(x + M, RHS), lambda x: solve2_ref(x + M, RHS)),
-    "solve (vector)": ((2,), lambda x: torch.linalg.solve(M.expand(x.shape[0], 2, 2), x), lambda x: solve2_ref(M, x[..., None])[..., 0]),
+    "solve (vector)": ((2,), lambda x: torch.linalg.solve(M.expand(x.shape[0], 2, 2), x),
+                       lambda x: solve2_ref(M, x[..., None])[..., 0]),
     "_weight_norm": ((8,), lambda v: torch._weight_norm(v, WN_G, 0),
                      lambda v: v * WN_G / torch.sqrt((v**2).sum(-1, keepdim=True))),
     "vector_norm": ((8,), lambda x: torch.linalg.vector_norm(x, dim=-1), lambda x: norm_ref(x)[..., 0]),
@@ -150,7 +151,8 @@ OPS: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], Callable[[Tens
     "(x - mean) / std": ((8,), lambda x: (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True),
                          lambda x: (x - x.mean(-1, keepdim=True))
                          / torch.sqrt(((x - x.mean(-1, keepdim=True))**2).sum(-1, keepdim=True) / 7)),
-    "torch.var": ((8,), lambda x: torch.var(x, -1, correction=0), lambda x: ((x - x.mean(-1, keepdim=True))**2).mean(-1)),
+    "torch.var": ((8,), lambda x: torch.var(x, -1, correction=0),
+                  lambda x: ((x - x.mean(-1, keepdim=True))**2).mean(-1)),
     "sdpa": ((2, 3, 4), lambda x: F.scaled_dot_product_attention(x, x.flip(-1), x * 0.5),
              lambda x: attention_ref(x, x.flip(-1), x * 0.5, False)),
     "sdpa (causal)": ((2, 3, 4), lambda x: F.scaled_dot_product_attention(x, x.flip(-1), x, is_causal=True),
@@ -425,12 +427,18 @@ UNARY: dict[str, tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]] 
     "2 ** h": (lambda h: 2**h, lambda h: torch.exp(math.log(2) * h)),
     "quotient": (lambda h: h / (h * h + 2), lambda h: h * torch.exp(-torch.log(h * h + 2))),
     "product": (lambda h: h * (1 - h) * torch.tanh(h), lambda h: (h - h * h) * (1 - 2 / (torch.exp(2 * h) + 1))),
-    "layer_norm": (nn.LayerNorm(8, dtype=DT), lambda h: ln_ref(h, 1, torch.ones(8, dtype=DT), torch.zeros(8, dtype=DT))),
+    "layer_norm": (nn.LayerNorm(8, dtype=DT),
+                   lambda h: ln_ref(h, 1, torch.ones(8, dtype=DT), torch.zeros(8, dtype=DT))),
     "F.layer_norm": (lambda h: F.layer_norm(h, (8,), W8, B8, 1e-3), lambda h: ln_ref(h, 1, W8, B8, 1e-3)),
     "mean/sum": (lambda h: h - h.mean(-1, keepdim=True) + 0.1 * h.sum(-1, keepdim=True),
                  lambda h: h - h @ torch.full((8, 8), 1 / 8, dtype=DT) + h @ torch.full((8, 8), 0.1, dtype=DT)),
     "shape ops": (lambda h: torch.cat([h[:, :4], h.reshape(-1, 2, 4).transpose(1, 2).flatten(1)[:, 4:]], -1),
                   lambda h: torch.cat([h[:, :4], h.reshape(-1, 2, 4).permute(0, 2, 1).reshape(-1, 8)[:, 4:]], -1)),
+    "chunk/stack": (lambda h: torch.stack(h.chunk(2, -1), -1).flatten(1),
+                    lambda h: h.reshape(-1, 2, 4).transpose(1, 2).reshape(-1, 8)),
+    "hardtanh": (nn.Hardtanh(-0.3, 0.4),
+                 lambda h: torch.where(h < -0.3, -0.3 + 0 * h, torch.where(h > 0.4, 0.4 + 0 * h, h))),
+    "relu6": (F.relu6, lambda h: torch.where(h < 0, 0 * h, torch.where(h > 6, 6 + 0 * h, h))),
     "conv1d": (nn.Conv1d(1, 1, 3, padding=1, dtype=DT), None),
     "matmul": (lambda h: h @ W8.outer(B8), lambda h: (h * W8).sum(-1, keepdim=True) * B8),
 }
@@ -487,3 +495,32 @@ def test_each_taylor_rule_alone_at_orders_1_to_4(name: str) -> None:
     for order in (1, 2, 3, 4):
         got = jm.derivative(f, t, order=order)
         close_to_both(got, lambda s: ref(s[:, None])[:, 0], lambda s: model(s[:, None])[:, 0], t, order)
+
+
+@pytest.mark.parametrize("name", sorted(UNARY))
+def test_each_taylor_rule_keeps_create_graph_gradients_exact(name: str) -> None:
+    """The fast path's result under create_graph, differentiated w.r.t. parameters and t (no in-place
+    op of the Taylor algebra may break the backward pass)."""
+    model, ref = Drawn([name], False), Drawn([name], True)
+    t = torch.linspace(-0.9, 1.1, 3, dtype=DT)
+    f = lambda s: model(s[:, None])[:, 0]  # noqa: E731
+    assert _problem.captured(f, t)[0] is not None
+    for order in (2, 3):
+        ts = [t.clone().requires_grad_(True) for _ in range(2)]
+        got = jm.derivative(f, ts[0], order=order, create_graph=True)
+        want = ref(ts[1][:, None])[:, 0]
+        for _ in range(order):
+            (want,) = _grads(want.sum(), [ts[1]], create_graph=True)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+        grads = _grads((got**2).sum(), [ts[0], model.inp.weight, model.inp.bias, model.out.weight])
+        grads_ref = _grads((want**2).sum(), [ts[1], ref.inp.weight, ref.inp.bias, ref.out.weight])
+        for a, b in zip(grads, grads_ref):
+            torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-9)
+
+
+def _grads(y: Tensor, xs: list[Tensor], create_graph: bool = False) -> list[Tensor]:
+    """autograd.grad with zeros where y does not depend on an x (a piecewise-linear map)."""
+    if not y.requires_grad:
+        return [torch.zeros_like(x) for x in xs]
+    gs = torch.autograd.grad(y, xs, create_graph=create_graph, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, xs)]
