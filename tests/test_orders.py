@@ -524,3 +524,60 @@ def _grads(y: Tensor, xs: list[Tensor], create_graph: bool = False) -> list[Tens
         return [torch.zeros_like(x) for x in xs]
     gs = torch.autograd.grad(y, xs, create_graph=create_graph, allow_unused=True)
     return [torch.zeros_like(x) if g is None else g for g, x in zip(gs, xs)]
+
+
+def test_coupled_batch_norm_in_training_mode_is_exact_at_order_2() -> None:
+    """structure='coupled' vmaps the nested engine over one-hot samples; the decomposition of
+    batch_norm with batch statistics runs inside that vmap (torch's formula is wrong at order 2)."""
+    torch.manual_seed(0)
+    lin, head = nn.Linear(2, 3, dtype=DT), nn.Linear(3, 1, dtype=DT)
+    bn = nn.BatchNorm1d(3, track_running_stats=False, dtype=DT)
+    f = lambda x: head(torch.tanh(bn(lin(x))))  # noqa: E731
+    x = torch.randn(4, 2, dtype=DT)
+    state = {k: v.clone() for k, v in bn.state_dict().items()}
+    got = jm.laplacian(f, x, structure="coupled")[:, 0]
+    assert all(torch.equal(v, bn.state_dict()[k]) for k, v in state.items())  # left as found
+
+    def by_hand(z: Tensor) -> Tensor:
+        h = lin(z)
+        c = h - h.mean(0, keepdim=True)
+        h = c / torch.sqrt((c**2).mean(0, keepdim=True) + bn.eps) * bn.weight + bn.bias
+        return head(torch.tanh(h))[:, 0]
+
+    xr = x.clone().requires_grad_(True)
+    want = torch.zeros(4, dtype=DT)
+    for b in range(4):
+        (g,) = torch.autograd.grad(by_hand(xr)[b], xr, create_graph=True)
+        want[b] = sum(torch.autograd.grad(g[b, i], xr, retain_graph=True)[0][b, i] for i in range(2))
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    # finite differences of the per-sample gradient along each coordinate of sample b alone
+    h, fd_lap = 1e-4, torch.zeros(4, dtype=DT)
+    for b in range(4):
+        for i in range(2):
+            e = torch.zeros_like(x)
+            e[b, i] = h
+            grads = [torch.autograd.grad(by_hand(y)[b], y)[0][b, i] for y in ((x + e).requires_grad_(True),
+                                                                               (x - e).requires_grad_(True))]
+            fd_lap[b] += (grads[0] - grads[1]) / (2 * h)
+    torch.testing.assert_close(got, fd_lap, rtol=1e-6, atol=1e-7)
+
+
+def test_decompositions_under_an_outer_torch_func_transform() -> None:
+    """torch.func.grad over parameters around a generic-path laplacian (the functional training idiom)."""
+    model, reference = _branchy("layer_norm")
+    x = torch.linspace(-0.8, 0.9, 4, dtype=DT)[:, None]
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss(p: dict[str, Tensor]) -> Tensor:
+        f = lambda z: torch.func.functional_call(model, p, (z,))  # noqa: E731
+        return (jm.laplacian(f, x, create_graph=True) ** 2).sum()
+
+    got = torch.func.grad(loss)(params)
+    twin = {k: v.clone().requires_grad_(True) for k, v in params.items()}
+    xr = x.clone().requires_grad_(True)
+    with torch.nn.utils.stateless._reparametrize_module(model, twin):
+        (g,) = torch.autograd.grad(reference(xr).sum(), xr, create_graph=True)
+        (lap,) = torch.autograd.grad(g.sum(), xr, create_graph=True)
+    want = torch.autograd.grad((lap**2).sum(), list(twin.values()), allow_unused=True)
+    for (name, a), b in zip(got.items(), want):
+        torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-8, atol=1e-10, msg=name)
