@@ -11,6 +11,7 @@ docs/coverage.md keeps the table of findings these tests pin down.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable
 
@@ -84,6 +85,15 @@ def det2_ref(m: Tensor) -> Tensor:  # (..., 2, 2)
     return m[..., 0, 0] * m[..., 1, 1] - m[..., 0, 1] * m[..., 1, 0]
 
 
+def det_ref(m: Tensor) -> Tensor:  # Leibniz's formula: a sum over permutations
+    n = m.shape[-1]
+    total = torch.zeros(m.shape[:-2], dtype=m.dtype)
+    for perm in itertools.permutations(range(n)):
+        sign = (-1) ** sum(perm[i] > perm[j] for i in range(n) for j in range(i + 1, n))
+        total = total + sign * math.prod(m[..., i, perm[i]] for i in range(n))
+    return total
+
+
 def solve2_ref(m: Tensor, r: Tensor) -> Tensor:  # inverse of a 2 x 2 matrix by its adjugate
     adj = torch.stack([torch.stack([m[..., 1, 1], -m[..., 0, 1]], -1),
                        torch.stack([-m[..., 1, 0], m[..., 0, 0]], -1)], -2)
@@ -136,6 +146,8 @@ OPS: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], Callable[[Tens
                                                                            False)[:, 0]),
     "log_softmax": ((8,), lambda x: F.log_softmax(x, -1), lambda x: x - torch.log(torch.exp(x).sum(-1, keepdim=True))),
     "det": ((2, 2), lambda x: torch.linalg.det(x + M), lambda x: det2_ref(x + M)),
+    "det (3 x 3, pivoting)": ((3, 3), lambda x: torch.det(x * 2), lambda x: det_ref(x * 2)),
+    "slogdet (3 x 3)": ((3, 3), lambda x: torch.slogdet(x * 2)[1], lambda x: torch.log(det_ref(x * 2).abs())),
     "Tensor.det": ((2, 2), lambda x: (x + M).det(), lambda x: det2_ref(x + M)),
     "slogdet": ((2, 2), lambda x: torch.linalg.slogdet(x + M).logabsdet, lambda x: torch.log(det2_ref(x + M).abs())),
     "logdet": ((2, 2), lambda x: torch.logdet(x + M), lambda x: torch.log(det2_ref(x + M))),
