@@ -154,6 +154,9 @@ OPS: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Tensor], Callable[[Tens
     "solve": ((2, 2), lambda x: torch.linalg.solve(x + M, RHS), lambda x: solve2_ref(x + M, RHS)),
     "solve (vector)": ((2,), lambda x: torch.linalg.solve(M.expand(x.shape[0], 2, 2), x),
                        lambda x: solve2_ref(M, x[..., None])[..., 0]),
+    "solve_ex": ((2, 2), lambda x: torch.linalg.solve_ex(x + M, RHS).result, lambda x: solve2_ref(x + M, RHS)),
+    "tensorsolve": ((2, 2), lambda x: torch.stack([torch.linalg.tensorsolve(a + M, RHS[:, 0]) for a in x]),
+                    lambda x: solve2_ref(x + M, RHS[:, :1])[..., 0]),
     "_weight_norm": ((8,), lambda v: torch._weight_norm(v, WN_G, 0),
                      lambda v: v * WN_G / torch.sqrt((v**2).sum(-1, keepdim=True))),
     "vector_norm": ((8,), lambda x: torch.linalg.vector_norm(x, dim=-1), lambda x: norm_ref(x)[..., 0]),
@@ -254,6 +257,29 @@ def test_decompositions_do_not_leak_also_when_f_raises() -> None:
     with pytest.raises(ValueError, match="boom"):
         jm.laplacian(lambda z: z if z.sum() > 1e9 else (_ for _ in ()).throw(ValueError("boom")), x)
     assert not torch._C._is_torch_function_mode_enabled()
+
+
+@pytest.mark.parametrize("call", [
+    lambda x: x.norm(), lambda x: x.norm(2, 1), lambda x: x.norm(p=3, dim=(1, 2), keepdim=True),
+    lambda x: torch.norm(x, dim=-1), lambda x: torch.norm(x, "fro", (1, 2)), lambda x: torch.linalg.norm(x, dim=1),
+    lambda x: torch.linalg.norm(x[0, 0]), lambda x: torch.linalg.vector_norm(x, 1.5, (0, 2)),
+    lambda x: x.std(), lambda x: x.std(1), lambda x: x.std(1, True, True), lambda x: x.var(unbiased=False),
+    lambda x: torch.var(x, (0, 2), correction=2, keepdim=True), lambda x: torch.std_mean(x, 1)[0],
+    lambda x: torch.std_mean(x, 1)[1], lambda x: torch.var_mean(x, dim=2, keepdim=True)[0],
+    lambda x: torch.linalg.solve(x[0, :, :3], x[1, :, :3], left=False),
+    lambda x: torch.linalg.solve(x[0, :, :3], x[1, :, 0]), lambda x: torch.linalg.slogdet(x[:, :, :3]).sign,
+])
+def test_decompositions_read_every_signature_as_torch_does(call: Callable[[Tensor], Tensor]) -> None:
+    x = torch.randn(2, 3, 4, dtype=DT)
+    with decompositions.exact():
+        inside = call(x)
+    torch.testing.assert_close(inside, call(x), rtol=1e-12, atol=1e-12)
+
+
+def test_decomposed_solve_raises_torchs_error_on_a_singular_matrix() -> None:
+    with pytest.raises(RuntimeError, match="singular"):
+        with decompositions.exact():
+            torch.linalg.solve(torch.zeros(2, 2, dtype=DT), torch.ones(2, dtype=DT))
 
 
 def test_decompositions_leave_other_arguments_to_torch() -> None:

@@ -15,8 +15,8 @@ Measured in float64 on torch 2.13 at orders 1-4, every nesting of ``torch.func.j
 central finite differences (docs/coverage.md has the table, tests/test_orders.py keeps it):
 ``layer_norm``, ``instance_norm`` and ``batch_norm`` with batch statistics are wrong from order 2
 when forward mode is inside (forward-over-forward, reverse-over-forward) and from order 3 in
-reverse-over-reverse; ``det``, ``slogdet``, ``logdet`` and ``linalg.solve`` from order 2 with
-forward mode inside; ``_weight_norm`` from order 2 in reverse-over-reverse. ``vector_norm`` (and
+reverse-over-reverse; ``det``, ``slogdet``, ``logdet`` and ``linalg.solve`` (so ``solve_ex``, ``tensorsolve``) from
+order 2 with forward mode inside; ``_weight_norm`` from order 2 in reverse-over-reverse. ``vector_norm`` (and
 so ``Tensor.norm``, ``F.normalize``) and ``std`` / ``var`` are right but their forward-AD formulas
 modify a saved tensor in place, so reverse mode over them (a ``create_graph`` gradient of a nested
 jvp) raises; the flash kernel behind ``scaled_dot_product_attention`` has no derivative above first
@@ -189,12 +189,11 @@ def vector_norm(x: Tensor, ord: Union[int, float] = 2, dim: Dims = None, keepdim
 
 
 @decomposes(torch.norm, torch.Tensor.norm)
-def norm(x: Tensor, p: Any = "fro", dim: Dims = None, keepdim: bool = False, dtype: Optional[torch.dtype] = None,
-         out: Optional[Tensor] = None) -> Any:
-    if out is not None or isinstance(p, str) and (p != "fro" or (dim is not None and not isinstance(dim, int)
-                                                                  and len(tuple(dim)) == 2)):
-        return NotImplemented
-    return vector_norm(x, 2 if p == "fro" else p, dim, keepdim, dtype=dtype)
+def norm(x: Tensor, p: Any = "fro", dim: Dims = None, keepdim: bool = False, *rest: Any,
+         out: Optional[Tensor] = None, dtype: Optional[torch.dtype] = None) -> Any:
+    if rest or out is not None or (isinstance(p, str) and p != "fro"):
+        return NotImplemented  # the nuclear norm, or positional out/dtype (their order differs)
+    return vector_norm(x, 2 if p in ("fro", None) else p, dim, keepdim, dtype=dtype)
 
 
 @decomposes(torch.linalg.norm)
@@ -270,9 +269,12 @@ def std_mean(x: Tensor, *args: Any, **kwargs: Any) -> Any:
 # Determinants and solves through LU factors (torch's own LU formulas are exact)
 
 
-def _lu(A: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """LU factors, pivots and the sign of the permutation (+-1, no gradient)."""
-    LU, pivots = torch.linalg.lu_factor(A)
+def _lu(A: Tensor, singular: str = "") -> tuple[Tensor, Tensor, Tensor]:
+    """LU factors, pivots and the sign of the permutation (+-1, no gradient). With ``singular``, a
+    singular A raises torch's error (unless under a torch.func transform, where it cannot be read)."""
+    LU, pivots, info = torch.linalg.lu_factor_ex(A)
+    if singular and not torch._C._functorch.is_functorch_wrapped_tensor(info) and bool((info > 0).any()):
+        raise RuntimeError(f"{singular}: The solver failed because the input matrix is singular.")
     steps = torch.arange(1, A.shape[-1] + 1, device=A.device, dtype=pivots.dtype)
     swaps = (pivots != steps).sum(-1)
     return LU, pivots, 1 - 2 * (swaps % 2).to(A.dtype)
@@ -321,9 +323,27 @@ def solve(A: Tensor, B: Tensor, *, left: bool = True, out: Optional[Tensor] = No
     vector = B.dim() == 1 or (B.dim() == A.dim() - 1 and B.shape == A.shape[:-1])
     if vector:
         B = B.unsqueeze(-1) if left else B.unsqueeze(-2)
-    LU, pivots, _ = _lu(A)
+    LU, pivots, _ = _lu(A, singular="linalg.solve")
     X = torch.linalg.lu_solve(LU, pivots, B, left=left)
     return X.squeeze(-1 if left else -2) if vector else X
+
+
+@decomposes(torch.linalg.solve_ex)
+def solve_ex(A: Tensor, B: Tensor, *, left: bool = True, check_errors: bool = False, out: Any = None) -> Any:
+    X = solve(A, B, left=left, out=out)
+    if X is NotImplemented:
+        return X
+    info = torch.linalg.lu_factor_ex(A.detach())[2]
+    return torch.return_types.linalg_solve_ex((X, info))
+
+
+@decomposes(torch.linalg.tensorsolve)
+def tensorsolve(A: Tensor, B: Tensor, dims: Optional[Sequence[int]] = None, *, out: Optional[Tensor] = None) -> Any:
+    if dims is not None or out is not None:
+        return NotImplemented
+    x_shape = A.shape[B.dim():]
+    X = solve(A.reshape(B.numel(), math.prod(x_shape)), B.reshape(B.numel()))
+    return X.reshape(x_shape)
 
 
 # Attention: the fused kernels have no derivatives above first order
