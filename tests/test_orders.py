@@ -619,3 +619,30 @@ def test_decompositions_under_an_outer_torch_func_transform() -> None:
     want = torch.autograd.grad((lap**2).sum(), list(twin.values()), allow_unused=True)
     for (name, a), b in zip(got.items(), want):
         torch.testing.assert_close(a, torch.zeros_like(a) if b is None else b, rtol=1e-8, atol=1e-10, msg=name)
+
+
+def test_parameter_jacobian_of_weight_norm_differentiated_again() -> None:
+    """``jacobian(wrt="params", create_graph=True)`` of a weight-normed layer, differentiated again
+    w.r.t. the parameters: torch's double backward of ``_weight_norm`` is wrong at order 2."""
+    torch.manual_seed(0)
+    inner = nn.Linear(3, 4, dtype=DT)
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(inner), nn.Tanh(), nn.Linear(4, 1, dtype=DT))
+    x = torch.randn(3, 3, dtype=DT)
+    params = dict(model.named_parameters())
+    jac = jm.jacobian(model, x, wrt="params", flatten=False, create_graph=True)
+    r = {k: torch.randn(v.shape, dtype=DT, generator=torch.Generator().manual_seed(5)) for k, v in jac.items()}
+    got = _grads(sum((jac[k] * r[k]).sum() for k in jac), list(params.values()))
+
+    def by_hand(p: dict[str, Tensor], z: Tensor) -> Tensor:
+        g, v = p["0.parametrizations.weight.original0"], p["0.parametrizations.weight.original1"]
+        w = v * g / torch.sqrt((v**2).sum(1, keepdim=True))
+        return torch.tanh(z @ w.T + p["0.bias"]) @ p["2.weight"].T + p["2.bias"]
+
+    twin = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    total = torch.zeros((), dtype=DT)
+    for b in range(3):  # per-sample parameter gradients, kept differentiable
+        grads = torch.autograd.grad(by_hand(twin, x[b : b + 1])[0, 0], list(twin.values()), create_graph=True)
+        total = total + sum((gr * r[k][b, 0]).sum() for k, gr in zip(twin, grads))
+    want = _grads(total, list(twin.values()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
