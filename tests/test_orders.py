@@ -292,6 +292,9 @@ def test_decompositions_leave_other_arguments_to_torch() -> None:
     with decompositions.exact():
         inf = torch.linalg.vector_norm(x, float("inf"), -1)
     torch.testing.assert_close(inf, x.abs().amax(-1))
+    with pytest.raises(RuntimeError, match="running_mean must be defined"):  # torch's own error
+        with decompositions.exact():
+            F.batch_norm(x[0], None, None, training=False)
 
 
 # The generic engine: models torch.fx cannot trace, through every entry point

@@ -120,8 +120,8 @@ def _channels(x: Tensor) -> tuple[int, ...]:
 def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
                weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, training: bool = False,
                momentum: float = 0.1, eps: float = 1e-5) -> Any:
-    if not training and running_mean is not None and running_var is not None:
-        return NotImplemented  # an affine map: torch's formulas are exact
+    if not training:
+        return NotImplemented  # running statistics, an affine map: torch's formulas are exact
     if running_mean is not None or running_var is not None:  # torch's own update of the statistics
         with torch.no_grad():
             torch.batch_norm(input.detach(), None, None, running_mean, running_var, True, momentum, eps, False)
