@@ -649,3 +649,14 @@ def test_parameter_jacobian_of_weight_norm_differentiated_again() -> None:
     want = _grads(total, list(twin.values()))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+
+def test_decompositions_are_wanted_above_first_order_with_a_graph_or_under_a_transform() -> None:
+    with torch.no_grad():
+        assert not decompositions.wanted(1) and decompositions.wanted(2)
+        seen: list[bool] = []
+        torch.func.jvp(lambda z: (seen.append(decompositions.wanted(1)), z)[1], (torch.ones(2),), (torch.ones(2),))
+        assert seen == [True]  # an outer transform will differentiate the result again
+    with torch.enable_grad():
+        assert decompositions.wanted(1)  # create_graph

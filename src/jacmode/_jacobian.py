@@ -12,7 +12,7 @@ from ._checks import Options, Wrt
 from ._planning.decide import decide, execute
 from ._planning.plan import Plan
 from ._problem import Problem, describe
-from ._rules.decompositions import exact
+from ._rules import decompositions
 from ._state import preserved_state
 
 Result = Union[Tensor, dict[str, Tensor]]
@@ -164,7 +164,7 @@ def jacobian(
             else:
                 decision = decide(f, problem, opts, out_given=out is not None)
                 _calls.store(f, sig, problem, decision)
-            with exact(create_graph):  # the graph the user differentiates again: see _rules/decompositions
+            with decompositions.exact(decompositions.wanted()):  # a graph differentiated again
                 flat = execute(f, problem, decision, opts, out)
     return _assemble(problem, flat, opts, out)
 

@@ -42,8 +42,8 @@ from ._engines import taylor as _taylor
 from ._engines.capture import Program
 from ._jacobian import _options
 from ._problem import captured, describe
+from ._rules import decompositions
 from ._rules.base import Unsupported
-from ._rules.decompositions import exact
 from ._state import RngReplay, preserved_state
 from ._structure import one_hot
 
@@ -70,7 +70,7 @@ class Target:
             return getattr(_taylor, name)(self.program, z, self.in_shape, *args)
         engine = getattr(_nested, name)
         # torch's own formulas of some ops are wrong above first order (_rules/decompositions.py)
-        with exact(_order(name, args) > 1 or torch.is_grad_enabled()):
+        with decompositions.exact(decompositions.wanted(_order(name, args))):
             if self.key not in _NO_FORWARD_AD:
                 try:
                     return engine(self.fn, z, *args, scale)

@@ -77,6 +77,14 @@ def exact(active: bool = True) -> Iterator[None]:
         yield
 
 
+def wanted(order: int = 1) -> bool:
+    """Whether a generic engine computing derivatives of ``order`` needs the decompositions: above
+    first order, when the result keeps a graph (grad mode on: ``create_graph``), or inside a
+    torch.func transform (which will differentiate the result again)."""
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", lambda: None)
+    return order > 1 or torch.is_grad_enabled() or peek() is not None
+
+
 def _attr(name: str, owner: Any = torch) -> Any:
     return getattr(owner, name, None)
 
