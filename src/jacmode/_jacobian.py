@@ -12,6 +12,7 @@ from ._checks import Options, Wrt
 from ._planning.decide import decide, execute
 from ._planning.plan import Plan
 from ._problem import Problem, describe
+from ._rules import decompositions
 from ._sparse import api as _sparse
 from ._state import preserved_state
 
@@ -178,7 +179,8 @@ def jacobian(
             else:
                 decision = decide(f, problem, opts, out_given=out is not None)
                 _calls.store(f, sig, problem, decision)
-            flat = execute(f, problem, decision, opts, out)
+            with decompositions.exact(decompositions.wanted()):  # a graph differentiated again
+                flat = execute(f, problem, decision, opts, out)
     return _assemble(problem, flat, opts, out)
 
 

@@ -42,6 +42,7 @@ from ._engines import taylor as _taylor
 from ._engines.capture import Program
 from ._jacobian import _options
 from ._problem import captured, describe
+from ._rules import decompositions
 from ._rules.base import Unsupported
 from ._state import RngReplay, preserved_state
 from ._structure import one_hot
@@ -68,15 +69,17 @@ class Target:
         if self.program is not None:
             return getattr(_taylor, name)(self.program, z, self.in_shape, *args)
         engine = getattr(_nested, name)
-        if self.key not in _NO_FORWARD_AD:
-            try:
-                return engine(self.fn, z, *args, scale)
-            except NotImplementedError as err:  # an op without a forward-mode rule: see _nested
-                if "forward" not in str(err).lower() and "jvp" not in str(err).lower():
-                    raise
-                with contextlib.suppress(TypeError):
-                    _NO_FORWARD_AD.add(self.key)
-        return engine(self.fn, z, *args, scale, reverse=True)
+        # torch's own formulas of some ops are wrong above first order (_rules/decompositions.py)
+        with decompositions.exact(decompositions.wanted(_order(name, args))):
+            if self.key not in _NO_FORWARD_AD:
+                try:
+                    return engine(self.fn, z, *args, scale)
+                except NotImplementedError as err:  # an op without a forward-mode rule: see _nested
+                    if "forward" not in str(err).lower() and "jvp" not in str(err).lower():
+                        raise
+                    with contextlib.suppress(TypeError):
+                        _NO_FORWARD_AD.add(self.key)
+            return engine(self.fn, z, *args, scale, reverse=True)
 
     def over_samples(self, width: Optional[int], lead: tuple[int, ...],
                      compute: Callable[[Tensor, Optional[Tensor]], Tensor]) -> Tensor:
@@ -99,6 +102,15 @@ class Target:
             k = torch.arange(e - s, device=out.device)
             blocks.append(out.movedim(-2, 1)[k, s + k].movedim(0, -2))  # (*lead, e - s, Y)
         return torch.cat(blocks, -2)
+
+
+def _order(name: str, args: tuple[Any, ...]) -> int:
+    """The derivative order of a call of the engine function ``name`` with ``args``."""
+    if name == "partial":
+        return len(args[0])
+    if name == "partials":
+        return max(len(t) for t in args[0])
+    return 1 if name == "first" else 2
 
 
 def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create_graph: Any) -> Options:

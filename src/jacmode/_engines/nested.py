@@ -16,6 +16,9 @@ instead, as the hand-written ``torch.autograd.grad`` idiom does: each level pull
 cotangent e_y per output, shared by all samples, and keeps column d. For coupled samples,
 ``scale`` (B, 1) restricts every tangent to one sample (a one-hot column, vmapped over samples by
 the caller), which gives the exact diagonal blocks.
+Above first order (and under ``create_graph``) the caller runs these functions inside
+``_rules.decompositions.exact()``: torch's own higher derivatives of layer_norm, det, solve and a
+few more are wrong, so those ops are differentiated as decompositions into primitives.
 """
 
 from __future__ import annotations
