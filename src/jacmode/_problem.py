@@ -21,7 +21,7 @@ from torch.func import functional_call
 from . import _checks
 from ._cache import WeakCache, problem_key
 from ._checks import Options
-from ._coupling import probe
+from ._coupling import WAYS_OUT, probe
 from ._engines import capture as _capture
 from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
@@ -80,8 +80,11 @@ def captured(f: Any, x: Tensor) -> tuple[Optional[_capture.Program], str]:
     return (program, "") if isinstance(checked, tuple) else (None, checked)
 
 
-def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem:
-    """Build the :class:`Problem` for a call; runs ``f`` on a few samples (see ``_coupling``)."""
+def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: str = WAYS_OUT) -> Problem:
+    """Build the :class:`Problem` for a call; runs ``f`` on a few samples (see ``_coupling``).
+
+    ``ways_out`` is what a ``CoupledBatchError`` tells the caller to do instead.
+    """
     structure = opts.structure
     batched = opts.batched and structure != "diagonal"
     if structure == "auto":
@@ -92,7 +95,8 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
         return _checks.check_output(out, batched=batched, n_in=n)
 
     if batched:
-        out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate)
+        out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate,
+                          ways_out=ways_out)
     else:
         with torch.no_grad():
             out_shape = tuple(validate(f(x.clone()), 1).shape)
