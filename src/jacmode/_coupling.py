@@ -13,9 +13,10 @@ samples, 6 for k = 8. Floating inputs are changed by Gaussian noise at the scale
 samples, integer inputs (token ids) by the rows of other samples; both from a private generator.
 Values alone miss a dependency that only the derivative has (``z + m - m.detach()`` with
 ``m = z.mean(0)``, an ``autograd.Function`` whose backward mixes samples), so for floating inputs
-the first pass is a ``torch.func.vjp`` and, for each part, a random cotangent on C alone must pull
-back to a zero gradient on A (non-finite entries, 0 * inf, are ignored). Where f cannot be run
-under ``vjp`` the value check stands alone.
+the first pass records an autograd graph and, for each part, a random cotangent on C alone must pull
+back to a zero gradient on A (non-finite entries, 0 * inf, are ignored). Where autograd cannot
+run f (inside torch.func transforms, under inference mode, no backward) the value check stands
+alone.
 Every pass replays the same random state (same batch size, same draws), so randomness in f
 (dropout masks, ``torch.randn`` in forward) is identical in all passes and raises no false alarm;
 Dropout layers are also switched off, and the random state is left as found. NaNs compare equal
@@ -30,6 +31,7 @@ verdict is cached, only in later batches.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -98,29 +100,42 @@ def _dropout_off(f: Any) -> Iterator[None]:
             m.training = True
 
 
-def probe_indices(x: Tensor) -> Tensor:
+def probe_indices(x: Tensor) -> list[int]:
     """At most ``SAMPLES`` sample indices spread over the batch, rows with NaN or inf avoided."""
     batch = x.shape[0]
-    cand = torch.linspace(0, batch - 1, min(batch, 4 * SAMPLES)).round().long().unique().to(x.device)
+    n = min(batch, 4 * SAMPLES)
+    cand = sorted({round(i * (batch - 1) / (n - 1)) for i in range(n)}) if n > 1 else [0]
     k = min(len(cand), SAMPLES)
     if x.is_floating_point():
-        ok = torch.isfinite(x[cand].reshape(len(cand), -1)).all(1)
-        finite, rest = cand[ok], cand[~ok]
+        rows = x if len(cand) == batch else x[cand]
+        ok = torch.isfinite(rows.reshape(len(cand), -1)).all(1).tolist()
     else:
-        finite, rest = cand, cand[:0]
+        ok = [True] * len(cand)
+    finite = [c for c, good in zip(cand, ok) if good]
     if len(finite) >= k:
-        return finite[torch.linspace(0, len(finite) - 1, k).round().long().to(x.device)]
-    return torch.cat([finite, rest[: k - len(finite)]]).sort().values
+        return [finite[round(i * (len(finite) - 1) / (k - 1))] for i in range(k)] if k > 1 else finite[:1]
+    return sorted(finite + [c for c, good in zip(cand, ok) if not good][: k - len(finite)])
 
 
-def parts(k: int, device: torch.device) -> list[Tensor]:
-    """Masks A over k positions such that every ordered pair (i, i') has an A with i' in, i out."""
-    pos = torch.arange(k, device=device)
-    masks = []
+@functools.lru_cache(maxsize=64)
+def parts(k: int, device: torch.device = torch.device("cpu")) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """Parts (A, C) of k positions such that every ordered pair (i, i') has one with i' in A and i in C."""
+    out = []
     for j in range(math.ceil(math.log2(k))):
-        bit = ((pos >> j) & 1).bool()
-        masks += [bit, ~bit]
-    return masks
+        ones = tuple(i for i in range(k) if (i >> j) & 1)
+        zeros = tuple(i for i in range(k) if not (i >> j) & 1)
+        out += [(ones, zeros), (zeros, ones)]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _masks(k: int, device: torch.device) -> tuple[Tensor, list[Tensor]]:
+    """(membership in A (parts, k), the positions C of each part as an index tensor), on ``device``."""
+    split = parts(k)
+    member = torch.zeros(len(split), k, dtype=torch.bool)
+    for j, (a, _) in enumerate(split):
+        member[j, list(a)] = True
+    return member.to(device), [torch.tensor(c, device=device) for _, c in split]
 
 
 def probe(
@@ -178,7 +193,7 @@ def _run_probe(
         with torch.no_grad(), _dropout_off(ident):
             return tuple(validate(f(x), 0).shape[1:]), None
     idx = probe_indices(x)
-    xs = x[idx].detach()
+    xs = (x if len(idx) == x.shape[0] else x[idx]).detach()
     k = len(idx)
     with rng_kept(x.device), _dropout_off(ident):
         replay = RngReplay(x.device)
@@ -187,90 +202,113 @@ def _run_probe(
                 return tuple(validate(f(xs.clone()), k).shape[1:]), None
         rows, pull = _first_pass(f, xs, replay)
         shape = tuple(validate(rows, k).shape[1:])
+        split = parts(k)
+        member, kept = _masks(k, x.device)
         gen = torch.Generator(device=x.device).manual_seed(0)
-        masks = parts(k, x.device)
-        for a in masks:
+        changed = torch.where(member.view(*member.shape, *[1] * (xs.dim() - 1)), _changes(xs, x, len(split), gen), xs)
+        for j, (a, c) in enumerate(split):
             replay.reset()
             with torch.no_grad():
-                moved = validate(f(_changed(xs, a, x, gen)), k)
-            drift = _moved(rows, moved, ~a)
+                moved = validate(f(changed[j]), k)
+            drift = _moved(rows, moved, c, kept[j])
             if drift is not None:
                 return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) changed "
-                               f"the output of sample {int(idx[~a][drift])}")
+                               f"the output of sample {idx[drift]}")
         if pull is not None:
-            for a in masks:
-                bad = _nonlocal_gradient(pull, rows, a, gen)
+            keep = (~member).view(*member.shape, *[1] * (rows.dim() - 1))
+            cotangents = _randn((len(split), *rows.shape), gen, rows).where(keep, 0.0)
+            inside = member.view(*member.shape, *[1] * (xs.dim() - 1))
+            for j, (a, c) in enumerate(split):
+                bad = _nonlocal_gradient(pull, cotangents[j], inside[j], a, c)
                 if bad is not None:
-                    return shape, (f"the outputs of sample(s) {_names(idx, ~a)} have a nonzero derivative with "
-                                   f"respect to the input of sample {int(idx[a][bad])}")
+                    return shape, (f"the outputs of sample(s) {_names(idx, c)} have a nonzero derivative with "
+                                   f"respect to the input of sample {idx[bad]}")
     return shape, True
 
 
 def _first_pass(f: Callable[[Tensor], Tensor], xs: Tensor,
-                replay: RngReplay) -> tuple[Any, Optional[Callable[[Tensor], tuple[Tensor, ...]]]]:
-    """f(xs), and its pullback where f is floating and torch.func.vjp can run it."""
-    if xs.is_floating_point():
+                replay: RngReplay) -> tuple[Any, Optional[Callable[[Tensor], Optional[Tensor]]]]:
+    """f(xs), and its pullback where f is floating and autograd can differentiate it.
+
+    Plain autograd rather than ``torch.func.vjp``: the first functorch backward of a process
+    imports seconds of modules that the engines may never need. Not inside torch.func transforms
+    nor under inference mode, where autograd records nothing: there the value check stands alone.
+    """
+    if xs.is_floating_point() and not torch.is_inference_mode_enabled() and not _in_transform():
         try:
-            out, pull = torch.func.vjp(lambda z: f(z.clone()), xs)
-            if isinstance(out, Tensor) and out.is_floating_point():
-                return out, pull
-        except Exception:  # noqa: BLE001 -- no reverse mode for f: the value check stands alone
+            with torch.enable_grad():
+                leaf = xs.detach().clone().requires_grad_(True)
+                out = f(leaf.clone())
+            if isinstance(out, Tensor) and out.is_floating_point() and out.requires_grad:
+                def pull(v: Tensor) -> Optional[Tensor]:
+                    return torch.autograd.grad(out, leaf, v, retain_graph=True, allow_unused=True)[0]
+
+                return out.detach(), pull
+        except Exception:  # noqa: BLE001 -- autograd cannot run f: the value check stands alone
             pass
         replay.reset()
     with torch.no_grad():
         return f(xs.clone()), None
 
 
-def _changed(xs: Tensor, a: Tensor, x: Tensor, gen: torch.Generator) -> Tensor:
-    """``xs`` with the rows in ``a`` changed: noise at the samples' scale, or other samples' rows."""
-    out = xs.clone()
-    n = int(a.sum())
+def _in_transform() -> bool:
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def _changes(xs: Tensor, x: Tensor, n: int, gen: torch.Generator) -> Tensor:
+    """n changed copies of ``xs`` (n, k, *in): noise at the samples' scale, or other samples' rows."""
     if xs.is_floating_point():
-        finite = xs.nan_to_num(0.0, 0.0, 0.0)
-        scale = finite.std(0) + 0.1 * finite.abs().mean(0)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        noise = torch.randn((n, *xs.shape[1:]), generator=gen, device=xs.device).to(xs.dtype)
-        out[a] = xs[a] + noise * scale
-    else:
-        out[a] = x[torch.randint(0, x.shape[0], (n,), generator=gen, device=x.device)].to(xs.dtype)
-    return out
+        finite = xs.abs().nan_to_num_(0.0, 0.0, 0.0)
+        scale = finite.mean(0).add_(finite.mean())  # per feature, never 0 unless every value is
+        return xs + _randn((n, *xs.shape), gen, xs) * scale.masked_fill_(scale == 0, 1.0)
+    pick = torch.randint(0, x.shape[0], (n, xs.shape[0]), generator=gen, device=x.device)
+    return x[pick].to(xs.dtype)
+
+
+def _randn(shape: tuple[int, ...], gen: torch.Generator, like: Tensor) -> Tensor:
+    if like.dtype in (torch.float32, torch.float64):
+        return torch.randn(shape, generator=gen, device=like.device, dtype=like.dtype)
+    return torch.randn(shape, generator=gen, device=like.device).to(like.dtype)
 
 
 def _tolerance(dtype: torch.dtype) -> float:
     return _TOLERANCE.get(dtype, 1e-2)
 
 
-def _moved(before: Tensor, after: Tensor, keep: Tensor) -> Optional[int]:
-    """The first of the rows ``keep`` whose output moved (NaN equals NaN), or None."""
-    a, b = before[keep], after[keep]
-    if a.shape != b.shape:
-        return 0
+def _moved(before: Tensor, after: Tensor, keep: tuple[int, ...], rows: Tensor) -> Optional[int]:
+    """The first position in ``keep`` (``rows`` as a tensor) whose output moved (NaN equals NaN), or None."""
+    if before.shape != after.shape:
+        return keep[0]
+    a, b = before.index_select(0, rows), after.index_select(0, rows)
+    if torch.equal(a, b):  # the usual verdict for independent samples, in one comparison
+        return None
     a, b = a.reshape(len(a), -1), b.reshape(len(b), -1)
     finite = torch.isfinite(a) & torch.isfinite(b)
     scale = a[finite].abs().max().item() if bool(finite.any()) else 1.0
     tol = _tolerance(a.dtype)
     same = (a == b) | (a.isnan() & b.isnan()) | (finite & ((a - b).abs() <= tol * (b.abs() + max(scale, 1e-30))))
-    rows = (~same).any(1).nonzero()
-    return int(rows[0]) if len(rows) else None
+    moved = (~same).any(1).nonzero()
+    return keep[int(moved[0])] if len(moved) else None
 
 
-def _nonlocal_gradient(pull: Callable[[Tensor], tuple[Tensor, ...]], rows: Tensor, a: Tensor,
-                       gen: torch.Generator) -> Optional[int]:
-    """The first row of ``a`` with a gradient from a cotangent on the other rows alone, or None."""
-    keep = (~a).to(rows.dtype).reshape(-1, *[1] * (rows.dim() - 1))
-    v = torch.randn(rows.shape, generator=gen, device=rows.device).to(rows.dtype) * keep
+def _nonlocal_gradient(pull: Callable[[Tensor], Optional[Tensor]], v: Tensor, inside: Tensor,
+                       a: tuple[int, ...], c: tuple[int, ...]) -> Optional[int]:
+    """The first position in ``a`` with a gradient from the cotangent ``v`` on the rows ``c`` alone."""
     try:
-        (g,) = pull(v)
+        g = pull(v)
     except Exception:  # noqa: BLE001 -- f has no backward here: the value check stands alone
         return None
+    if g is None or not bool((g * inside).any()):  # exact zeros: the usual verdict
+        return None
     g = g.reshape(g.shape[0], -1)
-    inside, outside = g[~a], g[a]
-    ref = inside[torch.isfinite(inside)].abs().max().item() if bool(torch.isfinite(inside).any()) else 0.0
+    outside, kept = g[list(a)], g[list(c)]
+    ref = kept[torch.isfinite(kept)].abs().max().item() if bool(torch.isfinite(kept).any()) else 0.0
     limit = _tolerance(g.dtype) * max(ref, torch.finfo(g.dtype).tiny)
     bad = (torch.isfinite(outside) & (outside.abs() > limit)).any(1).nonzero()
-    return int(bad[0]) if len(bad) else None
+    return a[int(bad[0])] if len(bad) else None
 
 
-def _names(idx: Tensor, mask: Tensor) -> str:
-    chosen = [str(int(i)) for i in idx[mask]]
+def _names(idx: list[int], positions: tuple[int, ...]) -> str:
+    chosen = [str(idx[i]) for i in positions]
     return ", ".join(chosen[:4]) + (", ..." if len(chosen) > 4 else "")

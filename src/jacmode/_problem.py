@@ -94,7 +94,13 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
     def validate(out: Any, n: int) -> Tensor:
         return _checks.check_output(out, batched=batched, n_in=n)
 
-    if batched:
+    # a captured graph treats every sample on its own by construction (each rule raises where
+    # samples would mix, see _engines/capture.py), so it needs no probe; it is made here anyway
+    program, why = captured(f, x) if opts.wrt == "inputs" and batched and structure == "independent" else (None, "")
+    if program is not None:
+        out_shape = _capture.check(program, f, x, _taylor.value)
+        assert isinstance(out_shape, tuple)  # captured() returned the program: its check passed
+    elif batched:
         out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate,
                           ways_out=ways_out)
     else:
@@ -124,7 +130,6 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
         else:
             z = xin.reshape(n_in)
             fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
-        program, why = captured(f, x) if batched and structure == "independent" else (None, "")
         return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
                        in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random,
                        program=program, generic=why)
