@@ -103,6 +103,8 @@ def _dropout_off(f: Any) -> Iterator[None]:
 def probe_indices(x: Tensor) -> list[int]:
     """At most ``SAMPLES`` sample indices spread over the batch, rows with NaN or inf avoided."""
     batch = x.shape[0]
+    if batch <= SAMPLES and (not x.is_floating_point() or bool(torch.isfinite(x).all())):
+        return list(range(batch))
     n = min(batch, 4 * SAMPLES)
     cand = sorted({round(i * (batch - 1) / (n - 1)) for i in range(n)}) if n > 1 else [0]
     k = min(len(cand), SAMPLES)
@@ -259,9 +261,8 @@ def _in_transform() -> bool:
 def _changes(xs: Tensor, x: Tensor, n: int, gen: torch.Generator) -> Tensor:
     """n changed copies of ``xs`` (n, k, *in): noise at the samples' scale, or other samples' rows."""
     if xs.is_floating_point():
-        finite = xs.abs().nan_to_num_(0.0, 0.0, 0.0)
-        scale = finite.mean(0).add_(finite.mean())  # per feature, never 0 unless every value is
-        return xs + _randn((n, *xs.shape), gen, xs) * scale.masked_fill_(scale == 0, 1.0)
+        scale = float(xs.abs().nan_to_num_(0.0, 0.0, 0.0).mean()) or 1.0  # the samples' magnitude
+        return xs + _randn((n, *xs.shape), gen, xs).mul_(scale)
     pick = torch.randint(0, x.shape[0], (n, xs.shape[0]), generator=gen, device=x.device)
     return x[pick].to(xs.dtype)
 
