@@ -46,11 +46,16 @@ class WeakCache:
 
 
 def problem_key(f: Any, x: Tensor, batched: bool, wrt: Any, structure: str, full_shape: bool) -> tuple:
-    """What a cached fact about ``f`` depends on: shapes, dtype, device, wrt, structure, flags."""
+    """What a cached fact about ``f`` depends on: shapes, dtype, device, wrt, structure, flags.
+
+    Inference mode is part of it: autograd records nothing there, so the engines that lean on it
+    (the probes, their completeness check) fail their checks and the torch.func engines serve,
+    while a fact found outside (coverage verified by a backward pass) must not be used inside.
+    """
     flags = tuple(m.training for m in f.modules()) if isinstance(f, nn.Module) else ()
     shape = tuple(x.shape) if full_shape or not batched else tuple(x.shape[1:])
     wrt_key = wrt if isinstance(wrt, str) else tuple(wrt)
-    return (shape, x.dtype, str(x.device), batched, wrt_key, structure, flags)
+    return (shape, x.dtype, str(x.device), batched, wrt_key, structure, flags, torch.is_inference_mode_enabled())
 
 
 def clear_cache() -> None:

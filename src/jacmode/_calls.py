@@ -7,9 +7,9 @@ coverage) and deciding its plan (footprint, capabilities, cost model) then find 
 last time, at a fixed cost that dominates a small call (B = 2). The facts are therefore kept per
 model (weakly) and per :func:`signature`: the input's shape, dtype and device, the options, and
 what the call's one walk of the module tree (``_state.ModelView``) saw: every module's training
-flag, the parameter objects, their ``requires_grad`` flags and dtypes, and whether a ``torch.func``
-transform is active. Anything else changes the signature and takes the full path. A hit rebuilds
-the problem's values at the new ``x`` (``_problem.again``) and re-checks the memory: the free
+flag, the parameter objects, their ``requires_grad`` flags and dtypes, whether a ``torch.func``
+transform is active, and whether inference mode is. Anything else changes the signature and takes
+the full path. A hit rebuilds the problem's values at the new ``x`` (``_problem.again``) and re-checks the memory: the free
 memory is re-read, the result must fit as in ``decide``, and the plan is reused only while its
 workspace fits the new budget. ``jm.clear_cache()`` forgets these entries with the others.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch import Tensor
 
 from ._cache import WeakCache
@@ -35,7 +36,7 @@ def signature(x: Tensor, opts: Options, view: Optional[ModelView], out_given: bo
     if view is None or opts.wrt != "params" or opts.mode == "autotune":
         return None
     return (x.shape, x.dtype, x.device, opts, out_given, view.training, tuple(map(id, view.params)),
-            view.flags, tuple(p.dtype for p in view.params), in_transform())
+            view.flags, tuple(p.dtype for p in view.params), in_transform(), torch.is_inference_mode_enabled())
 
 
 def lookup(f: Any, x: Tensor, opts: Options, sig: Optional[tuple]) -> Optional[tuple[Problem, Decision]]:

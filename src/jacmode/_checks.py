@@ -57,6 +57,9 @@ def check_function(f: Any) -> None:
 def check_input(x: Any, *, wrt: str, batched: bool, name: str = "x") -> None:
     """``x`` must be a tensor; a floating tensor when it is differentiated; batched if asked."""
     if not isinstance(x, Tensor):
+        if isinstance(x, (tuple, list, dict)) and any(isinstance(v, Tensor) for v in
+                                                      (x.values() if isinstance(x, dict) else x)):
+            raise TypeError(_several_tensors(x, wrt=wrt, name=name))
         raise TypeError(
             f"{name}: expected a torch.Tensor, got {type(x).__name__} ({_fmt(x)}). "
             f"Convert it first, e.g. `torch.as_tensor({name}, dtype=torch.float32)`."
@@ -79,6 +82,24 @@ def check_input(x: Any, *, wrt: str, batched: bool, name: str = "x") -> None:
             f"{name}: batched=True needs a batch dimension, got a 0-d tensor. "
             f"Pass {name}.reshape(1) for one sample, or batched=False for a single point."
         )
+
+
+def _several_tensors(x: Any, *, wrt: str, name: str) -> str:
+    """The message for a tuple, list or dict of tensors where one tensor is expected."""
+    what = f"a {type(x).__name__} of {len(x)} items"
+    if wrt == "inputs":
+        rest = ("Pass the tensors that are not differentiated through a closure, e.g. "
+                f"`jm.jacobian(lambda x: f(x, mask), x)`; to differentiate several, concatenate them "
+                "per sample (`torch.cat([a.flatten(1), b.flatten(1)], 1)`) and split them inside f.")
+    else:
+        rest = ("Pass the other arguments of the model through a wrapper module whose forward takes x "
+                "alone (e.g. `forward(self, x): return self.model(x, self.mask)`).")
+    return (
+        f"{name}: expected one torch.Tensor, got {what}. jacmode differentiates one tensor, x of "
+        f"shape (B, *in), and holds everything else fixed. {rest} A tuple or list of tensors is not "
+        "read as a data set: pass data sets as an iterable of batches such as a DataLoader "
+        "(see docs/datasets.md)."
+    )
 
 
 def check_options(

@@ -1,45 +1,77 @@
-"""The probe that tells independent samples from coupled ones, and its cache.
+"""The check that samples are independent, and its cache.
 
 NOTE: [Coupling probe]
 Per-sample Jacobians exist only when sample b of the output depends on sample b of the input
-alone. The probe evaluates ``f`` (without differentiating) on a few samples S spread over the batch
-and again on the first half of S: for independent samples the rows they share agree, while any
-coupling through the batch (BatchNorm in training mode, ``x - x.mean(0)``, attention across dim 0)
-changes them. It costs two forward passes over at most four samples, far less than one batched
-pass. The verdict and the output shape are cached per function, per-sample shape, dtype, device
-and training flags, so later calls run nothing before differentiating.
-BatchNorm layers in training mode are reported by name without running anything. Dropout layers
-are switched to eval mode for the probe only (they never couple samples, but their random masks
-would differ between the two passes). NaNs compare equal to NaNs, so a NaN in one sample does not
-trip the probe. The first probe pass also yields the per-sample output shape for planning.
+alone. The probe takes k <= 8 samples S of the batch (spread over it, rows with non-finite values
+avoided), evaluates f on them, then again with the inputs of a part A of S changed, and requires
+that the outputs of the other samples C = S - A did not move. The parts are the bit partitions of
+the positions, A_j = {i : bit j of i is 1} and its complement for j < ceil(log2 k): for every
+ordered pair (i, i') of probed samples some pass changes i' and keeps i, so a dependency in any
+direction is seen: causal (``torch.cumsum(z, 0)``, ``z - z[:1]``, an RNN run over dim 0),
+anti-causal, or through batch statistics (``z - z.mean(0)``). That is 2 ceil(log2 k) passes of k
+samples, 6 for k = 8. Floating inputs are changed by Gaussian noise at the scale of the probed
+samples, integer inputs (token ids) by the rows of other samples; both from a private generator.
+Values alone miss a dependency that only the derivative has (``z + m - m.detach()`` with
+``m = z.mean(0)``, an ``autograd.Function`` whose backward mixes samples), so for floating inputs
+the first pass records an autograd graph and, for each part, a random cotangent on C alone must pull
+back to a zero gradient on A (non-finite entries, 0 * inf, are ignored). Where autograd cannot
+run f (inside torch.func transforms, under inference mode, no backward) the value check stands
+alone.
+Every pass replays the same random state (same batch size, same draws), so randomness in f
+(dropout masks, ``torch.randn`` in forward) is identical in all passes and raises no false alarm;
+Dropout layers are also switched off, and the random state is left as found. NaNs compare equal
+to NaNs. BatchNorm layers in training mode are reported by name without running anything.
+The verdict and the per-sample output shape are cached per function, per-sample shape, dtype,
+device, training flags and inference mode, so later calls run nothing before differentiating.
+What the probe cannot see: a coupling that shows only for values that the probed samples and
+their changes do not reach, or only at other batch sizes (f runs on k samples), and, since the
+verdict is cached, only in later batches.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Optional
+import functools
+import math
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor, nn
 
-from ._cache import WeakCache
+from ._cache import WeakCache, rng_kept
 from ._errors import CoupledBatchError
+from ._state import RngReplay
 
-_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4}
-# function -> {(per-sample shape, dtype, device, training flags): (output shape, verdict)}
+SAMPLES = 8  # samples the probe runs f on
+_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}  # relative to the largest output; else 1e-2
+# function -> {(per-sample shape, dtype, device, training flags, inference mode): (output shape, verdict)}
 _CACHE = WeakCache("coupling")
-_WAYS_OUT = (
+Verdict = Union[bool, None, str]  # True independent, None not checked, str: coupled, and why
+WAYS_OUT = (
     "Ways out: call model.eval() if training-mode statistics are not what you want to "
     "differentiate; pass batched=False to get the full Jacobian of the whole batch as one point; "
     "pass structure='coupled' for the exact diagonal blocks of the whole-batch Jacobian (slower, "
     "about B times the work); or, if you know the samples are independent and the probe is "
-    "misled (e.g. by randomness in f), pass structure='independent' to skip the check."
+    "misled (e.g. by randomness in f that torch's generators do not drive), pass "
+    "structure='independent' to skip the check."
+)
+PRODUCT_WAYS_OUT = (
+    "Ways out: call model.eval() if training-mode statistics are not what you want to "
+    "differentiate; or take the rows of the whole-batch Jacobian, "
+    "jm.jacobian(f, x, wrt='params', structure='coupled') (B, Y, P), and form the product from them."
+)
+OPERATOR_WAYS_OUT = (
+    "Ways out: call model.eval() if training-mode statistics are not what you want to "
+    "differentiate; pass structure='coupled' for the exact derivatives of each sample's output with "
+    "respect to its own input, the other samples held fixed (about B times the work); or, if you "
+    "know the samples are independent and the probe is misled, pass structure='independent' to "
+    "skip the check."
 )
 
 
 def _cache_key(f: Any, x: Tensor) -> tuple:
     flags = tuple(m.training for m in f.modules()) if isinstance(f, nn.Module) else ()
-    return (tuple(x.shape[1:]), x.dtype, x.device, flags)
+    return (tuple(x.shape[1:]), x.dtype, x.device, flags, torch.is_inference_mode_enabled())
 
 
 def coupled_batchnorms(f: Any) -> list[str]:
@@ -68,10 +100,44 @@ def _dropout_off(f: Any) -> Iterator[None]:
             m.training = True
 
 
-def probe_indices(batch: int) -> Tensor:
-    """At most four sample indices spread over the batch, first and last included."""
-    k = min(batch, 4)
-    return torch.linspace(0, batch - 1, k).round().long().unique()
+def probe_indices(x: Tensor) -> list[int]:
+    """At most ``SAMPLES`` sample indices spread over the batch, rows with NaN or inf avoided."""
+    batch = x.shape[0]
+    if batch <= SAMPLES and (not x.is_floating_point() or bool(torch.isfinite(x).all())):
+        return list(range(batch))
+    n = min(batch, 4 * SAMPLES)
+    cand = sorted({round(i * (batch - 1) / (n - 1)) for i in range(n)}) if n > 1 else [0]
+    k = min(len(cand), SAMPLES)
+    if x.is_floating_point():
+        rows = x if len(cand) == batch else x[cand]
+        ok = torch.isfinite(rows.reshape(len(cand), -1)).all(1).tolist()
+    else:
+        ok = [True] * len(cand)
+    finite = [c for c, good in zip(cand, ok) if good]
+    if len(finite) >= k:
+        return [finite[round(i * (len(finite) - 1) / (k - 1))] for i in range(k)] if k > 1 else finite[:1]
+    return sorted(finite + [c for c, good in zip(cand, ok) if not good][: k - len(finite)])
+
+
+@functools.lru_cache(maxsize=64)
+def parts(k: int, device: torch.device = torch.device("cpu")) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """Parts (A, C) of k positions such that every ordered pair (i, i') has one with i' in A and i in C."""
+    out = []
+    for j in range(math.ceil(math.log2(k))):
+        ones = tuple(i for i in range(k) if (i >> j) & 1)
+        zeros = tuple(i for i in range(k) if not (i >> j) & 1)
+        out += [(ones, zeros), (zeros, ones)]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=64)
+def _masks(k: int, device: torch.device) -> tuple[Tensor, list[Tensor]]:
+    """(membership in A (parts, k), the positions C of each part as an index tensor), on ``device``."""
+    split = parts(k)
+    member = torch.zeros(len(split), k, dtype=torch.bool)
+    for j, (a, _) in enumerate(split):
+        member[j, list(a)] = True
+    return member.to(device), [torch.tensor(c, device=device) for _, c in split]
 
 
 def probe(
@@ -81,6 +147,7 @@ def probe(
     check: bool,
     validate: Callable[[Any, int], Tensor],
     ident: Any = None,
+    ways_out: str = WAYS_OUT,
 ) -> tuple[int, ...]:
     """Run ``f`` on a few samples; return the per-sample output shape.
 
@@ -90,6 +157,7 @@ def probe(
         check: also verify that samples are independent; raise ``CoupledBatchError`` if not.
         validate: ``validate(output, n_samples)`` checks the output and returns it.
         ident: the object the verdict is cached under (defaults to ``f``).
+        ways_out: the sentence of the error that says what the caller can do instead.
 
     Raises:
         CoupledBatchError: when ``check`` and the samples are coupled.
@@ -102,45 +170,146 @@ def probe(
             raise CoupledBatchError(
                 f"f: BatchNorm layer(s) {', '.join(repr(n) for n in names[:3])} are in training "
                 "mode, so each sample's output depends on the whole batch through the batch "
-                f"statistics and per-sample Jacobians are not defined. {_WAYS_OUT}"
+                f"statistics and per-sample Jacobians are not defined. {ways_out}"
             )
     key = _cache_key(ident, x)
     entry = _CACHE.get(ident, key)
     if entry is None or (check and entry[1] is None):
         entry = _run_probe(f, x, check=check and batch > 1, validate=validate, ident=ident)
         _CACHE.put(ident, key, entry)
-    shape, independent = entry
-    if check and independent is False:
+    shape, verdict = entry
+    if check and isinstance(verdict, str):
         raise CoupledBatchError(
-            "f: the samples of the batch are coupled: evaluating f on a subset of the samples "
-            "changed the outputs of the samples it kept, so each sample's output depends on other "
-            "samples (e.g. x - x.mean(0), batch statistics, attention across dim 0) and per-sample "
-            f"Jacobians are not defined. {_WAYS_OUT}"
+            f"f: the samples of the batch are coupled: {verdict}, so each sample's output depends "
+            "on other samples (e.g. x - x.mean(0), torch.cumsum(x, 0), batch statistics, an RNN or "
+            f"attention run over dim 0) and per-sample Jacobians are not defined. {ways_out}"
         )
     return shape
 
 
 def _run_probe(
     f: Callable[[Tensor], Tensor], x: Tensor, *, check: bool, validate: Callable[[Any, int], Tensor], ident: Any
-) -> tuple[tuple[int, ...], Optional[bool]]:
-    """(per-sample output shape, verdict: True independent, False coupled, None not checked)."""
-    batch = x.shape[0]
-    idx = probe_indices(batch).to(x.device) if batch > 0 else None
-    with torch.no_grad(), _dropout_off(ident):
-        rows = validate(f(x[idx] if idx is not None else x), len(idx) if idx is not None else 0)
-        if not check or idx is None or len(idx) < 2:
-            return tuple(rows.shape[1:]), None
-        half = len(idx) // 2
-        sub = validate(f(x[idx[:half]]), half)
-    return tuple(rows.shape[1:]), _agree(rows[:half], sub)
+) -> tuple[tuple[int, ...], Verdict]:
+    """(per-sample output shape, verdict); see the note."""
+    if x.shape[0] == 0:
+        with torch.no_grad(), _dropout_off(ident):
+            return tuple(validate(f(x), 0).shape[1:]), None
+    idx = probe_indices(x)
+    xs = (x if len(idx) == x.shape[0] else x[idx]).detach()
+    k = len(idx)
+    with rng_kept(x.device), _dropout_off(ident):
+        replay = RngReplay(x.device)
+        if not check or k < 2:
+            with torch.no_grad():
+                return tuple(validate(f(xs.clone()), k).shape[1:]), None
+        rows, pull = _first_pass(f, xs, replay)
+        shape = tuple(validate(rows, k).shape[1:])
+        split = parts(k)
+        member, kept = _masks(k, x.device)
+        gen = torch.Generator(device=x.device).manual_seed(0)
+        changed = torch.where(member.view(*member.shape, *[1] * (xs.dim() - 1)), _changes(xs, x, len(split), gen), xs)
+        for j, (a, c) in enumerate(split):
+            replay.reset()
+            with torch.no_grad():
+                moved = validate(f(changed[j]), k)
+            drift = _moved(rows, moved, c, kept[j])
+            if drift is not None:
+                return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) changed "
+                               f"the output of sample {idx[drift]}")
+        if pull is not None:
+            keep = (~member).view(*member.shape, *[1] * (rows.dim() - 1))
+            cotangents = _randn((len(split), *rows.shape), gen, rows).where(keep, 0.0)
+            inside = member.view(*member.shape, *[1] * (xs.dim() - 1))
+            for j, (a, c) in enumerate(split):
+                bad = _nonlocal_gradient(pull, cotangents[j], inside[j], a, c)
+                if bad is not None:
+                    return shape, (f"the outputs of sample(s) {_names(idx, c)} have a nonzero derivative with "
+                                   f"respect to the input of sample {idx[bad]}")
+    return shape, True
 
 
-def _agree(a: Tensor, b: Tensor) -> bool:
-    if a.shape != b.shape:
-        return False
-    tol = _TOLERANCE.get(a.dtype, 2e-2)
+def _first_pass(f: Callable[[Tensor], Tensor], xs: Tensor,
+                replay: RngReplay) -> tuple[Any, Optional[Callable[[Tensor], Optional[Tensor]]]]:
+    """f(xs), and its pullback where f is floating and autograd can differentiate it.
+
+    Plain autograd rather than ``torch.func.vjp``: the first functorch backward of a process
+    imports seconds of modules that the engines may never need. Not inside torch.func transforms
+    nor under inference mode, where autograd records nothing: there the value check stands alone.
+    """
+    if xs.is_floating_point() and not torch.is_inference_mode_enabled() and not _in_transform():
+        try:
+            with torch.enable_grad():
+                leaf = xs.detach().clone().requires_grad_(True)
+                out = f(leaf.clone())
+            if isinstance(out, Tensor) and out.is_floating_point() and out.requires_grad:
+                def pull(v: Tensor) -> Optional[Tensor]:
+                    return torch.autograd.grad(out, leaf, v, retain_graph=True, allow_unused=True)[0]
+
+                return out.detach(), pull
+        except Exception:  # noqa: BLE001 -- autograd cannot run f: the value check stands alone
+            pass
+        replay.reset()
+    with torch.no_grad():
+        return f(xs.clone()), None
+
+
+def _in_transform() -> bool:
+    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
+def _changes(xs: Tensor, x: Tensor, n: int, gen: torch.Generator) -> Tensor:
+    """n changed copies of ``xs`` (n, k, *in): noise at the samples' scale, or other samples' rows."""
+    if xs.is_floating_point():
+        scale = float(xs.abs().nan_to_num_(0.0, 0.0, 0.0).mean()) or 1.0  # the samples' magnitude
+        return xs + _randn((n, *xs.shape), gen, xs).mul_(scale)
+    pick = torch.randint(0, x.shape[0], (n, xs.shape[0]), generator=gen, device=x.device)
+    return x[pick].to(xs.dtype)
+
+
+def _randn(shape: tuple[int, ...], gen: torch.Generator, like: Tensor) -> Tensor:
+    if like.dtype in (torch.float32, torch.float64):
+        return torch.randn(shape, generator=gen, device=like.device, dtype=like.dtype)
+    return torch.randn(shape, generator=gen, device=like.device).to(like.dtype)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return _TOLERANCE.get(dtype, 1e-2)
+
+
+def _moved(before: Tensor, after: Tensor, keep: tuple[int, ...], rows: Tensor) -> Optional[int]:
+    """The first position in ``keep`` (``rows`` as a tensor) whose output moved (NaN equals NaN), or None."""
+    if before.shape != after.shape:
+        return keep[0]
+    a, b = before.index_select(0, rows), after.index_select(0, rows)
+    if torch.equal(a, b):  # the usual verdict for independent samples, in one comparison
+        return None
+    a, b = a.reshape(len(a), -1), b.reshape(len(b), -1)
     finite = torch.isfinite(a) & torch.isfinite(b)
     scale = a[finite].abs().max().item() if bool(finite.any()) else 1.0
-    same_nonfinite = bool(((a == b) | (a.isnan() & b.isnan()) | finite).all())
-    close = torch.allclose(a[finite], b[finite], rtol=tol, atol=tol * max(scale, 1e-30))
-    return same_nonfinite and close
+    tol = _tolerance(a.dtype)
+    same = (a == b) | (a.isnan() & b.isnan()) | (finite & ((a - b).abs() <= tol * (b.abs() + max(scale, 1e-30))))
+    moved = (~same).any(1).nonzero()
+    return keep[int(moved[0])] if len(moved) else None
+
+
+def _nonlocal_gradient(pull: Callable[[Tensor], Optional[Tensor]], v: Tensor, inside: Tensor,
+                       a: tuple[int, ...], c: tuple[int, ...]) -> Optional[int]:
+    """The first position in ``a`` with a gradient from the cotangent ``v`` on the rows ``c`` alone."""
+    try:
+        g = pull(v)
+    except Exception:  # noqa: BLE001 -- f has no backward here: the value check stands alone
+        return None
+    if g is None or not bool((g * inside).any()):  # exact zeros: the usual verdict
+        return None
+    g = g.reshape(g.shape[0], -1)
+    outside, kept = g[list(a)], g[list(c)]
+    ref = kept[torch.isfinite(kept)].abs().max().item() if bool(torch.isfinite(kept).any()) else 0.0
+    limit = _tolerance(g.dtype) * max(ref, torch.finfo(g.dtype).tiny)
+    bad = (torch.isfinite(outside) & (outside.abs() > limit)).any(1).nonzero()
+    return a[int(bad[0])] if len(bad) else None
+
+
+def _names(idx: list[int], positions: tuple[int, ...]) -> str:
+    chosen = [str(idx[i]) for i in positions]
+    return ", ".join(chosen[:4]) + (", ..." if len(chosen) > 4 else "")

@@ -198,11 +198,11 @@ def _assemble(p: Problem, flat: Tensor, opts: Options, out: Optional[Tensor]) ->
         return flat.reshape(p.x.shape)
     lead = (p.batch, *p.out_shape) if p.batched else tuple(p.out_shape)
     if p.kind == "inputs":
-        return flat.reshape(*lead, *p.in_shape).contiguous()
+        return flat.reshape((*lead, *p.in_shape)).contiguous()  # a tuple: both may be empty (0-d x)
     if opts.flatten:
         return flat.contiguous()
     sizes = [s.numel() for _, s in p.params]
     return {
-        name: block.reshape(*lead, *shape)
+        name: block.reshape((*lead, *shape))
         for (name, shape), block in zip(p.params, flat.split(sizes, dim=-1))
     }

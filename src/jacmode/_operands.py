@@ -36,6 +36,7 @@ from torch.func import vmap
 
 from . import _checks
 from ._checks import Options
+from ._coupling import OPERATOR_WAYS_OUT
 from ._engines import capture as _capture
 from ._engines import nested as _nested
 from ._engines import taylor as _taylor
@@ -140,7 +141,7 @@ def target(f: Fn, x: Tensor, opts: Options) -> Iterator[Target]:
                          out_shape=out_shape)
         return
     with preserved_state(f), grad_mode:
-        p = describe(f, x, opts)
+        p = describe(f, x, opts, OPERATOR_WAYS_OUT)
         n_out = p.n_out
         fn = lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)  # noqa: E731
         yield Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, program=None,

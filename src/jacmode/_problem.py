@@ -21,7 +21,7 @@ from torch.func import functional_call
 from . import _checks
 from ._cache import WeakCache, problem_key
 from ._checks import Options
-from ._coupling import probe
+from ._coupling import WAYS_OUT, probe
 from ._engines import capture as _capture
 from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
@@ -80,8 +80,11 @@ def captured(f: Any, x: Tensor) -> tuple[Optional[_capture.Program], str]:
     return (program, "") if isinstance(checked, tuple) else (None, checked)
 
 
-def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem:
-    """Build the :class:`Problem` for a call; runs ``f`` on a few samples (see ``_coupling``)."""
+def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: str = WAYS_OUT) -> Problem:
+    """Build the :class:`Problem` for a call; runs ``f`` on a few samples (see ``_coupling``).
+
+    ``ways_out`` is what a ``CoupledBatchError`` tells the caller to do instead.
+    """
     structure = opts.structure
     batched = opts.batched and structure != "diagonal"
     if structure == "auto":
@@ -91,8 +94,15 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
     def validate(out: Any, n: int) -> Tensor:
         return _checks.check_output(out, batched=batched, n_in=n)
 
-    if batched:
-        out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate)
+    # a captured graph treats every sample on its own by construction (each rule raises where
+    # samples would mix, see _engines/capture.py), so it needs no probe; it is made here anyway
+    program, why = captured(f, x) if opts.wrt == "inputs" and batched and structure == "independent" else (None, "")
+    if program is not None:
+        out_shape = _capture.check(program, f, x, _taylor.value)
+        assert isinstance(out_shape, tuple)  # captured() returned the program: its check passed
+    elif batched:
+        out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate,
+                          ways_out=ways_out)
     else:
         with torch.no_grad():
             out_shape = tuple(validate(f(x.clone()), 1).shape)
@@ -120,7 +130,6 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options) -> Problem
         else:
             z = xin.reshape(n_in)
             fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
-        program, why = captured(f, x) if batched and structure == "independent" else (None, "")
         return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
                        in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random,
                        program=program, generic=why)

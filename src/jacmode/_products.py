@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from . import _checks, _data, _losses
 from ._checks import Options, Wrt
-from ._coupling import probe
+from ._coupling import PRODUCT_WAYS_OUT, probe
 from ._engines import layerio, probes
 from ._engines import ntk as _ntk
 from ._engines import products as _engine
@@ -46,7 +46,7 @@ def _setup(f: Any, x: Any, wrt: Wrt, chunk_size: Any, max_memory: Any,
 
 
 def _out_shape(f: Any, x: Tensor) -> tuple[int, ...]:
-    return probe(f, x, check=x.shape[0] > 1,
+    return probe(f, x, check=x.shape[0] > 1, ways_out=PRODUCT_WAYS_OUT,
                  validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
 
 

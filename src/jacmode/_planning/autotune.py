@@ -136,7 +136,7 @@ def autotune_cache() -> list[dict[str, Any]]:
     """
     entries = []
     for ident, key, tuned_ in _WINNERS.items():
-        shape, dtype, device, batched, wrt, structure, _flags, batch, chunk, budget, graph = key
+        shape, dtype, device, batched, wrt, structure, _flags, _inference, batch, chunk, budget, graph = key
         entries.append({
             "function": getattr(ident, "__name__", type(ident).__name__),
             "shape": (batch, *shape) if batched else shape,
