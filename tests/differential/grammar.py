@@ -210,15 +210,21 @@ class Head(nn.Module):
 
 
 class Net(nn.Module):
-    """head -> blocks -> Linear tail -> reshape to the output shape."""
+    """head -> blocks -> Linear tail -> reshape to the output shape; or, pointwise, the blocks alone
+    (elementwise ops on x of any shape: structure="diagonal" is valid)."""
 
-    def __init__(self, head: Head, blocks: list[nn.Module], width: int, out_shape: tuple[int, ...]) -> None:
+    def __init__(self, head: Head, blocks: list[nn.Module], width: int, out_shape: tuple[int, ...],
+                 pointwise: bool = False) -> None:
         super().__init__()
         self.head, self.blocks = head, nn.ModuleList(blocks)
-        self.tail = nn.Linear(width, math.prod(out_shape))
+        self.tail = None if pointwise else nn.Linear(width, math.prod(out_shape))
         self.out_shape = out_shape
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.tail is None:
+            for block in self.blocks:
+                x = block(x)
+            return x
         h = self.head(x)
         for block in self.blocks:
             h = block(h)
@@ -251,6 +257,7 @@ class Case:
     options: dict
     convention: str
     column: bool = True  # derivative: t of shape (B, 1) rather than (B,)
+    pointwise: bool = False  # elementwise blocks on x, no head or tail (Net's docstring)
 
     @property
     def integer(self) -> bool:
@@ -265,14 +272,14 @@ class Case:
     @property
     def elementwise(self) -> bool:
         """Output i depends on input i alone (structure='diagonal' is valid)."""
-        return False  # the tail is a dense Linear; kept for the entries that ask
+        return self.pointwise
 
     def model_key(self) -> str:
-        parts = [self.head] + ["-".join(str(v) for v in b[:3] if not isinstance(v, int)) for b in self.blocks]
+        parts = ["pointwise" if self.pointwise else self.head] + ["-".join(str(v) for v in b[:3] if not isinstance(v, int)) for b in self.blocks]
         return "/".join(parts)
 
     def entry_key(self) -> str:
-        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()) if k not in ("dims",))
+        opts = ",".join(f"{k}={v}" for k, v in sorted(self.options.items()) if k not in ("dims", "chunk_size"))
         return f"{self.entry}({opts})"
 
     def describe(self) -> str:
@@ -294,7 +301,7 @@ def build(case: Case, primitive: bool = False) -> Net:
             blocks.append(Norm(b[1], b[2], b[3]))
         else:
             blocks.append(Op(b[1], b[2], b[3]))
-    net = Net(head, blocks, case.width, case.out_shape).double()
+    net = Net(head, blocks, case.width, case.out_shape, case.pointwise).double()
     for m in net.modules():
         if isinstance(m, Norm):
             m.primitive = primitive
@@ -391,28 +398,32 @@ def _blocks(draw: st.DrawFn, width: int, coupled_ok: bool) -> tuple[list[tuple],
     return blocks, width
 
 
-def _entry_options(draw: st.DrawFn, entry: str, case_in: tuple[int, ...], out_shape: tuple[int, ...]) -> dict:
+def _entry_options(draw: st.DrawFn, entry: str, case_in: tuple[int, ...], out_shape: tuple[int, ...],
+                   pointwise: bool) -> dict:
     d = math.prod(case_in)
+    structures = ["auto", "independent", "coupled"]
+    chunk = {"chunk_size": draw(st.one_of(st.none(), st.integers(1, 3)))}
     if entry == "jacobian":
         return {"mode": draw(st.sampled_from(["auto", "forward", "reverse"])), "batched": draw(st.booleans()),
-                "structure": draw(st.sampled_from(["auto", "independent", "coupled"]))}
+                "structure": draw(st.sampled_from(structures + ["diagonal"] * pointwise)), **chunk}
     if entry == "jacobian_params":
         return {"mode": draw(st.sampled_from(["auto", "forward", "reverse"])), "batched": draw(st.booleans()),
-                "flatten": draw(st.booleans())}
+                "flatten": draw(st.booleans()), **chunk}
+    structure = {"structure": draw(st.sampled_from(structures)), **chunk}
     if entry == "derivative":
-        return {"order": draw(st.integers(1, 4)), "structure": draw(st.sampled_from(["auto", "independent", "coupled"]))}
-    structure = {"structure": draw(st.sampled_from(["auto", "independent", "coupled"]))}
+        return {"order": draw(st.integers(1, 4)), **structure}
+    coordinate = st.integers(-d, d - 1)  # negative ones count from the end
     if entry == "partial":
         order = draw(st.integers(1, 3))
-        return {"dims": tuple(draw(st.integers(0, d - 1)) for _ in range(order)), **structure}
+        return {"dims": tuple(draw(coordinate) for _ in range(order)), **structure}
     if entry == "partials":
         n = draw(st.integers(1, 3))
-        dims = [tuple(draw(st.integers(0, d - 1)) for _ in range(draw(st.integers(1, 3)))) for _ in range(n)]
+        dims = [tuple(draw(coordinate) for _ in range(draw(st.integers(1, 3)))) for _ in range(n)]
         return {"dims": dims, **structure}
     if entry in ("hessian", "laplacian", "divergence"):
         return structure
-    if entry == "per_sample_grads":
-        return {"loss": draw(st.sampled_from(["sq", "mse_y", "cross_entropy_y"]))}
+    if entry == "per_sample_grads":  # cross-entropy over one class is constant: left out
+        return {"loss": draw(st.sampled_from(["sq", "mse_y"] + ["cross_entropy_y"] * (out_shape[0] > 1)))}
     if entry == "ntk":
         return {"method": draw(st.sampled_from(["auto", "contraction", "products", "structured"])),
                 "trace": draw(st.booleans()), "x2": draw(st.booleans())}
@@ -436,18 +447,32 @@ def cases(draw: st.DrawFn) -> Case:
     entry = draw(st.sampled_from(ENTRIES))
     head, spec, in_shape, width = draw(_head(entry))
     batch = draw(st.integers(1, 3))
-    blocks, width = draw(_blocks(width, coupled_ok=head not in ("rnn", "gru", "lstm")))
-    if entry == "divergence":
+    pointwise = entry in INPUT_ENTRIES and head in ("flat", "multi") and draw(st.integers(0, 3)) == 0
+    if pointwise:  # elementwise ops on x itself: the output has the input's shape
+        blocks = [draw(_elementwise()) for _ in range(draw(st.integers(1, 3)))]
         out_shape = in_shape
     else:
-        out_shape = draw(st.sampled_from([(1,), (2,), (3,), (2, 2), (1, 2)]))
-    options = _entry_options(draw, entry, in_shape, out_shape)
+        blocks, width = draw(_blocks(width, coupled_ok=head not in ("rnn", "gru", "lstm")))
+        if entry == "divergence":
+            out_shape = in_shape
+        else:
+            out_shape = draw(st.sampled_from([(1,), (2,), (3,), (2, 2), (1, 2)]))
+    options = _entry_options(draw, entry, in_shape, out_shape, pointwise)
     convention = draw(st.sampled_from(_conventions(entry, options, head)))
     dtype = draw(st.sampled_from([torch.float64, torch.float32]))
     column = draw(st.booleans()) if entry == "derivative" else True
     return Case(seed=draw(st.integers(0, 2**16)), head=head, head_spec=spec, in_shape=in_shape, blocks=blocks,
                 width=width, out_shape=out_shape, batch=batch, dtype=dtype, entry=entry, options=options,
-                convention=convention, column=column)
+                convention=convention, column=column, pointwise=pointwise)
+
+
+@st.composite
+def _elementwise(draw: st.DrawFn) -> tuple:
+    kind = draw(st.sampled_from(["act", "act", "quotient", "square"]))
+    if kind == "act":
+        name = draw(st.sampled_from(sorted(ACTIVATIONS)))
+        return ("act", name, draw(st.sampled_from(spellings(name))))
+    return ("op", kind, 0, 0)
 
 
 Fn = Callable[[Tensor], Tensor]

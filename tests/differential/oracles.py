@@ -55,9 +55,17 @@ def input_jacobian(f: Fn, x: Tensor, batched: bool) -> Tensor:
     return d.reshape(*d.shape[:-1], *x.shape[1:])
 
 
-def derivative(f: Fn, t: Tensor, order: int) -> Tensor:
-    col = t.reshape(-1, 1)
-    return derivatives(f, col, order).reshape(col.shape[0], *f(col).shape[1:])
+def diagonal(f: Fn, x: Tensor, batched: bool) -> Tensor:
+    """The diagonal of the (per-sample, or with batched=False the full) Jacobian, shape of x."""
+    j = input_jacobian(f, x, batched)
+    n = x[0].numel() if batched else x.numel()
+    return j.reshape(-1, n, n).diagonal(dim1=-2, dim2=-1).reshape(x.shape)
+
+
+def derivative(f: Fn, t: Tensor, order: int, as_given: bool = False) -> Tensor:
+    """d^k f / dt^k per sample, f applied to t (B, 1), or to t as given when f takes (B,)."""
+    t = t if as_given else t.reshape(-1, 1)
+    return derivatives(f, t, order).reshape(t.shape[0], *f(t).shape[1:])
 
 
 def partial(f: Fn, x: Tensor, dims: Sequence[int]) -> Tensor:

@@ -116,10 +116,12 @@ def call(case: G.Case, f: Any, net: nn.Module, x: Tensor, extra: dict, create_gr
     """The jacmode entry point of ``case`` (``f`` for the input derivatives, ``net`` for products)."""
     e, o = case.entry, case.options
     cg = {"create_graph": True} if create_graph else {}
+    cg["chunk_size"] = o.get("chunk_size")
     if e == "jacobian":
         return jm.jacobian(f, x, mode=o["mode"], batched=o["batched"], structure=o["structure"], **cg)
     if e == "jacobian_params":
-        return jm.jacobian(f, x, wrt="params", mode=o["mode"], batched=o["batched"], flatten=o["flatten"])
+        return jm.jacobian(f, x, wrt="params", mode=o["mode"], batched=o["batched"], flatten=o["flatten"],
+                           chunk_size=o["chunk_size"])
     if e == "derivative":
         return jm.derivative(f, x, order=o["order"], structure=o["structure"], **cg)
     if e == "partial":
@@ -138,12 +140,14 @@ def call(case: G.Case, f: Any, net: nn.Module, x: Tensor, extra: dict, create_gr
 def reference(case: G.Case, f64: Callable[[Tensor], Tensor], net64: nn.Module, x: Tensor, extra: dict) -> Any:
     """The oracle of ``call`` in float64."""
     e, o = case.entry, case.options
+    if e == "jacobian" and o["structure"] == "diagonal":
+        return O.diagonal(f64, x, o["batched"])
     if e == "jacobian":
         return O.input_jacobian(f64, x, o["batched"])
     if e == "jacobian_params":
         return O.param_jacobian(net64, x, o["batched"])
     if e == "derivative":
-        return O.derivative(f64, x, o["order"])
+        return O.derivative(f64, x, o["order"], as_given=case.pointwise and not case.column)
     if e == "partial":
         return O.partial(f64, x, o["dims"])
     if e == "partials":
