@@ -1,7 +1,8 @@
 """Regression tests for what the differential harness found, each settled by a third method.
 
 Fixed here: layer-wise reverse mode for parameters ran Y copies of a one-sample batch through f
-(repeated rows), which is a different function when f reduces over dim 0. Not fixed here (known.py
+(repeated rows), which is a different function when f reduces over dim 0; forward mode under
+torch.inference_mode() wrote zero columns for chunks of one direction. Not fixed here (known.py
 entries marked NEW or C, strict xfails so that a fix shows up): LSTM float32 reverse mode under
 no_grad, torch.func.vmap around a call with structure="auto", BatchNorm training statistics
 behind a lambda at B = 2, torch's forward-mode batch_norm above first order.
@@ -45,6 +46,20 @@ def test_param_jacobian_of_one_sample_is_fs_own_when_f_reduces_over_dim_0(mode: 
     assert want[..., :2].abs().max() == 0
     torch.testing.assert_close(jm.jacobian(net, x, wrt="params", mode=mode), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(jm.ggn(net, x, "mse"), torch.einsum("byp,byq->pq", want, want), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 2, 5])
+def test_forward_mode_param_jacobian_under_inference_mode(chunk_size: int) -> None:
+    """Under torch.inference_mode() dual tensors lose their tangent (torch's make_dual), and the
+    chunk of one direction read the missing tangent as "independent": zero columns, no error.
+    Settled by reverse mode and the autograd loop outside inference mode."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    x = torch.randn(3, 2, dtype=torch.float64)
+    want = torch.cat([_loop_param_jacobian(net, x[b : b + 1]) for b in range(3)])
+    with torch.inference_mode():
+        got = jm.jacobian(net, x, wrt="params", mode="forward", chunk_size=chunk_size)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.xfail(reason="NEW (known.py): LSTM float32 reverse mode under no_grad raises torch's raw workspace error")
