@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -269,11 +269,6 @@ class Case:
         kinds = {b[1] for b in self.blocks if b[0] in ("op", "norm")}
         return self.batch > 1 and bool(kinds & {*COUPLED_OPS, "batchnorm_train"})
 
-    @property
-    def elementwise(self) -> bool:
-        """Output i depends on input i alone (structure='diagonal' is valid)."""
-        return self.pointwise
-
     def model_key(self) -> str:
         parts = ["pointwise" if self.pointwise else self.head] + ["-".join(str(v) for v in b[:3] if not isinstance(v, int)) for b in self.blocks]
         return "/".join(parts)
@@ -474,5 +469,3 @@ def _elementwise(draw: st.DrawFn) -> tuple:
         return ("act", name, draw(st.sampled_from(spellings(name))))
     return ("op", kind, 0, 0)
 
-
-Fn = Callable[[Tensor], Tensor]

@@ -32,17 +32,6 @@ def _kinds(case: G.Case) -> set[str]:
     return {b[1] for b in case.blocks}
 
 
-def _order(case: G.Case) -> int:
-    o = case.options
-    if case.entry == "derivative":
-        return o["order"]
-    if case.entry == "partial":
-        return len(o["dims"])
-    if case.entry == "partials":
-        return max(len(d) for d in o["dims"])
-    return 2 if case.entry in ("hessian", "laplacian") else 1
-
-
 def _differentiates_result(case: G.Case) -> bool:
     """The convention differentiates jacmode's result once more (one order higher)."""
     return case.convention in ("grad_create_graph", "func_grad", "jacrev")
@@ -67,13 +56,13 @@ KNOWN: list[Known] = [
           lambda c: c.entry == "per_sample_grads" and c.head in RNNS),
     Known("C", "LayerNorm above first order: paths that lean on torch's layer_norm derivative formulas (nested "
                "jvp, the coupled structure) return torch's wrong numbers",
-          lambda c: "layernorm" in _kinds(c) and _order(c) + _differentiates_result(c) >= 2),
+          lambda c: "layernorm" in _kinds(c) and R.order(c) + _differentiates_result(c) >= 2),
     Known("C", "BatchNorm in training mode (structure='coupled'): torch's forward-mode formula of batch_norm "
                "with batch statistics is wrong above first order (forward-over-forward and reverse-over-forward "
                "disagree with reverse-over-reverse, finite differences and the op in primitives), and the "
                "nested-jvp engine inherits it (found by this harness; the same holds for instance_norm)",
           lambda c: "batchnorm_train" in _kinds(c) and c.batch > 1 and R.expected_error(c) is None
-          and _order(c) + _differentiates_result(c) >= 2),
+          and R.order(c) + _differentiates_result(c) >= 2),
     Known("D", "causal coupling along dim 0 (torch.cumsum(x, 0)) goes undetected: per-sample results are "
                "returned where CoupledBatchError is due",
           lambda c: "cumsum" in _kinds(c) and c.batch > 1),

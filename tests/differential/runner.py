@@ -8,7 +8,6 @@ result where an error is due (coupled samples, integer inputs differentiated).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import re
@@ -350,7 +349,3 @@ def _where(err: BaseException) -> str:
     frames = traceback.extract_tb(err.__traceback__)[-4:]
     return "\n".join(f"  {os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in frames)
 
-
-@contextlib.contextmanager
-def nothing() -> Any:
-    yield
