@@ -237,8 +237,13 @@ class Net(nn.Module):
 INPUT_ENTRIES = ("jacobian", "derivative", "partial", "partials", "hessian", "laplacian", "divergence")
 PRODUCTS = ("per_sample_grads", "ntk", "ggn")
 ENTRIES = (*INPUT_ENTRIES, "jacobian_params", *PRODUCTS)
+# module: f = net; lambda: f = lambda x: net(x); fcall_same / fcall_other: functional_call(net, params, (x,))
+# with params equal to / different from net's; no_grad, inference_mode: the call inside that context;
+# grad_create_graph: autograd.grad of a create_graph=True result wrt x and net's parameters;
+# fcall_autograd: the same wrt leaf tensors passed through functional_call; func_grad: torch.func.grad
+# over those parameters; vmap: torch.func.vmap over two stacked batches; jacrev: torch.func.jacrev wrt x.
 CONVENTIONS = ("module", "lambda", "fcall_same", "fcall_other", "no_grad", "inference_mode",
-               "grad_create_graph", "func_grad", "vmap", "jacrev")
+               "grad_create_graph", "fcall_autograd", "func_grad", "vmap", "jacrev")
 INT_HEADS = ("embedding", "embeddingbag")
 
 
@@ -431,7 +436,7 @@ def _conventions(entry: str, options: dict, head: str) -> list[str]:
     if head in INT_HEADS:  # differentiating integer inputs: the error is the answer
         return ["module", "lambda", "no_grad", "inference_mode"]
     conv = ["module", "lambda", "fcall_same", "fcall_other", "no_grad", "inference_mode", "grad_create_graph",
-            "func_grad", "vmap", "jacrev"]
+            "fcall_autograd", "func_grad", "vmap", "jacrev"]
     if (entry == "jacobian" and not options["batched"]) or head in ("rnn", "gru", "lstm"):
         conv.remove("vmap")  # nothing to stack over; torch.func has no batching rule for RNNs
     return conv

@@ -34,13 +34,13 @@ def _kinds(case: G.Case) -> set[str]:
 
 def _differentiates_result(case: G.Case) -> bool:
     """The convention differentiates jacmode's result once more (one order higher)."""
-    return case.convention in ("grad_create_graph", "func_grad", "jacrev")
+    return case.convention in ("grad_create_graph", "fcall_autograd", "func_grad", "jacrev")
 
 
 KNOWN: list[Known] = [
-    Known("A", "torch.func.grad over a create_graph=True result of f = functional_call(net, p, .): the fast "
-               "engines read net's own parameters, so the gradient with respect to p is zero",
-          lambda c: c.convention == "func_grad" and not c.coupled and c.options.get("batched", True)
+    Known("A", "gradients (torch.func.grad, or autograd.grad wrt leaf tensors) of a create_graph=True result of "
+               "f = functional_call(net, p, .): the fast engines read net's own parameters, so d/dp is zero",
+          lambda c: c.convention in ("func_grad", "fcall_autograd") and not c.coupled and c.options.get("batched", True)
           and c.options.get("structure") != "coupled"
           and not (c.entry == "jacobian" and c.options["mode"] == "reverse")),
     Known("B", "integer inputs (Embedding, EmbeddingBag ids): per_sample_grads / ntk return the ids' int dtype, "

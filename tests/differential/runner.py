@@ -221,6 +221,10 @@ def run_jacmode(case: G.Case, net: nn.Module, x: Tensor, extra: dict, weights_se
         xg = x.detach().clone().requires_grad_(x.is_floating_point())
         result = call(case, net, net, xg, extra, create_graph=True)
         return _gradients(_scalar(result, _weights(result, weights_seed)), [xg, *net.parameters()])
+    if c == "fcall_autograd":
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+        result = call(case, lambda z: functional_call(net, leaves, (z,)), net, x, extra, create_graph=True)
+        return dict(zip(leaves, _gradients(_scalar(result, _weights(result, weights_seed)), list(leaves.values()))))
     if c == "func_grad":
         def loss_of(p: dict[str, Tensor]) -> Tensor:
             result = call(case, lambda z: functional_call(net, p, (z,)), net, x, extra, create_graph=True)
@@ -248,6 +252,10 @@ def run_reference(case: G.Case, net64: nn.Module, x: Tensor, extra: dict, weight
         xg = x.detach().clone().requires_grad_(x.is_floating_point())
         result = reference(case, net64, net64, xg, extra)
         return _gradients(_scalar(result, _weights(result, weights_seed)), [xg, *net64.parameters()])
+    if c == "fcall_autograd":
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+        result = reference(case, lambda z: functional_call(net64, leaves, (z,)), net64, x, extra)
+        return dict(zip(leaves, _gradients(_scalar(result, _weights(result, weights_seed)), list(leaves.values()))))
     if c == "func_grad":
         def loss_of(p: dict[str, Tensor]) -> Tensor:
             result = reference(case, lambda z: functional_call(net64, p, (z,)), net64, x, extra)
