@@ -41,6 +41,7 @@ KNOWN: list[Known] = [
     Known("A", "gradients (torch.func.grad, or autograd.grad wrt leaf tensors) of a create_graph=True result of "
                "f = functional_call(net, p, .): the fast engines read net's own parameters, so d/dp is zero",
           lambda c: c.convention in ("func_grad", "fcall_autograd") and not c.coupled and c.options.get("batched", True)
+          and not c.pointwise and c.head not in RNNS  # no parameters; RNNs take the exact generic path
           and c.options.get("structure") != "coupled"
           and not (c.entry == "jacobian" and c.options["mode"] == "reverse")),
     Known("B", "integer inputs (Embedding, EmbeddingBag ids): per_sample_grads / ntk return the ids' int dtype, "
@@ -65,7 +66,7 @@ KNOWN: list[Known] = [
           and R.order(c) + _differentiates_result(c) >= 2),
     Known("D", "causal coupling along dim 0 (torch.cumsum(x, 0)) goes undetected: per-sample results are "
                "returned where CoupledBatchError is due",
-          lambda c: "cumsum" in _kinds(c) and c.batch > 1),
+          lambda c: "cumsum" in _kinds(c) and R.expected_error(c) is not None),
     Known("NEW", "nn.LSTM in float32 on CPU (the mkldnn kernel) in reverse mode: jacmode runs torch.func.vjp under "
                  "torch.no_grad(), where that kernel keeps no workspace, so its backward raises torch's raw "
                  "'Expected a proper Tensor but got None ... workspace' (torch.func.jacrev outside no_grad works)",
