@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, Optional, Sequence
+import os
+from typing import Any, Callable, Optional, Sequence
 
 import pytest
 import torch
@@ -12,6 +13,33 @@ from torch import Tensor, nn
 # Tests compare numbers, not speed: one intra-op thread keeps them fast and steady on a busy
 # 2-core machine (and makes float reductions deterministic).
 torch.set_num_threads(1)
+
+# The differential harness (tests/differential) keeps its tally here for the summary line.
+DIFFERENTIAL: pytest.StashKey[Any] = pytest.StashKey()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--soak", type=float, default=None, metavar="MINUTES",
+        help="run random differential cases (tests/differential) for MINUTES; also JACMODE_SOAK=<minutes>",
+    )
+
+
+@pytest.fixture
+def soak_minutes(request: pytest.FixtureRequest) -> Optional[float]:
+    """Minutes of soak asked for with --soak or JACMODE_SOAK, None for the CI run."""
+    value = request.config.getoption("--soak")
+    if value is None and os.environ.get("JACMODE_SOAK"):
+        value = float(os.environ["JACMODE_SOAK"])
+    return value
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    tally = config.stash.get(DIFFERENTIAL, None)
+    if tally is not None and tally.runs:
+        terminalreporter.section("differential harness")
+        for line in tally.summary():
+            terminalreporter.write_line(line)
 
 
 def ref_input_jacobian(f: Callable[[Tensor], Tensor], x: Tensor, batched: bool = True) -> Tensor:

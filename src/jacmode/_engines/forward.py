@@ -8,7 +8,9 @@ callback that builds the chunk of tangents (or cotangents) with a leading direct
 result. What the directions mean (broadcast over independent samples, one-hot over the whole batch,
 a single vector of ones for elementwise maps) is decided in ``_structure.py``; the engines only
 differentiate. A chunk of one direction uses dual tensors directly, which skips ``vmap`` and is the
-fastest way to run a single jvp.
+fastest way to run a single jvp; not under ``torch.inference_mode()``, where ``make_dual`` silently
+drops the tangent (the output's tangent is None, which would read as "does not depend on the
+input"), while ``torch.func.jvp`` still differentiates.
 
 NOTE: [Forward mode and threads]
 PyTorch keeps the forward-AD level (``torch.autograd.forward_ad``) and the jvp nesting depth of
@@ -50,7 +52,7 @@ def pushforward(fn: Callable[[Tensor], Tensor], primal: Tensor, tangents: Tensor
         Shape (K, *fn(primal).shape).
     """
     with _FORWARD_AD_LOCK:
-        if tangents.shape[0] == 1:
+        if tangents.shape[0] == 1 and not torch.is_inference_mode_enabled():  # see the note above
             with fwAD.dual_level():
                 out = fn(fwAD.make_dual(primal, tangents[0]))
                 tangent = fwAD.unpack_dual(out).tangent

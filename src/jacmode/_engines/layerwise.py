@@ -87,8 +87,10 @@ def _repeated_rows(model: nn.Module, x: Tensor, cov: Coverage, n_out: int) -> Op
     ordinary reverse pass, to G[k, b] at every probe. For small Y*B this beats the vectorised pass
     over Y (``is_grads_batched`` pays a fixed cost of about 0.1 ms for its batching machinery);
     the rules read the first copy of each layer's input. Not with random layers (each copy would
-    draw its own mask). Returns None when a layer does not see the Y*B rows first (the caller then
-    takes the vectorised pass).
+    draw its own mask), and not for a batch of one sample: the coupling probe needs two samples, so
+    at B = 1 nothing has shown that f treats dim 0 as samples (``h - h.mean(0)`` is 0 on one sample,
+    not on Y copies of it). Returns None when a layer does not see the Y*B rows first (the caller
+    then takes the vectorised pass).
     """
     B = x.shape[0]
     rows = n_out * B
@@ -215,7 +217,8 @@ def jacobian(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
     result = out if out is not None else p.z.new_empty(B, Y, N)
     step_b = plan.sample_chunk or B
     for b0 in range(0, B, step_b):  # chunks of samples: max_memory
-        fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b], repeat=not p.random and plan.costs.get("reverse", 1.0) < REPEAT_COST)
+        fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b],
+             repeat=not p.random and B > 1 and plan.costs.get("reverse", 1.0) < REPEAT_COST)
     rest = [n for n, _ in named if n in p.probes.uncovered]
     if rest:
         starts, cols = 0, []

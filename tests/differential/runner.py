@@ -1,0 +1,359 @@
+"""Run one drawn case through jacmode and through the oracle, and judge the outcome.
+
+A case passes when jacmode's result matches the float64 oracle to the tolerance of its dtype and
+order, or when jacmode raises one of its own clear errors (``clear_error``). It fails on a
+mismatch, a raw error (torch's, an assert, a jacmode error that names no argument or fix), or a
+result where an error is due (coupled samples, integer inputs differentiated).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import traceback
+from typing import Any, Callable, Optional
+
+import grammar as G
+import oracles as O
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+import jacmode as jm
+
+JACMODE_DIR = os.path.dirname(os.path.abspath(jm.__file__))
+
+# max |got - want| <= TOL[dtype][order] * (max |want| + FLOOR)
+TOL = {torch.float64: {1: 1e-9, 2: 1e-8, 3: 1e-7, 4: 1e-6}, torch.float32: {1: 2e-4, 2: 1e-3, 3: 5e-3, 4: 2e-2}}
+FLOOR = 1e-2
+
+CLEAR_TYPES = (TypeError, ValueError, MemoryError)  # jm.CoupledBatchError is a ValueError
+NAMES_ARGUMENT = re.compile(r"^[A-Za-z_][\w.]*(\([\w, ]*\))?(\[[^\]]*\])?: ")
+NAMES_FIX = re.compile(r"\b(use|pass|set|drop|call|select|wrap|raise|remove|split|fix|convert|give|ask|"
+                       r"move|keep|cast|put|make|instead|must|expected)\b", re.IGNORECASE)
+
+
+def clear_error(err: BaseException) -> Optional[str]:
+    """None when ``err`` is one of jacmode's clear errors, else why not.
+
+    Clear: a TypeError, ValueError (CoupledBatchError included) or MemoryError, raised by a
+    ``raise`` statement in jacmode's own source (the innermost frame of the traceback is a file of
+    the jacmode package), whose message names what was wrong (starts with an argument name and a
+    colon, e.g. "x: expected ...", except for MemoryError, which names the sizes) and a fix (an
+    imperative such as use / pass / set / drop / call / select, or what was "expected").
+    """
+    if not isinstance(err, CLEAR_TYPES):
+        return f"{type(err).__name__} is not a TypeError, ValueError or MemoryError"
+    frames = traceback.extract_tb(err.__traceback__)
+    where = os.path.abspath(frames[-1].filename) if frames else "?"
+    if not where.startswith(JACMODE_DIR):
+        return f"raised outside jacmode ({where}:{frames[-1].lineno if frames else '?'})"
+    msg = str(err)
+    if not isinstance(err, MemoryError) and not NAMES_ARGUMENT.match(msg):
+        return "the message does not start with the argument it is about ('name: ...')"
+    if not NAMES_FIX.search(msg):
+        return "the message names no fix"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Outcome:
+    status: str  # "match", "clear_error", "expected_error", or a failure: "mismatch", "raw_error", "no_error"
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status in ("match", "clear_error", "expected_error")
+
+
+def expected_error(case: G.Case) -> Optional[str]:
+    """The error jacmode owes for this case, if any."""
+    if case.integer and case.entry in G.INPUT_ENTRIES:
+        return "integer inputs have no input derivatives"
+    if not case.coupled:
+        return None
+    if case.entry in G.PRODUCTS:
+        return "coupled samples"
+    if case.entry in ("jacobian", "jacobian_params") and not case.options["batched"]:
+        return None
+    if case.options.get("structure", "auto") == "auto":
+        return "coupled samples"
+    return None
+
+
+def valid(case: G.Case) -> bool:
+    """Cases whose answer is the user's own promise are left out: structure='independent' on
+    coupled samples (the user asserts what is false); models that torch itself cannot evaluate."""
+    if any(b[1] == "batchnorm_train" for b in case.blocks) and case.batch == 1:
+        return False  # torch itself refuses BatchNorm training statistics of one sample
+    return not (case.coupled and case.options.get("structure") == "independent")
+
+
+def effective_params(case: G.Case, net: nn.Module) -> dict[str, Tensor]:
+    """The parameter values f really uses under the case's convention (float64)."""
+    params = {k: v.detach().clone() for k, v in net.named_parameters()}
+    if case.convention == "fcall_other":
+        gen = torch.Generator().manual_seed(case.seed + 1)
+        params = {k: v + 0.25 * torch.randn(v.shape, generator=gen, dtype=torch.float64).to(v.dtype)
+                  for k, v in params.items()}
+    return params
+
+
+def loss_setup(case: G.Case, gen: torch.Generator) -> tuple[Callable[..., Tensor], Optional[Tensor]]:
+    kind = case.options["loss"]
+    y = O.loss_targets(kind, case.out_shape, case.batch, gen)
+    if kind == "cross_entropy_y" and len(case.out_shape) == 0:
+        y = None
+    return O.losses(kind), y
+
+
+def call(case: G.Case, f: Any, net: nn.Module, x: Tensor, extra: dict, create_graph: bool = False) -> Any:
+    """The jacmode entry point of ``case`` (``f`` for the input derivatives, ``net`` for products)."""
+    e, o = case.entry, case.options
+    cg = {"create_graph": True} if create_graph else {}
+    cg["chunk_size"] = o.get("chunk_size")
+    if e == "jacobian":
+        return jm.jacobian(f, x, mode=o["mode"], batched=o["batched"], structure=o["structure"], **cg)
+    if e == "jacobian_params":
+        return jm.jacobian(f, x, wrt="params", mode=o["mode"], batched=o["batched"], flatten=o["flatten"],
+                           chunk_size=o["chunk_size"])
+    if e == "derivative":
+        return jm.derivative(f, x, order=o["order"], structure=o["structure"], **cg)
+    if e == "partial":
+        return jm.partial(f, x, o["dims"], structure=o["structure"], **cg)
+    if e == "partials":
+        return jm.partials(f, x, o["dims"], structure=o["structure"], **cg)
+    if e in ("hessian", "laplacian", "divergence"):
+        return getattr(jm, e)(f, x, structure=o["structure"], **cg)
+    if e == "per_sample_grads":
+        return jm.per_sample_grads(net, x, extra["loss"], y=extra["y"])
+    if e == "ntk":
+        return jm.ntk(net, x, extra["x2"], method=o["method"], trace=o["trace"])
+    return jm.ggn(net, x, o["loss"], diagonal=o["diagonal"])
+
+
+def reference(case: G.Case, f64: Callable[[Tensor], Tensor], net64: nn.Module, x: Tensor, extra: dict) -> Any:
+    """The oracle of ``call`` in float64."""
+    e, o = case.entry, case.options
+    if e == "jacobian" and o["structure"] == "diagonal":
+        return O.diagonal(f64, x, o["batched"])
+    if e == "jacobian":
+        return O.input_jacobian(f64, x, o["batched"])
+    if e == "jacobian_params":
+        return O.param_jacobian(net64, x, o["batched"])
+    if e == "derivative":
+        return O.derivative(f64, x, o["order"], as_given=case.pointwise and not case.column)
+    if e == "partial":
+        return O.partial(f64, x, o["dims"])
+    if e == "partials":
+        return tuple(O.partial(f64, x, d) for d in o["dims"])
+    if e in ("hessian", "laplacian", "divergence"):
+        return getattr(O, e)(f64, x)
+    if e == "per_sample_grads":
+        return O.per_sample_grads(net64, x, extra["loss"], extra["y"])
+    if e == "ntk":
+        return O.ntk(net64, x, extra["x2"], o["trace"])
+    return O.ggn(net64, x, o["loss"], o["diagonal"])
+
+
+def order(case: G.Case) -> int:
+    o = case.options
+    if case.entry == "derivative":
+        return o["order"]
+    if case.entry == "partial":
+        return len(o["dims"])
+    if case.entry == "partials":
+        return max(len(d) for d in o["dims"])
+    if case.entry in ("hessian", "laplacian"):
+        return 2
+    return 1
+
+
+def _weights(like: Any, seed: int) -> Any:
+    gen = torch.Generator().manual_seed(seed)
+    if isinstance(like, tuple):
+        return tuple(_weights(v, seed + i) for i, v in enumerate(like))
+    return torch.randn(like.shape, generator=gen, dtype=torch.float64)
+
+
+def _scalar(result: Any, weights: Any) -> Tensor:
+    if isinstance(result, tuple):
+        return sum(_scalar(r, w) for r, w in zip(result, weights))
+    return (result * weights.to(result.dtype)).sum()
+
+
+def _gradients(loss: Tensor, leaves: list[Tensor]) -> tuple[Tensor, ...]:
+    """d loss / d leaves; a loss that does not require grad is a constant (zero gradients), which the
+    comparison with the oracle's gradients then checks (a derivative of a linear model above its
+    degree is zero whatever the parameters)."""
+    if not loss.requires_grad:
+        return tuple(torch.zeros_like(v) for v in leaves)
+    grads = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return tuple(torch.zeros_like(v) if g is None else g for g, v in zip(grads, leaves))
+
+
+def _cast(t: Tensor, dtype: torch.dtype) -> Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def run_jacmode(case: G.Case, net: nn.Module, x: Tensor, extra: dict, weights_seed: int) -> Any:
+    """jacmode's answer under the case's calling convention (the model and x in case.dtype)."""
+    c = case.convention
+    params = {k: _cast(v, case.dtype) for k, v in effective_params(case, net).items()}
+    if c == "lambda":
+        return call(case, lambda z: net(z), net, x, extra)
+    if c in ("fcall_same", "fcall_other"):
+        return call(case, lambda z: functional_call(net, params, (z,)), net, x, extra)
+    if c == "no_grad":
+        with torch.no_grad():
+            return call(case, net, net, x, extra)
+    if c == "inference_mode":
+        with torch.inference_mode():
+            return call(case, net, net, x, extra)
+    if c == "grad_create_graph":
+        xg = x.detach().clone().requires_grad_(x.is_floating_point())
+        result = call(case, net, net, xg, extra, create_graph=True)
+        return _gradients(_scalar(result, _weights(result, weights_seed)), [xg, *net.parameters()])
+    if c == "fcall_autograd":
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+        result = call(case, lambda z: functional_call(net, leaves, (z,)), net, x, extra, create_graph=True)
+        return dict(zip(leaves, _gradients(_scalar(result, _weights(result, weights_seed)), list(leaves.values()))))
+    if c == "func_grad":
+        def loss_of(p: dict[str, Tensor]) -> Tensor:
+            result = call(case, lambda z: functional_call(net, p, (z,)), net, x, extra, create_graph=True)
+            return _scalar(result, _weights(result, weights_seed))
+        return torch.func.grad(loss_of)(params)
+    if c == "vmap":
+        return torch.func.vmap(lambda xb: call(case, net, net, xb, extra))(extra["stack"])
+    if c == "jacrev":
+        def vector(z: Tensor) -> Tensor:
+            result = call(case, net, net, z, extra, create_graph=True)
+            w = _weights(result, weights_seed)
+            parts = result if isinstance(result, tuple) else (result,)
+            ws = w if isinstance(result, tuple) else (w,)
+            return sum((r * wi.to(r.dtype)).reshape(r.shape[0], -1).sum(1) for r, wi in zip(parts, ws))
+        return torch.func.jacrev(vector)(x)
+    return call(case, net, net, x, extra)
+
+
+def run_reference(case: G.Case, net64: nn.Module, x: Tensor, extra: dict, weights_seed: int) -> Any:
+    """The oracle's answer under the same convention, in float64 on the primitive model."""
+    c = case.convention
+    params = effective_params(case, net64)
+    f64 = lambda z: functional_call(net64, params, (z,))  # noqa: E731
+    if c == "grad_create_graph":
+        xg = x.detach().clone().requires_grad_(x.is_floating_point())
+        result = reference(case, net64, net64, xg, extra)
+        return _gradients(_scalar(result, _weights(result, weights_seed)), [xg, *net64.parameters()])
+    if c == "fcall_autograd":
+        leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+        result = reference(case, lambda z: functional_call(net64, leaves, (z,)), net64, x, extra)
+        return dict(zip(leaves, _gradients(_scalar(result, _weights(result, weights_seed)), list(leaves.values()))))
+    if c == "func_grad":
+        def loss_of(p: dict[str, Tensor]) -> Tensor:
+            result = reference(case, lambda z: functional_call(net64, p, (z,)), net64, x, extra)
+            return _scalar(result, _weights(result, weights_seed))
+        return torch.func.grad(loss_of)(params)
+    if c == "vmap":
+        each = [reference(case, f64, net64, xb, extra) for xb in extra["stack"]]
+        if isinstance(each[0], tuple):
+            return tuple(torch.stack(parts) for parts in zip(*each))
+        return torch.stack(each)
+    if c == "jacrev":
+        def vector(z: Tensor) -> Tensor:
+            result = reference(case, net64, net64, z, extra)
+            w = _weights(result, weights_seed)
+            parts = result if isinstance(result, tuple) else (result,)
+            ws = w if isinstance(result, tuple) else (w,)
+            return sum((r * wi).reshape(r.shape[0], -1).sum(1) for r, wi in zip(parts, ws))
+        return torch.func.jacrev(vector)(x)
+    return reference(case, f64, net64, x, extra)
+
+
+def compare(got: Any, want: Any, case: G.Case, net: nn.Module, what: str = "result") -> Optional[str]:
+    """None when ``got`` matches ``want``, else the difference."""
+    if isinstance(want, dict):
+        if not isinstance(got, dict) or list(got) != list(want):
+            return f"{what}: expected a dict with keys {list(want)}, got {type(got).__name__}"
+        for k in want:
+            bad = compare(got[k], want[k], case, net, f"{what}[{k!r}]")
+            if bad:
+                return bad
+        return None
+    if isinstance(want, tuple):
+        if not isinstance(got, tuple) or len(got) != len(want):
+            return f"{what}: expected a tuple of {len(want)}, got {type(got).__name__}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            bad = compare(g, w, case, net, f"{what}[{i}]")
+            if bad:
+                return bad
+        return None
+    if case.entry == "jacobian_params" and not case.options["flatten"]:
+        lead = (case.batch, *case.out_shape)  # batched=False: (*f(x).shape, *param.shape)
+        try:
+            got = O.flat_dict(got, lead, {n: p.shape for n, p in net.named_parameters()})
+        except AssertionError as err:
+            return f"{what}: {err}"
+        want = want.reshape(*lead, want.shape[-1])
+    if not isinstance(got, Tensor):
+        return f"{what}: expected a tensor, got {type(got).__name__}"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    if got.dtype != case.dtype:
+        return f"{what}: dtype {got.dtype}, expected {case.dtype} (the dtype of what is differentiated)"
+    want = want.detach()
+    got64 = got.detach().double()
+    if not torch.isfinite(got64).all() and torch.isfinite(want).all():
+        return f"{what}: non-finite values where the oracle is finite"
+    err = (got64 - want).abs().max().item() if want.numel() else 0.0
+    scale = want.abs().max().item() if want.numel() else 0.0
+    tol = TOL[case.dtype][order(case)] * (scale + FLOOR)
+    if not err <= tol:
+        return f"{what}: max |jacmode - oracle| = {err:.3g} > {tol:.3g} (max |oracle| = {scale:.3g})"
+    return None
+
+
+def run_case(case: G.Case) -> Outcome:
+    """Build the model, run jacmode and the oracle, and judge."""
+    gen = torch.Generator().manual_seed(case.seed)
+    net = G.build(case).to(case.dtype)
+    net64 = G.build(case, primitive=True)
+    x64 = G.make_input(case, gen)
+    extra: dict[str, Any] = {"x2": None, "stack": None}
+    if case.entry == "ntk" and case.options["x2"]:
+        extra["x2"] = G.make_input(dataclasses.replace(case, batch=2), gen)
+    if case.entry in ("per_sample_grads",):
+        extra["loss"], extra["y"] = loss_setup(case, gen)
+    if case.convention == "vmap":
+        extra["stack"] = torch.stack([x64, G.make_input(case, gen)])
+    extra64 = dict(extra)
+    extra = {k: (_cast(v, case.dtype) if isinstance(v, Tensor) else v) for k, v in extra.items()}
+    x = _cast(x64, case.dtype)
+    owed = expected_error(case)
+    try:
+        got = run_jacmode(case, net, x, extra, case.seed + 7)
+    except Exception as err:  # noqa: BLE001 -- judged below
+        why = clear_error(err)
+        if why is not None:
+            return Outcome("raw_error", f"{type(err).__name__}: {err} [{why}]\n{_where(err)}")
+        return Outcome("expected_error" if owed else "clear_error", f"{type(err).__name__}: {str(err)[:200]}")
+    if owed:
+        return Outcome("no_error", f"expected an error ({owed}), got a result")
+    want = run_reference(case, net64, x64, extra64, case.seed + 7)
+    if case.convention == "grad_create_graph" and case.integer:
+        got, want = got[1:], want[1:]
+    bad = compare(got, want, case, net)
+    return Outcome("mismatch", bad) if bad else Outcome("match")
+
+
+def _where(err: BaseException) -> str:
+    frames = traceback.extract_tb(err.__traceback__)[-4:]
+    return "\n".join(f"  {os.path.relpath(f.filename)}:{f.lineno} {f.name}" for f in frames)
+
