@@ -38,35 +38,6 @@ def _differentiates_result(case: G.Case) -> bool:
 
 
 KNOWN: list[Known] = [
-    Known("A", "gradients (torch.func.grad, or autograd.grad wrt leaf tensors) of a create_graph=True result of "
-               "f = functional_call(net, p, .): the fast engines read net's own parameters, so d/dp is zero",
-          lambda c: c.convention in ("func_grad", "fcall_autograd") and not c.coupled and c.options.get("batched", True)
-          and not c.pointwise and c.head not in RNNS  # no parameters; RNNs take the exact generic path
-          and c.options.get("structure") != "coupled"
-          and not (c.entry == "jacobian" and c.options["mode"] == "reverse")),
-    Known("B", "integer inputs (Embedding, EmbeddingBag ids): per_sample_grads / ntk return the ids' int dtype, "
-               "ggn raises torch's raw cast error, ntk of EmbeddingBag lacks a forward-mode formula",
-          lambda c: c.integer and c.entry in G.PRODUCTS and R.expected_error(c) is None),
-    Known("B", "Embedding / EmbeddingBag with padding_idx: jacobian(wrt='params') gives the padding row a "
-               "nonzero gradient where torch's is 0",
-          lambda c: c.integer and c.head_spec.get("padding_idx") is not None and c.entry == "jacobian_params"),
-    Known("B", "ggn(loss='cross_entropy') on outputs (B, C, *rest) takes one softmax over all outputs of a "
-               "sample, where torch takes it over dim 1 (classes) per position",
-          lambda c: c.entry == "ggn" and c.options["loss"] == "cross_entropy" and len(c.out_shape) > 1),
-    Known("B", "per_sample_grads of nn.RNN / nn.GRU / nn.LSTM raises torch's raw broadcast error",
-          lambda c: c.entry == "per_sample_grads" and c.head in RNNS),
-    Known("C", "LayerNorm above first order: paths that lean on torch's layer_norm derivative formulas (nested "
-               "jvp, the coupled structure) return torch's wrong numbers",
-          lambda c: "layernorm" in _kinds(c) and R.order(c) + _differentiates_result(c) >= 2),
-    Known("C", "BatchNorm in training mode (structure='coupled'): torch's forward-mode formula of batch_norm "
-               "with batch statistics is wrong above first order (forward-over-forward and reverse-over-forward "
-               "disagree with reverse-over-reverse, finite differences and the op in primitives), and the "
-               "nested-jvp engine inherits it (found by this harness; the same holds for instance_norm)",
-          lambda c: "batchnorm_train" in _kinds(c) and c.batch > 1 and R.expected_error(c) is None
-          and R.order(c) + _differentiates_result(c) >= 2),
-    Known("D", "causal coupling along dim 0 (torch.cumsum(x, 0)) goes undetected: per-sample results are "
-               "returned where CoupledBatchError is due",
-          lambda c: "cumsum" in _kinds(c) and R.expected_error(c) is not None),
     Known("NEW", "nn.LSTM in float32 on CPU (the mkldnn kernel) in reverse mode: jacmode runs torch.func.vjp under "
                  "torch.no_grad(), where that kernel keeps no workspace, so its backward raises torch's raw "
                  "'Expected a proper Tensor but got None ... workspace' (torch.func.jacrev outside no_grad works)",
