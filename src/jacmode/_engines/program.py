@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -45,14 +45,60 @@ class Program:
     output: Any
     ops: list[str]  # the traced operations, for plans
     checked: dict[tuple, Union[tuple[int, ...], str]] = field(default_factory=dict)  # shape -> out shape | reason
+    _dead: Optional[list[tuple[int, ...]]] = field(default=None, repr=False)  # see the note on memory
 
     def run(self, alg: Algebra, x: Traced) -> Any:
+        """The program's output on x, each slot dropped after its last use (see the note)."""
+        dead = self.last_uses()
         env: list[Any] = [x]
-        for step in self.steps:
+        for i, step in enumerate(self.steps):
             args = _resolve(step.args, env)
             kwargs = _resolve(step.kwargs, env) if step.kwargs else {}
             env.append(step.fn(alg, *args, **kwargs) if step.traced else step.fn(*args, **kwargs))
+            del args, kwargs
+            for slot in dead[i]:
+                env[slot] = None
         return _resolve(self.output, env)
+
+    def last_uses(self) -> list[tuple[int, ...]]:
+        """For each step, the slots that no later step (nor the output) reads: computed once.
+
+        NOTE: [Memory of a forward pass]
+        A Taylor pass carries coefficients of shape (L, B, *shape) for every intermediate tensor;
+        kept until the pass ends, they make the peak grow with depth (one (D, B, H) tensor per
+        layer for a Laplacian). A slot is needed only until the step that reads it last, so
+        :meth:`run` drops it there and the peak is that of the widest step or two, not of the
+        whole program. The slot of a step that nobody reads is dropped as soon as it is made.
+        """
+        if self._dead is None:
+            last: dict[int, int] = {}  # slot -> index of the last step that reads it
+            for i, step in enumerate(self.steps):
+                for slot in _refs((step.args, step.kwargs)):
+                    last[slot] = i
+            kept = set(_refs(self.output))
+            dead: list[list[int]] = [[] for _ in self.steps]
+            for slot in range(len(self.steps) + 1):
+                if slot in kept:
+                    continue
+                i = last.get(slot, slot - 1)  # never read: drop it right after the step that made it
+                if i >= 0:
+                    dead[i].append(slot)
+            self._dead = [tuple(d) for d in dead]
+        return self._dead
+
+
+def _refs(a: Any) -> Iterator[int]:
+    """The slots that an argument structure refers to."""
+    if type(a) is Ref:
+        yield a.index
+    elif isinstance(a, (tuple, list)):
+        for v in a:
+            yield from _refs(v)
+    elif isinstance(a, dict):
+        for v in a.values():
+            yield from _refs(v)
+    elif type(a) is slice:
+        yield from _refs((a.start, a.stop, a.step))
 
 
 def _resolve(a: Any, env: list[Any]) -> Any:
