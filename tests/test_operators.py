@@ -223,3 +223,12 @@ def test_operator_errors() -> None:
         jm.biharmonic(f, x, samples=1, return_std=True)
     with pytest.raises(TypeError, match="return_std: expected a bool"):
         jm.biharmonic(f, x, samples=4, return_std=1)
+
+
+def test_rademacher_draws_are_fair_signs() -> None:
+    from jacmode._operators import _draw
+
+    v = _draw((8, 50, 33), torch.zeros(1, dtype=DT), "rademacher", torch.Generator().manual_seed(0))
+    assert v.dtype == DT and set(v.unique().tolist()) == {-1.0, 1.0}
+    assert abs(v.mean().item()) < 4 / v.numel() ** 0.5  # every bit position of the random words is fair
+    assert (v.reshape(-1, 8).mean(0).abs() < 4 / (v.numel() / 8) ** 0.5).all()
