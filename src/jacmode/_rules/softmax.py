@@ -4,7 +4,8 @@ log_softmax(x) = (x - c) - log(sum(exp(x - c))) for any constant c, so c = max(x
 held constant: the function does not depend on it) keeps exp from overflowing, and the rule is the
 composition of a difference, exp, a sum over the dimension, log and a difference: every derivative
 order follows from those rules, none is written here. softmax(x) = exp(log_softmax(x)).
-The dimension must not be the batch (that would mix samples); a ``dtype`` casts the input first.
+The dimension must not be the batch (that would mix samples); a ``dtype`` other than the input's
+is left to the generic engine.
 """
 
 from __future__ import annotations
