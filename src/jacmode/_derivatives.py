@@ -16,7 +16,7 @@ from torch import Tensor
 from . import _operators
 from ._cache import WeakCache
 from ._checks import Options
-from ._operands import Target, check_dims, direction_chunks, evaluate, validated
+from ._operands import SUM_PASS_BYTES, Target, check_dims, direction_chunks, evaluate, validated
 from ._state import preserved_state
 
 Fn = Callable[[Tensor], Tensor]
@@ -360,6 +360,6 @@ def divergence(
 
 def _sum_over_coordinates(t: Target, opts: Options, term: Callable[[range, Optional[int]], Tensor], empty: Tensor) -> Tensor:
     """Sum ``term(chunk, width)`` over the chunks of the D coordinate directions (laplacian, divergence)."""
-    chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
+    chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size, SUM_PASS_BYTES)
     parts = [term(c, width) for c in chunks]
     return sum(parts[1:], parts[0]) if parts else empty

@@ -34,7 +34,7 @@ from ._checks import Options
 from ._engines import collapsed as _collapsed
 from ._engines import directional as _directional
 from ._engines.taylor import Key, _sub_keys
-from ._operands import Target, evaluate, validated
+from ._operands import SUM_PASS_BYTES, Target, direction_chunks, evaluate, validated
 from ._problem import captured
 
 Fn = Callable[[Tensor], Tensor]
@@ -136,9 +136,13 @@ def _evaluate(t: Target, spec: _Terms, z: Tensor, scale: Optional[Tensor], sl: s
     read = [(_slice(w, sl, 0), k) for w, k in spec.read]
     parts: list[Tensor] = []
     if t.program is not None:
-        if spec.diagonal():
+        if spec.diagonal():  # the forward Laplacian along the directions, in chunks (see _operands)
             vec = _vectors(vectors, [k[0] for _, k in collapsed], z)
-            return _collapsed.second(t.program, z, t.in_shape, vec, _weights([w for w, _ in collapsed], z))
+            weights = _weights([w for w, _ in collapsed], z)
+            chunks, _ = direction_chunks(t, vec.shape[0], None, SUM_PASS_BYTES)
+            sums = [_collapsed.second(t.program, z, t.in_shape, vec[c.start : c.stop],
+                                      None if weights is None else weights[c.start : c.stop]) for c in chunks]
+            return sum(sums[1:], sums[0])
         top = [(w, k) for w, k in collapsed if k]
         keys = [k for _, k in read if k]
         summed, reads, value = _collapsed.operator(t.program, z, t.in_shape, top, keys, vectors)
