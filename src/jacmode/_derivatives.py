@@ -16,7 +16,14 @@ from torch import Tensor
 from . import _operators
 from ._cache import WeakCache
 from ._checks import Options
-from ._operands import SUM_PASS_BYTES, Target, check_dims, direction_chunks, evaluate, validated
+from ._operands import (
+    SUM_PASS_BYTES,
+    Target,
+    check_dims,
+    direction_chunks,
+    evaluate,
+    validated,
+)
 from ._state import preserved_state
 
 Fn = Callable[[Tensor], Tensor]
