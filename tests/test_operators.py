@@ -232,3 +232,30 @@ def test_rademacher_draws_are_fair_signs() -> None:
     assert v.dtype == DT and set(v.unique().tolist()) == {-1.0, 1.0}
     assert abs(v.mean().item()) < 4 / v.numel() ** 0.5  # every bit position of the random words is fair
     assert (v.reshape(-1, 8).mean(0).abs() < 4 / (v.numel() / 8) ** 0.5).all()
+
+
+class Shared(nn.Module):
+    """Coefficients shared between slots: an identity rule (dropout in eval) returns its argument,
+    and softmax / mish read their argument's coefficients again inside one rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(3, 6), nn.Linear(6, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.inp(x)
+        d = F.dropout(h, 0.5, training=False)  # the same traced tensor as h
+        u = torch.tanh(d) + h * F.mish(h)
+        return self.out(torch.sigmoid(u)) * F.softmax(self.out(torch.tanh(u)), dim=1)
+
+
+def test_overwriting_dead_coefficients_leaves_shared_ones_alone() -> None:
+    f = Shared().double()
+    x = torch.randn(5, 3, dtype=DT)
+    H = _hess(f, x)
+    assert jm.operator_plan(f, x, [(1.0, (0, 0))]).engine == "collapsed Taylor mode"
+    torch.testing.assert_close(jm.laplacian(f, x), H.diagonal(0, -2, -1).sum(-1))
+    S = torch.randn(3, 2, dtype=DT)
+    torch.testing.assert_close(jm.laplacian(f, x, weight=S), torch.einsum("ij,byij->by", S @ S.T, H))
+    net = _net()  # a stack of layers: every activation may overwrite its dead input
+    torch.testing.assert_close(jm.laplacian(net, x), _hess(net, x).diagonal(0, -2, -1).sum(-1))

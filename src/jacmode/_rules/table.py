@@ -36,12 +36,18 @@ def _act(name: str, params: Callable[..., Any] = lambda *a, **k: None) -> Rule:
         p = params(*args, **kwargs)
         return alg.elementwise(x, lambda h, n: jet(p, h, n))
 
+    setattr(rule, "single_elementwise", True)  # one alg.elementwise of its argument (Program.run)
     return rule
 
 
 def _module(name: str) -> Rule:
     jet = FUNCTIONS[name]
-    return lambda alg, m, x: alg.elementwise(x, lambda h, n: jet(m, h, n))
+
+    def rule(alg: Algebra, m: nn.Module, x: Any) -> Traced:
+        return alg.elementwise(x, lambda h, n: jet(m, h, n))
+
+    setattr(rule, "single_elementwise", True)
+    return rule
 
 
 def _ns(**defaults: Any) -> Callable[..., Any]:
