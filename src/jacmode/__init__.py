@@ -17,6 +17,7 @@ from ._data import jacobians
 from ._derivatives import derivative, divergence, hessian, laplacian, partial, partials
 from ._errors import BatchError, CoupledBatchError, JacmodeWarning
 from ._jacobian import jacobian, plan
+from ._operators import OperatorPlan, biharmonic, operator, operator_plan
 from ._planning.autotune import autotune_cache
 from ._planning.ntk import NtkPlan
 from ._planning.plan import Plan
@@ -38,9 +39,11 @@ __all__ = [
     "CoupledBatchError",
     "JacmodeWarning",
     "NtkPlan",
+    "OperatorPlan",
     "Plan",
     "SparsityPattern",
     "autotune_cache",
+    "biharmonic",
     "clear_cache",
     "coloring",
     "derivative",
@@ -52,6 +55,8 @@ __all__ = [
     "laplacian",
     "ntk",
     "ntk_plan",
+    "operator",
+    "operator_plan",
     "partial",
     "partials",
     "per_sample_grads",

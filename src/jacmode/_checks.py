@@ -546,3 +546,126 @@ def check_sparse_args(*, layout: Any = "csr", mode: Any = "auto", hessian: Any =
     if pattern is not None and partition in ("column", "row") and pattern.symmetric:
         raise ValueError(f"partition: a Hessian pattern is coloured with 'star' (or 'auto'), got "
                          f"{partition!r}.")
+
+
+# Linear differential operators and their estimators (``_operators.py``)
+
+DISTRIBUTIONS = ("rademacher", "gaussian")
+
+
+def check_directions(directions: Any, x: Tensor) -> Optional[Tensor]:
+    """None, or the vectors (M, 1 | B, N) of ``directions`` given as (M, N) or per sample (B, M, N)."""
+    if directions is None:
+        return None
+    n = math.prod(x.shape[1:])
+    if not isinstance(directions, Tensor) or not directions.is_floating_point():
+        raise TypeError(
+            f"directions: expected a floating tensor of shape (M, D) or (B, M, D), got "
+            f"{type(directions).__name__} ({_fmt(directions)}). Pass one vector per row, e.g. torch.eye(D)."
+        )
+    if directions.dim() == 2 and directions.shape[1] == n:
+        return directions.to(x.dtype)[:, None, :]
+    if directions.dim() == 3 and directions.shape[0] == x.shape[0] and directions.shape[2] == n:
+        return directions.to(x.dtype).transpose(0, 1)
+    raise ValueError(
+        f"directions: expected shape (M, {n}) or ({x.shape[0]}, M, {n}) for x of shape {tuple(x.shape)}, "
+        f"got {tuple(directions.shape)}. Each row is one direction in the D = {n} input coordinates."
+    )
+
+
+def check_terms(terms: Any, x: Tensor, labels: int, directions: bool) -> list[tuple[Any, tuple[int, ...]]]:
+    """Terms ``(c, dims)`` of a linear operator, with dims sorted and c a number or a tensor."""
+    what = "rows of directions" if directions else "input coordinates"
+    if isinstance(terms, (str, bytes, Tensor)) or not isinstance(terms, Sequence) or not terms:
+        raise TypeError(
+            f"terms: expected a non-empty list of (coefficient, dims) pairs, e.g. [(1.0, (0, 0)), "
+            f"(1.0, (1, 1))] for u_00 + u_11, got {_fmt(terms)}."
+        )
+    out = []
+    for term in terms:
+        if not isinstance(term, (tuple, list)) or len(term) != 2:
+            raise TypeError(f"terms: each term must be a pair (coefficient, dims), e.g. (2.0, (0, 1)), got {_fmt(term)}.")
+        coef, dims = term
+        if isinstance(coef, bool) or not isinstance(coef, (int, float, Tensor)):
+            raise TypeError(
+                f"terms: a coefficient must be a number or a tensor ((B,) per sample, (1 | B, *out) per output), "
+                f"got {type(coef).__name__} ({_fmt(coef)})."
+            )
+        if isinstance(coef, Tensor):
+            if not coef.is_floating_point():
+                raise TypeError(f"terms: a tensor coefficient must be floating point, got dtype {coef.dtype}.")
+            if coef.dim() == 0:
+                coef = coef.reshape(1).expand(x.shape[0])
+            if coef.dim() == 1 and coef.shape[0] != x.shape[0]:
+                raise ValueError(
+                    f"terms: a coefficient of shape (B,) must have one entry per sample, B = {x.shape[0]}, got "
+                    f"{tuple(coef.shape)}. For weights per output component pass shape (1, *out)."
+                )
+            if coef.dim() >= 2 and coef.shape[0] not in (1, x.shape[0]):
+                raise ValueError(
+                    f"terms: a coefficient of shape (1 | B, *out) must lead with 1 or B = {x.shape[0]}, got {tuple(coef.shape)}."
+                )
+            coef = coef.to(x.dtype)
+        items = (dims,) if isinstance(dims, int) and not isinstance(dims, bool) else dims
+        if isinstance(items, (str, bytes)) or not isinstance(items, (tuple, list)) or any(
+                isinstance(d, bool) or not isinstance(d, int) for d in items):
+            raise TypeError(f"terms: dims must be a tuple of {what}, e.g. (0, 0), got {_fmt(dims)}.")
+        bad = [d for d in items if not 0 <= d < labels]
+        if bad:
+            raise ValueError(f"terms: dims entry {bad[0]} is out of range: there are {labels} {what} (0..{labels - 1}).")
+        out.append((coef, tuple(sorted(items))))
+    return out
+
+
+def check_term_outputs(read: Sequence[tuple[Tensor, tuple[int, ...]]], batch: int, out_shape: tuple[int, ...]) -> None:
+    """Per-output coefficients (1 | B, Y) must match f's output per sample."""
+    n_out = math.prod(out_shape)
+    for coef, _ in read:
+        if coef.shape[1] != n_out:
+            raise ValueError(
+                f"terms: a coefficient per output component must have shape (1 | B, *out) with out = "
+                f"{out_shape} ({n_out} entries per sample), got {coef.shape[1]} entries per sample."
+            )
+
+
+def check_weight(weight: Any, x: Tensor) -> Optional[Tensor]:
+    """None, or S as (R, 1 | B, N) (one direction per column of S), for C = S S^T."""
+    if weight is None:
+        return None
+    n = math.prod(x.shape[1:])
+    if not isinstance(weight, Tensor) or not weight.is_floating_point():
+        raise TypeError(
+            f"weight: expected a floating tensor S of shape (D, R) or (B, D, R), with C = S S^T, got "
+            f"{type(weight).__name__} ({_fmt(weight)})."
+        )
+    if weight.dim() == 2 and weight.shape[0] == n:
+        return weight.to(x.dtype).t()[:, None, :]
+    if weight.dim() == 3 and weight.shape[0] == x.shape[0] and weight.shape[1] == n:
+        return weight.to(x.dtype).permute(2, 0, 1)
+    raise ValueError(
+        f"weight: expected S of shape ({n}, R) or ({x.shape[0]}, {n}, R) so that C = S S^T is D x D for "
+        f"x of shape {tuple(x.shape)}, got {tuple(weight.shape)}. For a symmetric positive semi-definite C "
+        "pass S = torch.linalg.cholesky(C) (or an eigendecomposition's Q sqrt(L))."
+    )
+
+
+def check_estimator(samples: Any, distribution: Any, generator: Any, return_std: Any,
+                    allowed: Sequence[str] = DISTRIBUTIONS) -> Optional[int]:
+    """``samples`` None (exact) or a positive int, and the estimator's options."""
+    if samples is not None and (isinstance(samples, bool) or not isinstance(samples, int)):
+        raise TypeError(f"samples: expected None (exact) or a positive int of random directions, got {_fmt(samples)}.")
+    if samples is not None and samples < 1:
+        raise ValueError(f"samples: expected a positive number of random directions, got {samples}. Use None for the exact value.")
+    if distribution not in allowed:
+        others = [d for d in DISTRIBUTIONS if d not in allowed]
+        hint = f" ({others[0]} directions give a biased estimate here)" if others and distribution in others else ""
+        raise ValueError(f"distribution: expected one of {', '.join(map(repr, allowed))}, got {distribution!r}{hint}.")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator: expected a torch.Generator or None, got {type(generator).__name__}.")
+    if not isinstance(return_std, bool):
+        raise TypeError(f"return_std: expected a bool, got {type(return_std).__name__}.")
+    if return_std and samples is None:
+        raise ValueError("return_std: the exact value has no spread; pass samples=K to estimate it from K directions.")
+    if return_std and samples is not None and samples < 2:
+        raise ValueError(f"return_std: the spread needs at least 2 directions, got samples={samples}.")
+    return samples

@@ -8,14 +8,22 @@ and assembles the user-facing shape.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from . import _operators
 from ._cache import WeakCache
 from ._checks import Options
-from ._operands import Target, check_dims, direction_chunks, evaluate, validated
+from ._operands import (
+    SUM_PASS_BYTES,
+    Target,
+    check_dims,
+    direction_chunks,
+    evaluate,
+    validated,
+)
 from ._state import preserved_state
 
 Fn = Callable[[Tensor], Tensor]
@@ -262,34 +270,52 @@ def laplacian(
     f: Fn,
     x: Tensor,
     *,
+    weight: Optional[Tensor] = None,
+    samples: Optional[int] = None,
+    distribution: str = "rademacher",
+    generator: Optional[torch.Generator] = None,
+    return_std: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> Tensor:
+) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """Per-sample Laplacian (trace of the Hessian) of every output, without forming the Hessian.
 
-    For a known ``nn.Sequential`` the forward Laplacian carries the value, the D first derivatives
-    and their running Laplacian through the layers (about D + 2 passes); otherwise D nested jvps
-    along the coordinates, vectorised.
+    For a captured model the forward Laplacian carries the value, the D first derivatives and
+    their running Laplacian through the layers (about D + 2 passes); otherwise D nested jvps along
+    the coordinates, vectorised. With ``weight=S`` it is the weighted Laplacian tr(S S^T Hess f),
+    one direction per column of S; with ``samples=K`` an unbiased estimate from K random
+    directions per sample (Hutchinson; see the note in ``_operators.py``), which costs K instead
+    of D directions.
 
     Args:
         f: maps x of shape (B, D) (or (B, *in)) to (B, *out).
         x: the batch of points.
+        weight: None, or S of shape (D, R) or per sample (B, D, R): the diffusion C = S S^T.
+        samples: None for the exact value, else the number K of random directions per sample.
+        distribution: law of the random directions, "rademacher" (lower variance) or "gaussian".
+        generator: a ``torch.Generator`` for reproducible draws.
+        return_std: also return the standard error of the estimate (needs samples >= 2).
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
         create_graph: keep the result differentiable with respect to parameters and input.
 
     Returns:
-        Shape (B, *out): the sum over d of d^2 f / dx_d^2.
+        Shape (B, *out): the sum over d of d^2 f / dx_d^2 (of C_ij d^2 f / dx_i dx_j with a
+        weight); with ``return_std`` a pair (estimate, standard error), both (B, *out).
 
     Example:
         >>> import torch, jacmode as jm
         >>> x = torch.tensor([[1., 2., 3.]])
         >>> jm.laplacian(lambda x: (x ** 3).sum(1), x)     # 6 (x0 + x1 + x2)
         tensor([36.])
+        >>> jm.laplacian(lambda x: (x ** 3).sum(1), x, weight=torch.eye(3)[:, :1])  # C = e0 e0^T
+        tensor([6.])
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    if weight is not None or samples is not None or return_std:
+        return _operators.weighted_laplacian(f, x, opts, weight, samples, distribution, generator, return_std)
     def body(t: Target) -> Tensor:
         total = _sum_over_coordinates(
             t, opts, lambda c, width: t.over_samples(width, (), lambda z, s: t.run("laplacian", z, c, scale=s)),
@@ -347,6 +373,6 @@ def divergence(
 
 def _sum_over_coordinates(t: Target, opts: Options, term: Callable[[range, Optional[int]], Tensor], empty: Tensor) -> Tensor:
     """Sum ``term(chunk, width)`` over the chunks of the D coordinate directions (laplacian, divergence)."""
-    chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size)
+    chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size, SUM_PASS_BYTES)
     parts = [term(c, width) for c in chunks]
     return sum(parts[1:], parts[0]) if parts else empty

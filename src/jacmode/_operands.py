@@ -19,6 +19,12 @@ samples, so there it counts samples. With ``structure="coupled"`` every sample n
 own (vmapped over samples, B times the work), and chunk_size counts samples x directions.
 By default a pass carries as many directions as keep its widest tensor under
 ``DEFAULT_PASS_BYTES``, so that the Hessian of a wide input never holds all D^2 / 2 pairs at once.
+Operators that sum over their directions (laplacian, divergence, the weighted Laplacian) use the
+smaller ``SUM_PASS_BYTES``: their chunks cost nothing extra (no coefficient is shared between
+chunks), and on glibc every allocation above 32 MiB is mapped afresh and unmapped when freed, so
+each such tensor pays a page fault per 4 KiB page (a 39 MiB tanh_backward took 31 ms instead of
+5); tensors under the limit are recycled by malloc. Measured on the 768-wide tanh MLP (D = 50,
+B = 256): 610 ms in one pass of 50 directions, 515 ms in chunks of 21, and half the peak memory.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ from ._structure import one_hot
 
 Fn = Callable[[Tensor], Tensor]
 DEFAULT_PASS_BYTES = 256 * 2**20
+SUM_PASS_BYTES = 16 * 2**20  # see the note on chunks
 _NO_FORWARD_AD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions that need reverse mode
 
 
@@ -165,7 +172,8 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
         return body(t)
 
 
-def direction_chunks(t: Target, n: int, chunk_size: Optional[int]) -> tuple[list[range], Optional[int]]:
+def direction_chunks(t: Target, n: int, chunk_size: Optional[int],
+                     budget: Optional[int] = None) -> tuple[list[range], Optional[int]]:
     """Chunks of the n directions, and samples per pass (see the note on chunks)."""
     if t.coupled:
         return [range(n)], None if chunk_size is None else max(1, chunk_size // max(n, 1))
@@ -174,7 +182,7 @@ def direction_chunks(t: Target, n: int, chunk_size: Optional[int]) -> tuple[list
         widths = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
         width = max([*widths, math.prod(t.in_shape), math.prod(t.out_shape)])
         per_direction = t.z.shape[0] * width * t.z.element_size()
-        chunk_size = max(1, DEFAULT_PASS_BYTES // max(per_direction, 1))
+        chunk_size = max(1, (DEFAULT_PASS_BYTES if budget is None else budget) // max(per_direction, 1))
     step = max(1, min(n, chunk_size))
     return [range(s, min(n, s + step)) for s in range(0, n, step)], None
 

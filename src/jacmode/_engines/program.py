@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
@@ -47,14 +47,111 @@ class Program:
     bound: list[Any] = field(default_factory=list)  # tensors of f read on each run (``bound.Bound``)
     guards: list[Any] = field(default_factory=list)  # Python values frozen into the steps (``bound.Guard``)
     checked: dict[tuple, Union[tuple[int, ...], str]] = field(default_factory=dict)  # shape -> out shape | reason
+    _dead: Optional[list[tuple[int, ...]]] = field(default=None, repr=False)  # see the note on memory
+    _reads: list[dict[int, int]] = field(default_factory=list, repr=False)  # step -> slot -> times read
 
     def run(self, alg: Algebra, x: Traced) -> Any:
+        """The program's output on x, each slot dropped after its last use (see the note)."""
+        dead = self.last_uses()
+        reuse = hasattr(alg, "spare") and not torch.is_grad_enabled()
         env: list[Any] = [x]
-        for step in self.steps:
+        for i, step in enumerate(self.steps):
             args = _resolve(step.args, env)
             kwargs = _resolve(step.kwargs, env) if step.kwargs else {}
+            if reuse and step.traced:  # only a rule that is one elementwise map of its argument
+                single = getattr(step.fn, "single_elementwise", False)
+                setattr(alg, "spare", _spare(dead[i], self._reads[i], env) if single else set())
             env.append(step.fn(alg, *args, **kwargs) if step.traced else step.fn(*args, **kwargs))
+            del args, kwargs
+            for slot in dead[i]:
+                env[slot] = None
         return _resolve(self.output, env)
+
+    def last_uses(self) -> list[tuple[int, ...]]:
+        """For each step, the slots that no later step (nor the output) reads: computed once.
+
+        NOTE: [Memory of a forward pass]
+        A Taylor pass carries coefficients of shape (L, B, *shape) for every intermediate tensor;
+        kept until the pass ends, they make the peak grow with depth (one (D, B, H) tensor per
+        layer for a Laplacian). A slot is needed only until the step that reads it last, so
+        :meth:`run` drops it there and the peak is that of the widest step or two, not of the
+        whole program. The slot of a step that nobody reads is dropped as soon as it is made.
+        Without autograd (no ``create_graph``), an algebra with a ``spare`` attribute is told
+        which coefficient tensors die at a step and are held by nothing else (:func:`_spare`), so
+        that the step may overwrite them instead of allocating a new tensor; only for rules marked
+        ``single_elementwise`` (one elementwise map of their argument, which they read once):
+        a composite rule (softmax, mish, layer_norm) reads its argument's coefficients again.
+        """
+        if self._dead is None:
+            last: dict[int, int] = {}  # slot -> index of the last step that reads it
+            self._reads = []
+            for i, step in enumerate(self.steps):
+                reads = list(_refs((step.args, step.kwargs)))
+                self._reads.append({slot: reads.count(slot) for slot in reads})
+                for slot in reads:
+                    last[slot] = i
+            kept = set(_refs(self.output))
+            dead: list[list[int]] = [[] for _ in self.steps]
+            for slot in range(len(self.steps) + 1):
+                if slot in kept:
+                    continue
+                i = last.get(slot, slot - 1)  # never read: drop it right after the step that made it
+                if i >= 0:
+                    dead[i].append(slot)
+            self._dead = [tuple(d) for d in dead]
+        return self._dead
+
+
+def _tensors(v: Any) -> Iterator[Tensor]:
+    """The coefficient tensors held by a slot's value (a Traced, or a tuple / list of them)."""
+    if isinstance(v, Traced):
+        yield from v.coef.values()
+    elif isinstance(v, (tuple, list)):
+        for u in v:
+            yield from _tensors(u)
+
+
+def _spare(dying: tuple[int, ...], reads: dict[int, int], env: list[Any]) -> set[int]:
+    """ids of the coefficient tensors that the step may overwrite: held by one Traced argument
+    that this step reads once and no later step reads, contiguous, and shared with no other slot,
+    by object or by storage (a view, an expand)."""
+    slots = [s for s in dying if reads.get(s) == 1 and isinstance(env[s], Traced)]
+    if not slots:
+        return set()
+    others = {id(t) for s, v in enumerate(env) if v is not None and s not in slots for t in _tensors(v)}
+    counts: dict[int, int] = {}
+    for s in slots:
+        for t in env[s].coef.values():
+            counts[id(t)] = counts.get(id(t), 0) + 1
+    out = set()
+    for s in slots:
+        if sum(env[s] is v for v in env) != 1:  # the same Traced in another slot (an identity rule)
+            continue
+        for t in env[s].coef.values():
+            if id(t) not in others and counts[id(t)] == 1 and t.is_contiguous() and _sole_storage(t):
+                out.add(id(t))
+    return out
+
+
+def _sole_storage(t: Tensor) -> bool:
+    try:
+        return bool(torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2)  # itself + the storage object
+    except (AttributeError, RuntimeError):  # another torch: never overwrite
+        return False
+
+
+def _refs(a: Any) -> Iterator[int]:
+    """The slots that an argument structure refers to."""
+    if type(a) is Ref:
+        yield a.index
+    elif isinstance(a, (tuple, list)):
+        for v in a:
+            yield from _refs(v)
+    elif isinstance(a, dict):
+        for v in a.values():
+            yield from _refs(v)
+    elif type(a) is slice:
+        yield from _refs((a.start, a.stop, a.step))
 
 
 def _resolve(a: Any, env: list[Any]) -> Any:

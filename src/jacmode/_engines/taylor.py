@@ -158,6 +158,7 @@ class Stacked:
     def __init__(self, dims: Sequence[int], cross: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> None:
         self.dims, self.cross = list(dims), cross
         self.order = 1 if cross is None else 2
+        self.spare: set[int] = set()  # coefficients the running step may overwrite (Program.run)
 
     def seed(self, z: Tensor) -> Traced:
         e = seeds(z.reshape(z.shape[0], -1), self.dims).reshape(len(self.dims), 1, *z.shape[1:])
@@ -171,7 +172,10 @@ class Stacked:
             if s is not None:
                 new["s"] = s
         if g is not None:
-            new["g"] = act.first(g)
+            if id(g) in self.spare and g.shape[1] == act.value.shape[1]:  # dead after this step: reuse it
+                new["g"] = g.mul_(act.first(torch.ones_like(act.value)))  # no fresh allocation (see _operands)
+            else:
+                new["g"] = act.first(g)
         return Traced(act.value[0], new)
 
     def mul(self, a: Traced, b: Traced) -> Traced:

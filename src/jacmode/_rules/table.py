@@ -2,7 +2,8 @@
 
 Keys are module types (``nn.Tanh``), functions (``torch.tanh``, ``F.tanh``, ``operator.mul``) and
 Tensor methods (``("method", "tanh")``). The families live in their own modules (``linear``,
-``shape``, ``arithmetic``, ``norm``); the elementwise functions are listed here, each spelling
+``shape``, ``arithmetic``, ``norm``, ``pooling``, ``softmax``, ``batchnorm``); the elementwise
+functions are listed here, each spelling
 once, with the parameters it takes. Adding an operation is adding one entry. ``META`` marks
 operations that only read shapes (``x.shape``, ``x.size(1)``): they carry no derivatives.
 """
@@ -19,7 +20,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from . import arithmetic, conv, linear, norm, shape
+from . import arithmetic, batchnorm, conv, linear, norm, pooling, shape, softmax
 from .base import Algebra, Traced, Unsupported
 from .elementwise import FUNCTIONS, SELU
 
@@ -35,12 +36,18 @@ def _act(name: str, params: Callable[..., Any] = lambda *a, **k: None) -> Rule:
         p = params(*args, **kwargs)
         return alg.elementwise(x, lambda h, n: jet(p, h, n))
 
+    setattr(rule, "single_elementwise", True)  # one alg.elementwise of its argument (Program.run)
     return rule
 
 
 def _module(name: str) -> Rule:
     jet = FUNCTIONS[name]
-    return lambda alg, m, x: alg.elementwise(x, lambda h, n: jet(m, h, n))
+
+    def rule(alg: Algebra, m: nn.Module, x: Any) -> Traced:
+        return alg.elementwise(x, lambda h, n: jet(m, h, n))
+
+    setattr(rule, "single_elementwise", True)
+    return rule
 
 
 def _ns(**defaults: Any) -> Callable[..., Any]:
@@ -84,7 +91,8 @@ _ELU = _ns(alpha=1.0, inplace=False)
 _HARDTANH = _ns(min_val=-1.0, max_val=1.0, inplace=False)
 _INPLACE = _ns(inplace=False)
 
-TABLE: dict[Any, Rule] = {**linear.TABLE, **conv.TABLE, **shape.TABLE, **arithmetic.TABLE, **norm.TABLE}
+TABLE: dict[Any, Rule] = {**linear.TABLE, **conv.TABLE, **shape.TABLE, **arithmetic.TABLE, **norm.TABLE,
+                         **pooling.TABLE, **softmax.TABLE, **batchnorm.TABLE}
 for name, spellings, params in [
     ("tanh", (torch.tanh, F.tanh, ("method", "tanh")), None),
     ("sigmoid", (torch.sigmoid, F.sigmoid, ("method", "sigmoid")), None),
