@@ -134,8 +134,6 @@ def test_grad_jacrev_jvp_over_a_jacmode_call(net: nn.Module, x: Tensor, name: st
     assert close(jacrev(L)(p), jacrev(R)(p))
 
 
-@pytest.mark.xfail(reason="the coupling probe of the generic path takes a Python bool of batched values "
-                   "(_coupling._agree), which vmap refuses; jacobian runs it even when the captured graph serves")
 def test_vmap_over_jacobian(net: nn.Module, x: Tensor) -> None:
     p = other(net)
     stacked = {k: torch.stack([v, 0.5 * v]) for k, v in p.items()}
@@ -222,6 +220,34 @@ def test_rebound_closure_and_global_are_read_per_call(x: Tensor) -> None:
                 W_GLOBAL = W_GLOBAL * 1.5
         program = _capture.program_for(fn)
         assert isinstance(program, Program) and [b.where for b in program.bound] == ["W" if fn is u else "W_GLOBAL"]
+
+
+SCALE = torch.tensor([0.5, -1.0, 2.0], dtype=DT)
+OPS = {"scaled": lambda h: torch.tanh(h * SCALE)}  # a helper whose global the forward reaches
+
+
+class HelperNet(nn.Module):
+    """A module whose forward reaches a global tensor only through a helper function in a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 3, dtype=DT)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return OPS["scaled"](self.lin(x))
+
+
+def test_tensors_behind_helpers_and_module_forwards_are_read_per_call(x: Tensor) -> None:
+    global SCALE
+    torch.manual_seed(5)
+    net = HelperNet()
+    for fn in (net, lambda x: net(x)):
+        for _ in range(2):
+            assert torch.allclose(jm.laplacian(fn, x), ref_lap(fn, x), rtol=1e-10)
+            assert torch.allclose(jm.jacobian(fn, x), ref_jac(fn, x), rtol=1e-10)
+            SCALE = SCALE * 1.5  # rebinds the helper's global
+        program = _capture.program_for(fn)
+        assert isinstance(program, Program) and [b.where.split(": ")[-1] for b in program.bound] == ["SCALE"]
 
 
 def ref_lap(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:

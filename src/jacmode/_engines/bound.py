@@ -5,8 +5,8 @@ A trace sees f's tensors as they are at capture time. The module's own parameter
 read from the module on every run (``get_attr``), as before. Every other tensor that torch.fx
 stores as a constant is classified once, when the graph is captured:
 
-* found in f's closure, its globals or its defaults, directly or inside dicts, lists and tuples
-  (:func:`sources`): a :class:`Bound` tensor, read again from there on every run. So
+* found in f's closure, its globals or its defaults, directly or inside dicts, lists and tuples,
+  or in those of a user function or module forward reached that way (:func:`sources`): a :class:`Bound` tensor, read again from there on every run. So
   ``W = W - lr * g`` between calls, a dict whose entries are replaced, or the parameters that
   ``torch.func.grad`` hands to ``lambda p: jm.laplacian(lambda x: functional_call(net, p, (x,)), x)``
   are the tensors the program differentiates. A bound tensor whose shape, dtype or device changed,
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import types
 import weakref
 from typing import Any, Callable, Iterator, Optional
 
@@ -44,6 +45,8 @@ from torch.utils._pytree import tree_leaves
 Reader = Callable[[], Any]
 _DEPTH = 3  # containers inside containers searched for f's tensors
 _MAX_TENSORS = 4096  # a closure holding a data set is not searched further
+_MAX_FUNCTIONS = 256  # user functions (helpers, module forwards) searched for f's tensors
+_LIBRARIES = {"torch", "numpy", "jacmode", "builtins", "functools", "operator", "math", "typing"}
 _META = {"shape", "ndim", "dtype", "device", "layout", "requires_grad", "is_leaf", "is_cuda", "names",
          "dim", "size", "numel", "nelement", "element_size", "stride", "is_floating_point", "is_complex",
          "is_contiguous", "__len__", "__hash__", "__format__", "__repr__", "__get__"}
@@ -119,25 +122,54 @@ def _meta(t: Tensor) -> tuple:
 
 def sources(f: Any) -> tuple[dict[int, tuple[Reader, str]], list[Guard]]:
     """What f reaches through its closure, globals and defaults: each tensor's id -> (reader, where),
-    and a guard for each Python scalar."""
+    and a guard for each Python scalar.
+
+    For a module, the ``forward`` of every user-defined module class in it is searched; a user
+    function found on the way (a helper in a dict of ops, a module in a closure) is searched too,
+    once each, so a tensor that a helper's globals hold is read again like f's own.
+    """
     found: dict[int, tuple[Reader, str]] = {}
     guards: list[Guard] = []
-    fn = getattr(f, "__func__", f)  # a bound method's function
+    seen: set[int] = set()
+    if isinstance(f, torch.nn.Module):
+        _module(found, guards, f, type(f).__name__, _DEPTH, seen)
+    else:
+        _function(found, guards, getattr(f, "__func__", f), "f", _DEPTH, seen)  # a bound method's function
+    return found, guards
+
+
+def _library(obj: Any) -> bool:
+    return (getattr(obj, "__module__", None) or "builtins").split(".")[0] in _LIBRARIES
+
+
+def _function(found: dict[int, tuple[Reader, str]], guards: list[Guard], fn: Any, where: str, depth: int,
+              seen: set[int]) -> None:
     code = getattr(fn, "__code__", None)
-    if code is None:
-        return found, guards
+    if code is None or id(fn) in seen or len(seen) >= _MAX_FUNCTIONS or _library(fn):
+        return
+    seen.add(id(fn))
+    prefix = "" if where == "f" else f"{where}: "
     cells = getattr(fn, "__closure__", None) or ()
     for name, cell in zip(code.co_freevars, cells):
-        _walk(found, guards, _cell_reader(cell), name, _DEPTH)
+        _walk(found, guards, _cell_reader(cell), prefix + name, depth, seen)
     glob = getattr(fn, "__globals__", {})
     for name in code.co_names:
         if name in glob:
-            _walk(found, guards, _key_reader(lambda g=glob: g, name), name, _DEPTH)
+            _walk(found, guards, _key_reader(lambda g=glob: g, name), prefix + name, depth, seen)
     for i, _ in enumerate(getattr(fn, "__defaults__", None) or ()):
-        _walk(found, guards, _key_reader(lambda fn=fn: fn.__defaults__, i), f"default {i}", _DEPTH)
+        _walk(found, guards, _key_reader(lambda fn=fn: fn.__defaults__, i), f"{prefix}default {i}", depth, seen)
     for name in getattr(fn, "__kwdefaults__", None) or {}:
-        _walk(found, guards, _key_reader(lambda fn=fn: fn.__kwdefaults__, name), f"default {name}", _DEPTH)
-    return found, guards
+        _walk(found, guards, _key_reader(lambda fn=fn: fn.__kwdefaults__, name), f"{prefix}default {name}", depth,
+              seen)
+
+
+def _module(found: dict[int, tuple[Reader, str]], guards: list[Guard], module: torch.nn.Module, where: str,
+            depth: int, seen: set[int]) -> None:
+    """The forward of every user-defined module class in ``module`` (library modules read their own state)."""
+    for m in module.modules():
+        cls = type(m)
+        if not _library(cls):
+            _function(found, guards, getattr(cls, "forward", None), f"{cls.__name__}.forward", depth, seen)
 
 
 def _cell_reader(cell: Any) -> Reader:
@@ -148,7 +180,8 @@ def _key_reader(parent: Reader, key: Any) -> Reader:
     return lambda: parent()[key]
 
 
-def _walk(found: dict[int, tuple[Reader, str]], guards: list[Guard], read: Reader, where: str, depth: int) -> None:
+def _walk(found: dict[int, tuple[Reader, str]], guards: list[Guard], read: Reader, where: str, depth: int,
+          seen: set[int]) -> None:
     try:
         value = read()
     except Exception:  # noqa: BLE001 -- an empty cell
@@ -157,10 +190,15 @@ def _walk(found: dict[int, tuple[Reader, str]], guards: list[Guard], read: Reade
         found.setdefault(id(value), (read, where))
     elif type(value) in _SCALARS and len(guards) < _MAX_TENSORS:
         guards.append(Guard(read, where))
+    elif isinstance(value, types.FunctionType):
+        _function(found, guards, value, where, depth, seen)
+    elif isinstance(value, torch.nn.Module) and id(value) not in seen:
+        seen.add(id(value))
+        _module(found, guards, value, where, depth, seen)
     elif depth > 0 and len(found) < _MAX_TENSORS and type(value) in (dict, list, tuple):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, _ in list(items)[:_MAX_TENSORS]:
-            _walk(found, guards, _key_reader(read, key), f"{where}[{key!r}]", depth - 1)
+            _walk(found, guards, _key_reader(read, key), f"{where}[{key!r}]", depth - 1, seen)
 
 
 def _name(func: Any) -> str:
