@@ -163,15 +163,11 @@ def test_coupled_first_derivatives_are_exact(name: str) -> None:
     torch.testing.assert_close(first, input_blocks(net, x)[..., 0])
 
 
-# torch's forward-over-forward second derivative of batch_norm in training mode is wrong: nested
-# jacfwd disagrees with nested jacrev by 0.57 on this model, and a decomposition of the layer into
-# mean, var and rsqrt (differentiated by nested jacrev) agrees with jacrev; jacmode's nested
-# forward engine inherits torch's formula (issue 17, item 3: torch's wrong higher derivatives)
-_BN_SECOND_ORDER = pytest.mark.xfail(strict=True, reason="torch's jvp-over-jvp of batch_norm (training) is wrong")
-
-
-@pytest.mark.parametrize("name", [pytest.param(c, marks=_BN_SECOND_ORDER) if c == "BatchNorm train" else c
-                                  for c in CASES])
+# torch's forward-over-forward second derivative of batch_norm in training mode is wrong (nested
+# jacfwd disagrees with nested jacrev by 0.57 on this model; a decomposition into mean, var and
+# rsqrt agrees with jacrev): jacmode's generic engines differentiate that decomposition
+# (_rules/decompositions.py), so BatchNorm in training mode is exact here too
+@pytest.mark.parametrize("name", CASES)
 def test_coupled_second_derivatives_are_exact(name: str) -> None:
     net, x = model(name, 2), batch(2)
     H = hessian_blocks(net, x)  # (B, *out, D, D)
@@ -351,3 +347,32 @@ def test_captured_fast_path_never_assumes_independence(name: str) -> None:
         except jm.CoupledBatchError:
             continue
         torch.testing.assert_close(got, want)
+
+
+class _BagCentred(nn.Module):
+    """Token bags whose embeddings are centred over the batch: coupled, whatever ids are drawn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.e, self.lin = nn.EmbeddingBag(5, 3, mode="sum"), nn.Linear(3, 2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.e(ids)
+        return self.lin(h - h.mean(0))
+
+
+@pytest.mark.parametrize("ids", [[[1], [1]], [[0], [0], [0]], [[2, 2], [2, 2]]])
+@pytest.mark.parametrize("entry", ["per_sample_grads", "jacobian", "ntk", "ggn"])
+def test_coupling_is_caught_when_every_sample_holds_the_same_ids(ids: list, entry: str) -> None:
+    """Found by the differential harness: swapping in other samples' rows changed nothing when all
+    samples held the same ids, so the coupling went unseen."""
+    model, x = _BagCentred(), torch.tensor(ids)
+    calls = {
+        "per_sample_grads": lambda: jm.per_sample_grads(model, x, lambda o: o.pow(2).sum(1)),
+        "jacobian": lambda: jm.jacobian(model, x, wrt="params"),
+        "ntk": lambda: jm.ntk(model, x),
+        "ggn": lambda: jm.ggn(model, x, "mse", diagonal=True),
+    }
+    with pytest.raises(jm.CoupledBatchError, match="samples of the batch are coupled"):
+        calls[entry]()

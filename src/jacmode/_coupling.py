@@ -10,7 +10,7 @@ ordered pair (i, i') of probed samples some pass changes i' and keeps i, so a de
 direction is seen: causal (``torch.cumsum(z, 0)``, ``z - z[:1]``, an RNN run over dim 0),
 anti-causal, or through batch statistics (``z - z.mean(0)``). That is 2 ceil(log2 k) passes of k
 samples, 6 for k = 8. Floating inputs are changed by Gaussian noise at the scale of the probed
-samples, integer inputs (token ids) by the rows of other samples; both from a private generator.
+samples, integer inputs (token ids) by other values seen in the batch; both from a private generator.
 Values alone miss a dependency that only the derivative has (``z + m - m.detach()`` with
 ``m = z.mean(0)``, an ``autograd.Function`` whose backward mixes samples), so for floating inputs
 the first pass records an autograd graph and, for each part, a random cotangent on C alone must pull
@@ -263,8 +263,16 @@ def _changes(xs: Tensor, x: Tensor, n: int, gen: torch.Generator) -> Tensor:
     if xs.is_floating_point():
         scale = float(xs.abs().nan_to_num_(0.0, 0.0, 0.0).mean()) or 1.0  # the samples' magnitude
         return xs + _randn((n, *xs.shape), gen, xs).mul_(scale)
-    pick = torch.randint(0, x.shape[0], (n, xs.shape[0]), generator=gen, device=x.device)
-    return x[pick].to(xs.dtype)
+    # integers (token ids): every entry takes another value seen in x, so a changed sample always
+    # differs (rows of other samples may all hold the same ids); 0 and a neighbour when x has one value
+    values = x.reshape(-1).long()
+    pool = torch.unique(values)
+    if pool.numel() < 2:
+        v = int(pool[0]) if pool.numel() else 0
+        pool = torch.tensor(sorted({0, v, v - 1 if v > 0 else v + 1}), device=x.device)
+    where = torch.searchsorted(pool, xs.long())
+    step = torch.randint(1, pool.numel(), (n, *xs.shape), generator=gen, device=x.device)
+    return pool[(where + step) % pool.numel()].to(xs.dtype)
 
 
 def _randn(shape: tuple[int, ...], gen: torch.Generator, like: Tensor) -> Tensor:
