@@ -62,7 +62,7 @@ def per_sample(module: nn.Module, out: Tensor, y: Tensor) -> PerSample:
         ValueError: the module's loss is not the sum of these terms (then pass a callable).
     """
     unreduced = copy.copy(module)  # a shallow copy shares weight buffers; only its reduction differs
-    unreduced.reduction = "none"
+    setattr(unreduced, "reduction", "none")  # noqa: B010 -- a torch loss module attribute
     s = _scale(module, out, y)
 
     def terms(o: Tensor, t: Tensor) -> Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -131,7 +131,7 @@ def per_sample_grads(
         _out_shape(f, x)
         if _losses.is_torch_loss(loss):  # torch's module -> its per-sample terms (see _losses.py)
             assert y is not None
-            loss = _losses.per_sample(loss, f(x), y)
+            loss = _losses.per_sample(cast(nn.Module, loss), f(x), y)
         cov = layerio.usable(f, x, selected)
         if cov is not None and cov.uncovered and _has_random_layers(f):
             cov = None  # two passes would draw two dropout masks

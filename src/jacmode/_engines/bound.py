@@ -155,12 +155,12 @@ def _function(found: dict[int, tuple[Reader, str]], guards: list[Guard], fn: Any
     glob = getattr(fn, "__globals__", {})
     for name in code.co_names:
         if name in glob:
-            _walk(found, guards, _key_reader(lambda g=glob: g, name), prefix + name, depth, seen)
+            _walk(found, guards, _key_reader(_value(glob), name), prefix + name, depth, seen)
     for i, _ in enumerate(getattr(fn, "__defaults__", None) or ()):
-        _walk(found, guards, _key_reader(lambda fn=fn: fn.__defaults__, i), f"{prefix}default {i}", depth, seen)
+        _walk(found, guards, _key_reader(_field(fn, "__defaults__"), i), f"{prefix}default {i}", depth, seen)
     for name in getattr(fn, "__kwdefaults__", None) or {}:
-        _walk(found, guards, _key_reader(lambda fn=fn: fn.__kwdefaults__, name), f"{prefix}default {name}", depth,
-              seen)
+        _walk(found, guards, _key_reader(_field(fn, "__kwdefaults__"), name), f"{prefix}default {name}",
+              depth, seen)
 
 
 def _module(found: dict[int, tuple[Reader, str]], guards: list[Guard], module: torch.nn.Module, where: str,
@@ -170,6 +170,14 @@ def _module(found: dict[int, tuple[Reader, str]], guards: list[Guard], module: t
         cls = type(m)
         if not _library(cls):
             _function(found, guards, getattr(cls, "forward", None), f"{cls.__name__}.forward", depth, seen)
+
+
+def _value(v: Any) -> Reader:
+    return lambda: v
+
+
+def _field(obj: Any, name: str) -> Reader:
+    return lambda: getattr(obj, name)
 
 
 def _cell_reader(cell: Any) -> Reader:

@@ -306,7 +306,7 @@ def _slogdet(A: Tensor) -> tuple[Tensor, Tensor]:
 def linalg_slogdet(A: Tensor, *, out: Any = None) -> Any:
     if out is not None or A.is_complex() or A.shape[-1] == 0:
         return NotImplemented
-    return torch.return_types.linalg_slogdet(_slogdet(A))
+    return torch.return_types.linalg_slogdet(_slogdet(A))  # type: ignore[attr-defined]
 
 
 @decomposes(torch.slogdet, torch.Tensor.slogdet)
@@ -342,7 +342,7 @@ def solve_ex(A: Tensor, B: Tensor, *, left: bool = True, check_errors: bool = Fa
     if X is NotImplemented:
         return X
     info = torch.linalg.lu_factor_ex(A.detach())[2]
-    return torch.return_types.linalg_solve_ex((X, info))
+    return torch.return_types.linalg_solve_ex((X, info))  # type: ignore[attr-defined]
 
 
 @decomposes(torch.linalg.tensorsolve)

@@ -19,7 +19,7 @@ products method) takes reverse mode instead, or an explicit ``mode="forward"`` r
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence, cast
 
 import torch
 from torch import Tensor, nn
@@ -68,7 +68,7 @@ class EmbeddingRule(Rule):
         pairs = g * torch.einsum("btu,kbue->kbte", same, g)  # (K, B, T, E)
         if signs is not None:
             pairs = pairs * signs.t()[:, :, None, None]
-        out = g.new_zeros(module.weight.shape)
+        out = g.new_zeros(cast(Tensor, module.weight).shape)
         out.index_add_(0, idx.reshape(-1), pairs.sum(0).reshape(-1, g.shape[-1]))
         return {"weight": out}
 
@@ -106,7 +106,7 @@ class EmbeddingBagRule(Rule):
             raise NotCovered("EmbeddingBag with 1-D ids and offsets: bags are not samples along dim 0")
         w = (inputs[2] if len(inputs) > 2 and inputs[2] is not None
              else torch.ones(idx.shape, dtype=G.dtype, device=G.device)).to(G.dtype)
-        pad: Optional[int] = module.padding_idx
+        pad = cast(Optional[int], module.padding_idx)
         if pad is not None:
             w = w * idx.ne(pad).to(G.dtype)
         if module.mode == "mean":
@@ -117,7 +117,7 @@ class EmbeddingBagRule(Rule):
     def _rows(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor) -> Tensor:
         """c (B, V): c[b, v] = sum of sample b's coefficients on row v, so J[b, k, v] = c[b, v] G[k, b]."""
         idx, w = self._weights(module, inputs, G)
-        return w.new_zeros(idx.shape[0], module.num_embeddings).scatter_add_(1, idx, w)
+        return w.new_zeros(idx.shape[0], cast(int, module.num_embeddings)).scatter_add_(1, idx, w)
 
     def _scatter(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, block: Tensor) -> None:
         idx, w = self._weights(module, inputs, G)

@@ -70,8 +70,11 @@ def _avg_module(alg: Algebra, m: nn.Module, x: Any) -> Traced:
     return _avg(n)(alg, x, m.kernel_size, m.stride, m.padding, **kwargs)
 
 
+_MAX_DIMS: dict[type, int] = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}
+
+
 def _max_module(alg: Algebra, m: nn.Module, x: Any) -> Traced:
-    n = {nn.MaxPool1d: 1, nn.MaxPool2d: 2, nn.MaxPool3d: 3}[type(m)]
+    n = _MAX_DIMS[type(m)]
     return _max(n)(alg, x, m.kernel_size, m.stride, m.padding, m.dilation, m.ceil_mode, m.return_indices)
 
 
@@ -97,5 +100,5 @@ for _n in (1, 2, 3):
     TABLE[getattr(nn, f"AdaptiveAvgPool{_n}d")] = lambda alg, m, x, n=_n: _adaptive(n)(alg, x, m.output_size)
 for _m in (nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d):
     TABLE[_m] = _avg_module
-for _m in (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d):
-    TABLE[_m] = _max_module
+for _mx in (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d):
+    TABLE[_mx] = _max_module

@@ -360,12 +360,12 @@ def conv(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, func: Cal
     bsz, _, length = unf.shape
     unf = unf.reshape(bsz, groups, -1, length)
     dst = torch.arange(bsz * groups * length).reshape(bsz, groups, 1, length).expand_as(unf)
-    src = _src(unf)
-    keep = src >= 0
-    grouped = sets.pull(tr.rows(x), dst.reshape(-1).numpy()[keep], src[keep], bsz * groups * length, tr.n)
+    src_ids = _src(unf)
+    keep = src_ids >= 0
+    grouped = sets.pull(tr.rows(x), dst.reshape(-1).numpy()[keep], src_ids[keep], bsz * groups * length, tr.n)
     o_per_group = w.shape[0] // groups
-    gid = torch.arange(bsz * groups * length).reshape(bsz, groups, 1, length)
-    gid = gid.expand(bsz, groups, o_per_group, length).reshape(-1).numpy()
+    gid = (torch.arange(bsz * groups * length).reshape(bsz, groups, 1, length)
+           .expand(bsz, groups, o_per_group, length).reshape(-1).numpy())
     pairs = tr.pairs_of(x) if tr.second else NO_PAIRS
     tr.put(out, Info(sets.gather(grouped, gid), True, pairs))
 
