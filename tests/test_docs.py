@@ -6,6 +6,7 @@ import doctest
 from pathlib import Path
 
 import pytest
+import torch
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # Pages whose ```pycon examples are checked; add a page here when it gains examples.
@@ -35,3 +36,5 @@ def test_readme_python_blocks_run() -> None:
     assert namespace["grads"].shape == (512, 15910) and namespace["diag"].shape == (15910,)
     assert namespace["K"].shape == (256, 256, 10, 10)
     assert namespace["u_xx"].shape == (10_000, 1) and namespace["d4"].shape == (100_000, 4)
+    assert namespace["Js"].layout == torch.sparse_csr and namespace["Js"].shape == (4096, 4096)
+    assert namespace["Hs"].layout == torch.sparse_csr and namespace["colors"].n_colors <= 4
