@@ -134,8 +134,6 @@ def test_grad_jacrev_jvp_over_a_jacmode_call(net: nn.Module, x: Tensor, name: st
     assert close(jacrev(L)(p), jacrev(R)(p))
 
 
-@pytest.mark.xfail(reason="the coupling probe of the generic path takes a Python bool of batched values "
-                   "(_coupling._agree), which vmap refuses; jacobian runs it even when the captured graph serves")
 def test_vmap_over_jacobian(net: nn.Module, x: Tensor) -> None:
     p = other(net)
     stacked = {k: torch.stack([v, 0.5 * v]) for k, v in p.items()}
