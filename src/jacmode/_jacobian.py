@@ -120,7 +120,8 @@ def jacobian(
         max_memory: workspace budget on top of the result, in bytes or as a string such as
             "2GB" or "512MiB"; chunk sizes are chosen to stay inside it. Default: half of the
             free memory of the device (RAM, or free CUDA memory) less the result.
-        create_graph: keep the result differentiable with respect to the parameters and x.
+        create_graph: keep the result differentiable with respect to the parameters and x;
+            always so inside torch.func transforms (docs/pinn.md).
         flatten: for parameters, False returns a dict name -> (B, *out, *param.shape).
         out: for wrt="params" with flatten=True, a (B, Y, P) tensor to write the result into.
 
