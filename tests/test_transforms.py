@@ -192,3 +192,12 @@ def test_constant_create_graph_results_are_connected_zeros(name: str) -> None:
     assert x.grad is not None and torch.equal(x.grad, torch.zeros_like(x))
     assert all(p.grad is None or torch.equal(p.grad, torch.zeros_like(p)) for p in LINEAR.parameters())
     LINEAR.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("how", ["grad", "jacfwd", "vmap"])
+@pytest.mark.parametrize("wrt", ["inputs", "params"])
+def test_jacobians_of_a_data_set_inside_transforms(wrt: str, how: str) -> None:
+    x = torch.randn(4, 2, dtype=DT, generator=torch.Generator().manual_seed(5))
+    got = _transformed(how, lambda v: torch.cat(list(jm.jacobians(NET, iter([v[:2], v[2:]]), wrt=wrt))), x)
+    want_of = (lambda v: vmap(jacrev(one(NET)))(v)) if wrt == "inputs" else (lambda v: _param_jacobian(NET, v))
+    torch.testing.assert_close(got, _transformed(how, want_of, x), rtol=1e-10, atol=1e-12)

@@ -155,6 +155,9 @@ def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
     """
     if not create_graph or not torch.is_grad_enabled():
         return result
+    items = result.values() if isinstance(result, dict) else result if isinstance(result, tuple) else (result,)
+    if all(r.requires_grad or not r.is_floating_point() for r in items):  # the usual case: nothing to tie
+        return result
     params = [p for p in f.parameters() if p.requires_grad] if isinstance(f, nn.Module) else []
     sources = [s for s in (x, *params) if s.requires_grad]
     if not sources:
