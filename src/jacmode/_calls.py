@@ -25,8 +25,9 @@ from ._cache import WeakCache
 from ._checks import Options
 from ._planning import memory as _memory
 from ._planning.decide import Decision
-from ._problem import Problem, again, facts, in_transform
+from ._problem import Problem, again, facts
 from ._state import ModelView
+from ._transforms import in_transform
 
 _CALLS = WeakCache("repeated calls")
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ._losses import SUPPORTED, is_torch_loss
+from ._transforms import in_transform
 
 MODES = ("auto", "forward", "reverse", "autotune")
 STRUCTURES = ("auto", "independent", "coupled", "diagonal", "sparse")
@@ -188,7 +189,7 @@ def check_options(
         batched=batched,
         structure=structure,
         chunk_size=chunk_size,
-        create_graph=create_graph,
+        create_graph=create_graph or in_transform(),  # see the note in _transforms.py
         flatten=flatten,
         max_memory=check_max_memory(max_memory),
     )
@@ -367,6 +368,17 @@ def check_rows_out(out: Any) -> Tensor:
 
 
 # --- per_sample_grads, ntk, ggn (jacmode._products) ---
+
+
+def check_outside_transforms(name: str, why: str, instead: str) -> None:
+    """``name`` cannot run inside torch.func transforms: say so rather than return a constant."""
+    if in_transform():
+        raise ValueError(
+            f"f: jm.{name} cannot run inside a torch.func transform (grad, jacrev, jacfwd, jvp, vmap "
+            f"around the call): {why}, so the transform could not differentiate or batch through it "
+            f"(its derivative would read as zero). Call jm.{name} outside the transform; {instead}"
+        )
+
 
 NTK_METHODS = ("auto", "contraction", "products", "structured")
 GGN_LOSSES = ("mse", "cross_entropy")

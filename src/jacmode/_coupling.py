@@ -16,7 +16,8 @@ Values alone miss a dependency that only the derivative has (``z + m - m.detach(
 the first pass records an autograd graph and, for each part, a random cotangent on C alone must pull
 back to a zero gradient on A (non-finite entries, 0 * inf, are ignored). Where autograd cannot
 run f (inside torch.func transforms, under inference mode, no backward) the value check stands
-alone.
+alone. Inside ``torch.func.vmap`` the probe compares the values of all vmap slices at once, and
+draws its changes outside the transforms (see ``_transforms.py``).
 Every pass replays the same random state (same batch size, same draws), so randomness in f
 (dropout masks, ``torch.randn`` in forward) is identical in all passes and raises no false alarm;
 Dropout layers are also switched off, and the random state is left as found. NaNs compare equal
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 from ._cache import WeakCache, rng_kept
 from ._errors import CoupledBatchError
 from ._state import RngReplay
+from ._transforms import in_transform, outside, plain, samples_first
 
 SAMPLES = 8  # samples the probe runs f on
 _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}  # relative to the largest output; else 1e-2
@@ -103,13 +105,14 @@ def _dropout_off(f: Any) -> Iterator[None]:
 def probe_indices(x: Tensor) -> list[int]:
     """At most ``SAMPLES`` sample indices spread over the batch, rows with NaN or inf avoided."""
     batch = x.shape[0]
-    if batch <= SAMPLES and (not x.is_floating_point() or bool(torch.isfinite(x).all())):
+    values = samples_first(x) if x.is_floating_point() else x  # (B, *vmapped, *in) inside vmap
+    if batch <= SAMPLES and (not x.is_floating_point() or bool(torch.isfinite(values).all())):
         return list(range(batch))
     n = min(batch, 4 * SAMPLES)
     cand = sorted({round(i * (batch - 1) / (n - 1)) for i in range(n)}) if n > 1 else [0]
     k = min(len(cand), SAMPLES)
     if x.is_floating_point():
-        rows = x if len(cand) == batch else x[cand]
+        rows = values if len(cand) == batch else values[cand]
         ok = torch.isfinite(rows.reshape(len(cand), -1)).all(1).tolist()
     else:
         ok = [True] * len(cand)
@@ -236,7 +239,7 @@ def _first_pass(f: Callable[[Tensor], Tensor], xs: Tensor,
     imports seconds of modules that the engines may never need. Not inside torch.func transforms
     nor under inference mode, where autograd records nothing: there the value check stands alone.
     """
-    if xs.is_floating_point() and not torch.is_inference_mode_enabled() and not _in_transform():
+    if xs.is_floating_point() and not torch.is_inference_mode_enabled() and not in_transform():
         try:
             with torch.enable_grad():
                 leaf = xs.detach().clone().requires_grad_(True)
@@ -253,20 +256,27 @@ def _first_pass(f: Callable[[Tensor], Tensor], xs: Tensor,
         return f(xs.clone()), None
 
 
-def _in_transform() -> bool:
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
-
-
 def _changes(xs: Tensor, x: Tensor, n: int, gen: torch.Generator) -> Tensor:
-    """n changed copies of ``xs`` (n, k, *in): noise at the samples' scale, or other samples' rows."""
-    if xs.is_floating_point():
-        scale = float(xs.abs().nan_to_num_(0.0, 0.0, 0.0).mean()) or 1.0  # the samples' magnitude
-        return xs + _randn((n, *xs.shape), gen, xs).mul_(scale)
-    # integers (token ids): every entry takes another value seen in x, so a changed sample always
-    # differs (rows of other samples may all hold the same ids); 0 and a neighbour when x has one value
-    values = x.reshape(-1).long()
-    pool = torch.unique(values)
+    """n changed copies of ``xs`` (n, k, *in): noise at the samples' scale, or other values of x.
+
+    The draws are plain tensors made outside torch.func transforms (vmap refuses random ops in
+    its default randomness mode); inside vmap every slice gets the same changes.
+    """
+    if not xs.is_floating_point() and not in_transform():
+        return _other_ids(xs, x, n, gen)
+    with outside():
+        if xs.is_floating_point():
+            scale = float(plain(xs).abs().nan_to_num(0.0, 0.0, 0.0).mean()) or 1.0  # the samples' magnitude
+            noise = _randn((n, *xs.shape), gen, xs).mul_(scale)
+        else:
+            pick = torch.randint(0, x.shape[0], (n, xs.shape[0]), generator=gen, device=x.device)
+    return xs + noise if xs.is_floating_point() else x[pick].to(xs.dtype)
+
+
+def _other_ids(xs: Tensor, x: Tensor, n: int, gen: torch.Generator) -> Tensor:
+    """Integers (token ids): every entry takes another value seen in x, so a changed sample always
+    differs (the rows of other samples may all hold the same ids); 0 and a neighbour when x has one value."""
+    pool = torch.unique(x.reshape(-1).long())
     if pool.numel() < 2:
         v = int(pool[0]) if pool.numel() else 0
         pool = torch.tensor(sorted({0, v, v - 1 if v > 0 else v + 1}), device=x.device)
@@ -290,14 +300,17 @@ def _moved(before: Tensor, after: Tensor, keep: tuple[int, ...], rows: Tensor) -
     if before.shape != after.shape:
         return keep[0]
     a, b = before.index_select(0, rows), after.index_select(0, rows)
-    if torch.equal(a, b):  # the usual verdict for independent samples, in one comparison
+    wrapped = in_transform()
+    if not wrapped and torch.equal(a, b):  # the usual verdict for independent samples, in one comparison
         return None
+    # elementwise ops only, so that inside vmap this runs per slice; Python reads plain values
     a, b = a.reshape(len(a), -1), b.reshape(len(b), -1)
     finite = torch.isfinite(a) & torch.isfinite(b)
-    scale = a[finite].abs().max().item() if bool(finite.any()) else 1.0
+    scale = torch.where(finite, a, 0.0).abs().amax().where(finite.any(), 1.0).clamp_min(1e-30)
     tol = _tolerance(a.dtype)
-    same = (a == b) | (a.isnan() & b.isnan()) | (finite & ((a - b).abs() <= tol * (b.abs() + max(scale, 1e-30))))
-    moved = (~same).any(1).nonzero()
+    same = (a == b) | (a.isnan() & b.isnan()) | (finite & ((a - b).abs() <= tol * (b.abs() + scale)))
+    moved = samples_first((~same).any(1))  # (k, *vmapped)
+    moved = moved.reshape(len(moved), -1).any(1).nonzero()
     return keep[int(moved[0])] if len(moved) else None
 
 

@@ -52,7 +52,8 @@ def derivative(
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
-        create_graph: keep the result differentiable with respect to parameters and input.
+        create_graph: keep the result differentiable with respect to parameters and input;
+            always so inside torch.func transforms.
 
     Returns:
         Shape (B, *out): d^k f(t)[b] / dt_b^k.
@@ -133,7 +134,8 @@ def partial(
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
-        create_graph: keep the result differentiable with respect to parameters and input.
+        create_graph: keep the result differentiable with respect to parameters and input;
+            always so inside torch.func transforms.
 
     Returns:
         Shape (B, *out).
@@ -180,7 +182,8 @@ def partials(
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
-        create_graph: keep the results differentiable with respect to parameters and input.
+        create_graph: keep the results differentiable with respect to parameters and input;
+            always so inside torch.func transforms.
 
     Returns:
         A tuple with one tensor of shape (B, *out) per entry of ``dims``, in the order given.
@@ -233,7 +236,8 @@ def hessian(
             "sparse": x is one point and f scalar, the (N, N) sparse CSR Hessian from one
             Hessian-vector product per star colour (see :func:`jacmode.sparse_hessian`).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
-        create_graph: keep the result differentiable with respect to parameters and input.
+        create_graph: keep the result differentiable with respect to parameters and input;
+            always so inside torch.func transforms.
 
     Returns:
         Shape (B, *out, D, D) (or (B, *out, *in, *in)); (N, N) sparse for structure="sparse".
@@ -299,7 +303,8 @@ def laplacian(
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
-        create_graph: keep the result differentiable with respect to parameters and input.
+        create_graph: keep the result differentiable with respect to parameters and input;
+            always so inside torch.func transforms.
 
     Returns:
         Shape (B, *out): the sum over d of d^2 f / dx_d^2 (of C_ij d^2 f / dx_i dx_j with a
@@ -341,7 +346,8 @@ def divergence(
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
-        create_graph: keep the result differentiable with respect to parameters and input.
+        create_graph: keep the result differentiable with respect to parameters and input;
+            always so inside torch.func transforms.
 
     Returns:
         Shape (B,): the sum over d of d f_d / dx_d.

@@ -11,7 +11,7 @@ from . import _calls, _checks
 from ._checks import Options, Wrt
 from ._planning.decide import decide, execute
 from ._planning.plan import Plan
-from ._problem import Problem, describe
+from ._problem import Problem, connected, describe
 from ._rules import decompositions
 from ._sparse import api as _sparse
 from ._state import preserved_state
@@ -120,7 +120,8 @@ def jacobian(
         max_memory: workspace budget on top of the result, in bytes or as a string such as
             "2GB" or "512MiB"; chunk sizes are chosen to stay inside it. Default: half of the
             free memory of the device (RAM, or free CUDA memory) less the result.
-        create_graph: keep the result differentiable with respect to the parameters and x.
+        create_graph: keep the result differentiable with respect to the parameters and x;
+            always so inside torch.func transforms (docs/pinn.md).
         flatten: for parameters, False returns a dict name -> (B, *out, *param.shape).
         out: for wrt="params" with flatten=True, a (B, Y, P) tensor to write the result into.
 
@@ -158,8 +159,8 @@ def jacobian(
     if opts.structure == "sparse" or (out is None and _sparse.auto(f, x, opts) is not None):
         layout = "csr" if opts.structure == "sparse" else "dense"
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=chunk_size,
-                                       max_memory=max_memory, create_graph=create_graph)
-    grad_mode = torch.enable_grad() if create_graph else torch.no_grad()
+                                       max_memory=max_memory, create_graph=opts.create_graph)
+    grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     with preserved_state(f) as view, grad_mode:
         sig = _calls.signature(x, opts, view, out is not None)
         hit = _calls.lookup(f, x, opts, sig)
@@ -181,7 +182,8 @@ def jacobian(
                 _calls.store(f, sig, problem, decision)
             with decompositions.exact(decompositions.wanted()):  # a graph differentiated again
                 flat = execute(f, problem, decision, opts, out)
-    return _assemble(problem, flat, opts, out)
+    result = _assemble(problem, flat, opts, out)
+    return result if out is not None else connected(result, f, x, opts.create_graph)
 
 
 def _flat_shape(p: Problem) -> tuple[int, ...]:

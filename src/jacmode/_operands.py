@@ -48,7 +48,7 @@ from ._engines import nested as _nested
 from ._engines import taylor as _taylor
 from ._engines.capture import Program
 from ._jacobian import _options
-from ._problem import captured, describe
+from ._problem import captured, connected, describe
 from ._rules import decompositions
 from ._rules.base import Unsupported
 from ._state import RngReplay, preserved_state
@@ -162,14 +162,14 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
     """``body`` of the :class:`Target` of f; on ``Unsupported``, again on the generic path."""
     try:
         with target(f, x, opts) as t:
-            return body(t)
+            return connected(body(t), f, x, opts.create_graph)
     except Unsupported as err:
         program = _capture.program_for(f)
         if not isinstance(program, Program):
             raise
         _capture.reject(program, x, str(err))
     with target(f, x, opts) as t:
-        return body(t)
+        return connected(body(t), f, x, opts.create_graph)
 
 
 def direction_chunks(t: Target, n: int, chunk_size: Optional[int],

@@ -27,6 +27,7 @@ from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
 from ._engines.probes import Coverage, coverage
 from ._rules.local import LOCAL
+from ._transforms import in_transform
 
 
 @dataclass
@@ -144,6 +145,35 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
         batched=batched, structure=structure, x=x, random=random, probes=probes))
 
 
+def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
+    """``result`` (a tensor, tuple or dict of them) differentiable wherever ``create_graph`` asks.
+
+    A derivative that is constant (the Laplacian of a linear model) has no autograd graph; under
+    ``create_graph=True`` with x or a parameter of f requiring grad it is tied to them by an empty
+    slice, which adds exact zeros (NaN-free) and lets ``.backward()`` give zero gradients, as
+    torch.func does, instead of raising "does not require grad".
+    """
+    if not create_graph or not torch.is_grad_enabled():
+        return result
+    items = result.values() if isinstance(result, dict) else result if isinstance(result, tuple) else (result,)
+    if all(r.requires_grad or not r.is_floating_point() for r in items):  # the usual case: nothing to tie
+        return result
+    params = [p for p in f.parameters() if p.requires_grad] if isinstance(f, nn.Module) else []
+    sources = [s for s in (x, *params) if s.requires_grad]
+    if not sources:
+        return result
+    zero = sum((s.reshape(-1)[:0].sum() for s in sources[1:]), sources[0].reshape(-1)[:0].sum())
+
+    def tie(r: Tensor) -> Tensor:
+        return r if r.requires_grad or not r.is_floating_point() else r + zero.to(r.dtype)
+
+    if isinstance(result, tuple):
+        return tuple(tie(r) for r in result)
+    if isinstance(result, dict):
+        return {k: tie(r) for k, r in result.items()}
+    return tie(result)
+
+
 def facts(p: Problem) -> Problem:
     """``p`` without its model, input and functions: what a cache may keep (``_calls.py``)."""
     return dataclasses.replace(p, fn=_gone, z=p.z.new_empty(0), x=p.x.new_empty(0), sample_fn=None,
@@ -200,12 +230,6 @@ def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
                    params=list(zip(names, shapes)), batched=batched, structure=facts.structure, x=x,
                    random=facts.random, tensors=[p for _, p in selected], probes=facts.probes,
                    subset_fn=subset_fn, model=model)
-
-
-def in_transform() -> bool:
-    """Inside a torch.func transform, where forward hooks do not see the transformed tensors."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
 
 
 def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,

@@ -35,9 +35,15 @@ from ._state import preserved_state
 Memory = Optional[Union[int, float, str]]
 
 
-def _setup(f: Any, x: Any, wrt: Wrt, chunk_size: Any, max_memory: Any,
-           flatten: Any = True, name: str = "x") -> tuple[Options, list[tuple[str, nn.Parameter]]]:
+PRODUCT_WHY = "its engines record layer inputs with forward hooks and build the product outside autograd"
+PRODUCT_INSTEAD = ("inside a transform, use jm.jacobian(f, x, wrt='params'), which follows the transform, "
+                   "and form the product from its (B, Y, P) rows.")
+
+
+def _setup(f: Any, x: Any, wrt: Wrt, chunk_size: Any, max_memory: Any, flatten: Any = True, name: str = "x",
+           product: str = "per_sample_grads") -> tuple[Options, list[tuple[str, nn.Parameter]]]:
     _checks.check_function(f)
+    _checks.check_outside_transforms(product, PRODUCT_WHY, PRODUCT_INSTEAD)
     opts = _checks.check_product_options(wrt=wrt, chunk_size=chunk_size, max_memory=max_memory, flatten=flatten)
     _checks.check_not_arguments(x, name)
     _checks.check_input(x, wrt="params", batched=True, name=name)
@@ -156,7 +162,7 @@ def per_sample_grads(
 
 def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chunk_size: Any,
                max_memory: Any) -> tuple[Options, list[tuple[str, nn.Parameter]], int, Any, _ntk_plan.NtkPlan]:
-    opts, selected = _setup(f, x1, wrt, chunk_size, max_memory, name="x1")
+    opts, selected = _setup(f, x1, wrt, chunk_size, max_memory, name="x1", product="ntk")
     _checks.check_not_arguments(x2, "x2")
     _checks.check_second_input(x1, x2)
     _checks.check_ntk_method(method, trace)
@@ -175,7 +181,7 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
         )
     n_params = sum(p.numel() for p in params)
     b2 = x1.shape[0] if x2 is None else x2.shape[0]
-    fp = footprint(f, ("ntk", tuple(x1.shape[1:]), x1.dtype, str(x1.device)), f, x1[:1], 1)
+    fp = footprint(f, ("ntk", tuple(x1.shape[1:]), x1.dtype, str(x1.device)), f, x1[:1].detach(), 1)
     sizes = _ntk_plan.Sizes(x1.shape[0], b2, n_out, n_params, fp.flops + fp.conv_flops,
                             None if cov is None else _ntk_plan.pair_work(cov, n_out))
     item = _engine.result_dtype(params).itemsize
@@ -319,7 +325,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
     if _data.is_batches(x):  # a data set: summed batch by batch (docs/datasets.md)
         return _data.ggn_over(ggn, f, x, loss, y=y, diagonal=diagonal, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
-    opts, selected = _setup(f, x, wrt, chunk_size, max_memory)
+    opts, selected = _setup(f, x, wrt, chunk_size, max_memory, product="ggn")
     _checks.check_ggn_loss(loss, diagonal)
     _checks.check_torch_loss(loss, y, "ggn")
     _checks.check_ggn_target(loss, y, x.shape[0])

@@ -431,14 +431,19 @@ def _entry_options(draw: st.DrawFn, entry: str, case_in: tuple[int, ...], out_sh
 
 
 def _conventions(entry: str, options: dict, head: str) -> list[str]:
-    if entry in PRODUCTS or entry == "jacobian_params":
+    if entry in PRODUCTS:
         return ["module", "no_grad", "inference_mode"]
+    if entry == "jacobian_params":  # torch.func transforms over x (integer ids: nothing to differentiate)
+        around = (["vmap"] * options["batched"] + ["jacfwd", "jacrev_nograph"]) * options["flatten"]
+        return ["module", "no_grad", "inference_mode"] + around * (head not in (*INT_HEADS, "rnn", "gru", "lstm"))
     if head in INT_HEADS:  # differentiating integer inputs: the error is the answer
         return ["module", "lambda", "no_grad", "inference_mode"]
     conv = ["module", "lambda", "fcall_same", "fcall_other", "no_grad", "inference_mode", "grad_create_graph",
-            "fcall_autograd", "func_grad", "vmap", "jacrev"]
+            "fcall_autograd", "func_grad", "vmap", "jacrev", "jacrev_nograph", "jacfwd"]
     if (entry == "jacobian" and not options["batched"]) or head in ("rnn", "gru", "lstm"):
         conv.remove("vmap")  # nothing to stack over; torch.func has no batching rule for RNNs
+    if head in ("rnn", "gru", "lstm"):
+        conv.remove("jacfwd")  # nor a forward-mode batching rule
     return conv
 
 

@@ -34,7 +34,7 @@ def _kinds(case: G.Case) -> set[str]:
 
 def _differentiates_result(case: G.Case) -> bool:
     """The convention differentiates jacmode's result once more (one order higher)."""
-    return case.convention in ("grad_create_graph", "fcall_autograd", "func_grad", "jacrev")
+    return case.convention in R.DIFFERENTIATING
 
 
 KNOWN: list[Known] = [
@@ -47,9 +47,6 @@ KNOWN: list[Known] = [
                  "per channel' instead of CoupledBatchError",
           lambda c: "batchnorm_train" in _kinds(c) and c.batch > 1
           and c.convention in ("lambda", "fcall_same", "fcall_other", "func_grad", "vmap")),
-    Known("NEW", "torch.func.vmap around a jacmode call with structure='auto': the coupling probe compares "
-                 "batched tensors in Python (data-dependent control flow) and raises vmap's raw error",
-          lambda c: c.convention == "vmap" and c.batch > 1 and c.options.get("structure", "auto") == "auto"),
 ]
 
 

@@ -2,10 +2,10 @@
 
 Fixed here: layer-wise reverse mode for parameters ran Y copies of a one-sample batch through f
 (repeated rows), which is a different function when f reduces over dim 0; forward mode under
-torch.inference_mode() wrote zero columns for chunks of one direction. Not fixed here (known.py
+torch.inference_mode() wrote zero columns for chunks of one direction; the coupling probe inside
+torch.func.vmap (structure="auto") took Python bools of batched values. Not fixed here (known.py
 entries marked NEW or C, strict xfails so that a fix shows up): LSTM float32 reverse mode under
-no_grad, torch.func.vmap around a call with structure="auto", BatchNorm training statistics
-behind a lambda at B = 2, torch's forward-mode batch_norm above first order.
+no_grad, BatchNorm training statistics behind a lambda at B = 2, torch's forward-mode batch_norm above first order.
 """
 
 from __future__ import annotations
@@ -75,12 +75,18 @@ def test_lstm_float32_reverse_mode() -> None:
     torch.testing.assert_close(jm.jacobian(f, x, mode="reverse"), want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(reason="NEW (known.py): vmap around jacmode trips the coupling probe's data-dependent check")
-def test_vmap_around_a_jacmode_call() -> None:
+@pytest.mark.parametrize("traceable", [True, False])
+def test_vmap_around_a_jacmode_call(traceable: bool) -> None:
+    """Also where torch.fx cannot trace f, so the coupling probe runs inside vmap (on all slices)."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+
+    def per_row(x: Tensor) -> Tensor:
+        return torch.cat([net(x[b : b + 1]) for b in range(x.shape[0])])
+
+    f = net if traceable else per_row
     xs = torch.randn(2, 3, 3, dtype=torch.float64)
-    got = torch.func.vmap(lambda x: jm.jacobian(net, x))(xs)
+    got = torch.func.vmap(lambda x: jm.jacobian(f, x))(xs)
     want = torch.stack([torch.func.vmap(jacrev(lambda xb: net(xb[None])[0]))(x) for x in xs])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 

@@ -10,7 +10,9 @@ a single vector of ones for elementwise maps) is decided in ``_structure.py``; t
 differentiate. A chunk of one direction uses dual tensors directly, which skips ``vmap`` and is the
 fastest way to run a single jvp; not under ``torch.inference_mode()``, where ``make_dual`` silently
 drops the tangent (the output's tangent is None, which would read as "does not depend on the
-input"), while ``torch.func.jvp`` still differentiates.
+input"), while ``torch.func.jvp`` still differentiates; and not inside torch.func transforms,
+where a ``dual_level`` under an outer ``jvp`` / ``jacfwd`` raises "Nested forward mode AD is not
+supported", while ``torch.func.jvp`` nests.
 
 NOTE: [Forward mode and threads]
 PyTorch keeps the forward-AD level (``torch.autograd.forward_ad``) and the jvp nesting depth of
@@ -31,6 +33,7 @@ from torch import Tensor
 from torch.func import jvp, vmap
 
 from .._state import RngReplay
+from .._transforms import in_transform
 from . import taylor as _taylor
 from .capture import Program
 
@@ -52,7 +55,8 @@ def pushforward(fn: Callable[[Tensor], Tensor], primal: Tensor, tangents: Tensor
         Shape (K, *fn(primal).shape).
     """
     with _FORWARD_AD_LOCK:
-        if tangents.shape[0] == 1 and not torch.is_inference_mode_enabled():  # see the note above
+        single = tangents.shape[0] == 1 and not torch.is_inference_mode_enabled() and not in_transform()
+        if single:  # see the note above
             with fwAD.dual_level():
                 out = fn(fwAD.make_dual(primal, tangents[0]))
                 tangent = fwAD.unpack_dual(out).tangent

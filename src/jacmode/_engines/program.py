@@ -17,6 +17,7 @@ from torch import Tensor
 from .._cache import rng_kept
 from .._rules.base import Algebra, Traced, Unsupported
 from .._state import preserved_state
+from .._transforms import plain as _plain
 
 
 class Ref:
@@ -191,17 +192,6 @@ def check(program: Program, f: Any, x: Tensor, run: Callable[[Program, Tensor], 
         found = f"{type(err).__name__} while checking the captured graph"
     program.checked[key] = found
     return found
-
-
-def _plain(t: Tensor) -> Tensor:
-    """``t`` without torch.func's wrappers, vmap's batch dims first: values to compare with a Python
-    bool, which a jacmode call inside ``torch.func.vmap`` could not take of a batched tensor."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t):
-        bdim = functorch.maybe_get_bdim(t) if functorch.is_batchedtensor(t) else -1
-        t = functorch.get_unwrapped(t)
-        t = t.movedim(bdim, 0) if bdim >= 0 else t
-    return t
 
 
 def reject(program: Program, x: Tensor, reason: str) -> None:

@@ -60,8 +60,8 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:
     """Run ``fn(x)`` once under the counters; ``x`` holds ``samples`` samples (>= 1)."""
     counter = _Counter()
     flops = FlopCounterMode(display=False)
-    with torch.no_grad(), flops, counter:
-        fn(x)
+    with torch.no_grad(), flops, counter:  # x detached: torch's module tracker hooks inputs that require grad
+        fn(x.detach())
     k = max(1, samples)
     per_op = flops.get_flop_counts().get("Global", {})
     conv = sum(n for op, n in per_op.items() if "conv" in str(op))

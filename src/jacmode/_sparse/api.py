@@ -24,6 +24,7 @@ from .._errors import JacmodeWarning
 from .._planning.memory import DEFAULT_FRACTION, available_bytes, fmt_bytes
 from .._planning.plan import Plan
 from .._state import preserved_state
+from .._transforms import in_transform
 from . import detect as _detect
 from . import evaluate
 from .coloring import Coloring, color
@@ -35,6 +36,10 @@ REVERSE_COST = 1.5  # one vjp pass in units of one jvp pass
 AUTO_MIN_N = 4096  # structure="auto" looks for sparsity from this many inputs on
 AUTO_GAIN = 8  # ... and uses it when it needs at least this many times fewer passes
 TIE = 2.0  # colourings this close in cost are timed (see _timed)
+SPARSE_WHY = ("its pattern detection runs f on index sets and reads values, and torch.func transforms do "
+              "not carry sparse tensors")
+DENSE_INSTEAD = ("inside a transform, use the dense jm.jacobian(f, x, batched=False) (or jm.hessian), which "
+                 "follows the transform.")
 
 _COLORINGS: "weakref.WeakKeyDictionary[SparsityPattern, dict[tuple, Coloring]]" = weakref.WeakKeyDictionary()
 _VERIFIED: "weakref.WeakSet[Coloring]" = weakref.WeakSet()
@@ -70,6 +75,8 @@ def sparsity(f: Fn, x: Tensor, *, hessian: bool = False) -> SparsityPattern:
                 [0, 0, 0, 1, 1]], dtype=torch.int32)
     """
     _checks.check_function(f)
+    _checks.check_outside_transforms("sparsity", "its detection runs f on index sets and reads values",
+                                     "the pattern depends on f alone, not on the transformed values.")
     _checks.check_input(x, wrt="inputs", batched=False)
     _checks.check_sparse_args(hessian=hessian)
     return _detect.detect(f, x, hessian=hessian)
@@ -278,16 +285,17 @@ def sparse_jacobian(
         True
     """
     _checks.check_function(f)
+    _checks.check_outside_transforms("sparse_jacobian", SPARSE_WHY, DENSE_INSTEAD)
     _checks.check_input(x, wrt="inputs", batched=False)
     opts = _checks.check_options(wrt="inputs", mode=mode, batched=False, structure="sparse",
                                  chunk_size=chunk_size, create_graph=create_graph, flatten=True,
                                  max_memory=max_memory)
     _checks.check_sparse_args(layout=layout, mode=mode)
     _check_given(x, pattern, coloring, mode, hessian=False)
-    grad_mode = torch.enable_grad() if create_graph else torch.no_grad()
+    grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     with preserved_state(f), grad_mode:
         c = prepare(f, x, mode, pattern, coloring, hessian=False)
-        return run(f, x, c, layout, opts.chunk_size, opts.max_memory, create_graph)
+        return run(f, x, c, layout, opts.chunk_size, opts.max_memory, opts.create_graph)
 
 
 def sparse_hessian(
@@ -331,6 +339,7 @@ def sparse_hessian(
         True
     """
     _checks.check_function(f)
+    _checks.check_outside_transforms("sparse_hessian", SPARSE_WHY, DENSE_INSTEAD)
     _checks.check_input(x, wrt="inputs", batched=False)
     opts = _checks.check_options(wrt="inputs", mode="auto", batched=False, structure="sparse",
                                  chunk_size=chunk_size, create_graph=create_graph, flatten=True,
@@ -340,11 +349,11 @@ def sparse_hessian(
     if coloring is not None and coloring.partition != "star":
         raise ValueError(f"coloring: a Hessian needs a star colouring, got a {coloring.partition} one. "
                          "Pass jm.coloring(jm.sparsity(f, x, hessian=True)).")
-    grad_mode = torch.enable_grad() if create_graph else torch.no_grad()  # torch.func.grad ignores no_grad
+    grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     with preserved_state(f), grad_mode:
         _check_scalar(f, x)
         c = prepare(f, x, "auto", pattern, coloring, hessian=True)
-        return run(f, x, c, layout, opts.chunk_size, opts.max_memory, create_graph)
+        return run(f, x, c, layout, opts.chunk_size, opts.max_memory, opts.create_graph)
 
 
 def _check_scalar(f: Fn, x: Tensor) -> None:
@@ -396,7 +405,7 @@ def auto(f: Fn, x: Tensor, opts: Any) -> Optional[Coloring]:
     Conservative: only global patterns, found without a warning, that need ``AUTO_GAIN`` times
     fewer passes than the dense Jacobian; anything else (including any failure) keeps today's path.
     """
-    if opts.batched or opts.wrt != "inputs" or opts.structure != "auto" or x.numel() < AUTO_MIN_N:
+    if opts.batched or opts.wrt != "inputs" or opts.structure != "auto" or x.numel() < AUTO_MIN_N or in_transform():
         return None
     key = _detect._key(f, x, False)
     try:
