@@ -254,6 +254,18 @@ def test_products_of_recurrent_layers_match_autograd(cell: type) -> None:
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("cell", [nn.RNN, nn.LSTM])
+def test_per_sample_grads_of_recurrent_layers_under_inference_mode(cell: type) -> None:
+    """The per-sample loop's autograd runs even inside torch.inference_mode() (found by the harness:
+    torch's raw 'element 0 of tensors does not require grad')."""
+    model = _seeded(Recurrent(cell))
+    x, y = torch.randn(3, 5, 3, dtype=torch.float64), torch.randn(3, 2, dtype=torch.float64)
+    loss = lambda out, y: 0.5 * ((out - y) ** 2).sum(1)  # noqa: E731
+    with torch.inference_mode(), pytest.warns(jm.JacmodeWarning, match="cannot vectorise"):
+        g = jm.per_sample_grads(model, x, loss, y=y)
+    torch.testing.assert_close(g, ref_grads(model, x, mse_b(None, y)), **CLOSE)  # type: ignore[arg-type]
+
+
 # --- torch's loss modules, any reduction; cross entropy with classes on dim 1 ---
 
 

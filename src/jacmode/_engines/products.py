@@ -110,13 +110,18 @@ def _loop(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., 
     try:
         for p in params:
             p.requires_grad_(True)
-        with torch.enable_grad():
-            for b in range(x.shape[0]):
-                out = model(x[b:b + 1])
-                value = (loss(out) if y is None else loss(out, y[b:b + 1])).reshape(())
-                for (n, p), g in zip(named, torch.autograd.grad(value, params, allow_unused=True)):
-                    lo, size = cols[n]
-                    result[b, lo:lo + size] = 0 if g is None else g.reshape(size)
+        for b in range(x.shape[0]):
+            # autograd even under torch.inference_mode(): the inputs are cloned into normal tensors
+            # there, and the gradients are written into the result outside that block
+            with torch.inference_mode(False), torch.enable_grad():
+                xb = x[b:b + 1].clone()
+                yb = None if y is None else y[b:b + 1].clone()
+                out = model(xb)
+                value = (loss(out) if yb is None else loss(out, yb)).reshape(())
+                grads = torch.autograd.grad(value, params, allow_unused=True)
+            for (n, p), g in zip(named, grads):
+                lo, size = cols[n]
+                result[b, lo:lo + size] = 0 if g is None else g.reshape(size)
     finally:
         for p, flag in zip(params, flags):
             p.requires_grad_(flag)
