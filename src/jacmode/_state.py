@@ -59,6 +59,30 @@ def _transformable_kernels() -> Iterator[None]:
                 torch.backends.mha.set_fastpath_enabled(_KERNELS["fastpath"])
 
 
+_MKLDNN: dict[str, Any] = {"users": 0, "enabled": True}
+
+
+@contextlib.contextmanager
+def without_mkldnn() -> Iterator[None]:
+    """torch's native CPU kernels instead of mkldnn's for a block (counted across threads, as above).
+
+    For reverse mode under ``torch.inference_mode()``, where grad mode cannot be switched on (see
+    [Grad mode of the reverse engines] in ``_engines/reverse.py``) and the mkldnn RNN kernels then
+    keep no workspace for their backward.
+    """
+    with _KERNELS_LOCK:
+        if _MKLDNN["users"] == 0:
+            _MKLDNN["enabled"] = torch.backends.mkldnn.set_flags(False, None, None, None)[0]
+        _MKLDNN["users"] += 1
+    try:
+        yield
+    finally:
+        with _KERNELS_LOCK:
+            _MKLDNN["users"] -= 1
+            if _MKLDNN["users"] == 0:
+                torch.backends.mkldnn.set_flags(_MKLDNN["enabled"], None, None, None)
+
+
 @dataclass
 class ModelView:
     """What one walk of a module's tree found at the start of a call (shared by the call's steps).
