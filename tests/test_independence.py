@@ -163,15 +163,10 @@ def test_coupled_first_derivatives_are_exact(name: str) -> None:
     torch.testing.assert_close(first, input_blocks(net, x)[..., 0])
 
 
-# torch's forward-over-forward second derivative of batch_norm in training mode is wrong: nested
-# jacfwd disagrees with nested jacrev by 0.57 on this model, and a decomposition of the layer into
-# mean, var and rsqrt (differentiated by nested jacrev) agrees with jacrev; jacmode's nested
-# forward engine inherits torch's formula (issue 17, item 3: torch's wrong higher derivatives)
-_BN_SECOND_ORDER = pytest.mark.xfail(strict=True, reason="torch's jvp-over-jvp of batch_norm (training) is wrong")
-
-
-@pytest.mark.parametrize("name", [pytest.param(c, marks=_BN_SECOND_ORDER) if c == "BatchNorm train" else c
-                                  for c in CASES])
+# torch's forward-over-forward second derivative of batch_norm in training mode is wrong (nested
+# jacfwd disagrees with nested jacrev by 0.57 on this model; a decomposition into mean, var and
+# rsqrt agrees with jacrev, see below); jacmode differentiates the decomposition (issue 17, item 3)
+@pytest.mark.parametrize("name", CASES)
 def test_coupled_second_derivatives_are_exact(name: str) -> None:
     net, x = model(name, 2), batch(2)
     H = hessian_blocks(net, x)  # (B, *out, D, D)

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 
 import grammar as G
 import runner as R
-import torch
 
 RNNS = ("rnn", "gru", "lstm")
 
@@ -58,24 +57,9 @@ KNOWN: list[Known] = [
     Known("C", "LayerNorm above first order: paths that lean on torch's layer_norm derivative formulas (nested "
                "jvp, the coupled structure) return torch's wrong numbers",
           lambda c: "layernorm" in _kinds(c) and R.order(c) + _differentiates_result(c) >= 2),
-    Known("C", "BatchNorm in training mode (structure='coupled'): torch's forward-mode formula of batch_norm "
-               "with batch statistics is wrong above first order (forward-over-forward and reverse-over-forward "
-               "disagree with reverse-over-reverse, finite differences and the op in primitives), and the "
-               "nested-jvp engine inherits it (found by this harness; the same holds for instance_norm)",
-          lambda c: "batchnorm_train" in _kinds(c) and c.batch > 1 and R.expected_error(c) is None
-          and R.order(c) + _differentiates_result(c) >= 2),
     Known("D", "causal coupling along dim 0 (torch.cumsum(x, 0)) goes undetected: per-sample results are "
                "returned where CoupledBatchError is due",
           lambda c: "cumsum" in _kinds(c) and R.expected_error(c) is not None),
-    Known("NEW", "nn.LSTM in float32 on CPU (the mkldnn kernel) in reverse mode: jacmode runs torch.func.vjp under "
-                 "torch.no_grad(), where that kernel keeps no workspace, so its backward raises torch's raw "
-                 "'Expected a proper Tensor but got None ... workspace' (torch.func.jacrev outside no_grad works)",
-          lambda c: c.head == "lstm" and c.dtype == torch.float32 and c.options.get("mode") != "forward"),
-    Known("NEW", "BatchNorm in training mode behind a lambda / functional_call (so no module to inspect): the "
-                 "coupling probe evaluates f on one sample and surfaces torch's raw 'Expected more than 1 value "
-                 "per channel' instead of CoupledBatchError",
-          lambda c: "batchnorm_train" in _kinds(c) and c.batch > 1
-          and c.convention in ("lambda", "fcall_same", "fcall_other", "func_grad", "vmap")),
     Known("NEW", "torch.func.vmap around a jacmode call with structure='auto': the coupling probe compares "
                  "batched tensors in Python (data-dependent control flow) and raises vmap's raw error",
           lambda c: c.convention == "vmap" and c.batch > 1 and c.options.get("structure", "auto") == "auto"),
