@@ -179,7 +179,8 @@ def _module_state(modules: list[nn.Module]) -> Iterator[ModelView]:
             bn.running_mean, bn.running_var, bn.num_batches_tracked = mean, var, count
             bn.track_running_stats = True
         for m, flag in zip(modules, training):
-            m.training = flag
+            if m.training != flag:  # nn.Module.__setattr__ is slow: only where a flag moved
+                m.training = flag
         for m, name, p in slots:  # functional_call fails to restore a module registered twice
             if m._parameters.get(name) is not p:
                 m._parameters[name] = p
