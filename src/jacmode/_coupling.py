@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ._cache import WeakCache, rng_kept
 from ._errors import CoupledBatchError
-from ._state import RngReplay
+from ._state import RngReplay, used_modules
 from ._transforms import in_transform, outside, plain, samples_first
 
 SAMPLES = 8  # samples the probe runs f on
@@ -77,12 +77,12 @@ def _cache_key(f: Any, x: Tensor) -> tuple:
 
 
 def coupled_batchnorms(f: Any) -> list[str]:
-    """Names of BatchNorm layers in training mode (they couple the samples of a batch)."""
-    if not isinstance(f, nn.Module):
-        return []
+    """Names of BatchNorm layers in training mode (they couple the samples of a batch), in ``f`` or
+    in the modules a plain function refers to (``_state.used_modules``: a lambda, functional_call)."""
     return [
         name or type(m).__name__
-        for name, m in f.named_modules()
+        for root in used_modules(f)
+        for name, m in root.named_modules()
         if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
     ]
 
@@ -178,7 +178,7 @@ def probe(
     key = _cache_key(ident, x)
     entry = _CACHE.get(ident, key)
     if entry is None or (check and entry[1] is None):
-        entry = _run_probe(f, x, check=check and batch > 1, validate=validate, ident=ident)
+        entry = _run_probe(f, x, check=check and batch > 1, validate=validate, ident=ident, ways_out=ways_out)
         _CACHE.put(ident, key, entry)
     shape, verdict = entry
     if check and isinstance(verdict, str):
@@ -190,8 +190,42 @@ def probe(
     return shape
 
 
+_BATCH_STATISTICS = ("Expected more than 1 value per channel",)  # torch's batch_norm on one sample
+
+
+def _guarded(f: Callable[[Tensor], Tensor], batch: int, ways_out: str) -> Callable[[Tensor], Tensor]:
+    """``f`` for the probe: an error on fewer samples than the user's batch becomes jacmode's.
+
+    The probe runs f on a few samples of the batch; a function that works on the whole batch but
+    not on a part of it needs the whole batch (batch statistics, a fixed batch size), so its
+    samples are coupled or it is not a function of each sample. Errors on the whole batch are f's.
+    """
+    def run(z: Tensor) -> Tensor:
+        try:
+            return f(z)
+        except Exception as exc:
+            if z.shape[0] >= batch or isinstance(exc, CoupledBatchError):
+                raise
+            what = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+            if any(s in str(exc) for s in _BATCH_STATISTICS):
+                raise CoupledBatchError(
+                    f"f: raised {what} when jacmode's independence check ran it on {z.shape[0]} of the "
+                    f"{batch} samples: f normalises with batch statistics (e.g. BatchNorm in training mode), "
+                    f"so each sample's output depends on the whole batch. {ways_out}"
+                ) from exc
+            raise ValueError(
+                f"f: raised {what} when jacmode's independence check ran it on {z.shape[0]} of the {batch} "
+                "samples, so f is not a function of each sample alone: "
+                "per-sample results need f to run on any number of samples. Pass structure='coupled' for "
+                "the diagonal blocks of the whole-batch Jacobian, batched=False for the whole batch as "
+                "one point, or make f accept any batch size."
+            ) from exc
+    return run
+
+
 def _run_probe(
-    f: Callable[[Tensor], Tensor], x: Tensor, *, check: bool, validate: Callable[[Any, int], Tensor], ident: Any
+    f: Callable[[Tensor], Tensor], x: Tensor, *, check: bool, validate: Callable[[Any, int], Tensor], ident: Any,
+    ways_out: str = WAYS_OUT,
 ) -> tuple[tuple[int, ...], Verdict]:
     """(per-sample output shape, verdict); see the note."""
     if x.shape[0] == 0:
@@ -204,7 +238,16 @@ def _run_probe(
         replay = RngReplay(x.device)
         if not check or k < 2:
             with torch.no_grad():
-                return tuple(validate(f(xs.clone()), k).shape[1:]), None
+                try:
+                    out = f(xs.clone())
+                except Exception:  # noqa: BLE001 -- the structure was given: f may need the whole batch
+                    if k == x.shape[0]:
+                        raise
+                    replay.reset()
+                    xs, k = x.detach(), x.shape[0]
+                    out = f(xs.clone())
+                return tuple(validate(out, k).shape[1:]), None
+        f = _guarded(f, x.shape[0], ways_out)
         rows, pull = _first_pass(f, xs, replay)
         shape = tuple(validate(rows, k).shape[1:])
         split = parts(k)

@@ -6,7 +6,8 @@ things can still change a model during a call: BatchNorm layers in training mode
 running statistics on every forward pass (which also fails under ``vmap``), and a user's forward
 may raise halfway. ``preserved_state`` therefore
 
-* detaches the running statistics of BatchNorm layers in training mode for the duration of the
+* detaches the running statistics of BatchNorm layers in training mode (of ``f``, or of the modules
+  a plain function ``f`` refers to, see ``used_modules``) for the duration of the
   call (the layers then normalise with batch statistics, which is what training mode computes,
   and write nothing) -- the approach of ``torch.func.replace_all_batch_norm_modules_``, undone on
   exit;
@@ -27,6 +28,8 @@ across threads and the last one out restores them.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -59,6 +62,30 @@ def _transformable_kernels() -> Iterator[None]:
                 torch.backends.mha.set_fastpath_enabled(_KERNELS["fastpath"])
 
 
+_MKLDNN: dict[str, Any] = {"users": 0, "enabled": True}
+
+
+@contextlib.contextmanager
+def without_mkldnn() -> Iterator[None]:
+    """torch's native CPU kernels instead of mkldnn's for a block (counted across threads, as above).
+
+    For reverse mode under ``torch.inference_mode()``, where grad mode cannot be switched on (see
+    [Grad mode of the reverse engines] in ``_engines/reverse.py``) and the mkldnn RNN kernels then
+    keep no workspace for their backward.
+    """
+    with _KERNELS_LOCK:
+        if _MKLDNN["users"] == 0:
+            _MKLDNN["enabled"] = torch.backends.mkldnn.set_flags(False, None, None, None)[0]
+        _MKLDNN["users"] += 1
+    try:
+        yield
+    finally:
+        with _KERNELS_LOCK:
+            _MKLDNN["users"] -= 1
+            if _MKLDNN["users"] == 0:
+                torch.backends.mkldnn.set_flags(_MKLDNN["enabled"], None, None, None)
+
+
 @dataclass
 class ModelView:
     """What one walk of a module's tree found at the start of a call (shared by the call's steps).
@@ -76,23 +103,60 @@ class ModelView:
     flags: tuple[bool, ...]
 
 
+def used_modules(fn: Any, depth: int = 3) -> list[nn.Module]:
+    """The modules a plain function refers to: in its closure and globals, a bound method's
+    ``self``, a ``functools.partial``'s function and arguments, and so on through nested
+    functions (``depth`` levels). Not the modules it reaches through other objects' attributes.
+    """
+    if isinstance(fn, nn.Module):
+        return [fn]
+    if depth == 0:
+        return []
+    if isinstance(fn, functools.partial):
+        found = [fn.func, *fn.args, *fn.keywords.values()]
+    elif inspect.ismethod(fn):
+        found = [fn.__self__, fn.__func__]
+    elif inspect.isfunction(fn):
+        found = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
+        glob = fn.__globals__
+        found += [glob[n] for n in fn.__code__.co_names if n in glob]
+    else:
+        return []
+    out: dict[int, nn.Module] = {}
+    for obj in found:
+        if isinstance(obj, nn.Module) or callable(obj):
+            for m in used_modules(obj, depth - 1):
+                out.setdefault(id(m), m)
+    return list(out.values())
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def preserved_state(f: Any) -> Iterator[Optional[ModelView]]:
-    """Run a block and leave ``f`` (if it is an ``nn.Module``) exactly as found, even on error.
+    """Run a block and leave ``f`` exactly as found, even on error: ``f`` if it is an ``nn.Module``,
+    else the modules it refers to (:func:`used_modules`: a lambda around a model, ``functional_call``).
 
     Yields the :class:`ModelView` of the module (None when ``f`` is not a module).
     """
     with _transformable_kernels():
-        if not isinstance(f, nn.Module):
-            yield None
-        else:
-            with _module_state(f) as view:
+        if isinstance(f, nn.Module):
+            with _module_state(list(f.modules())) as view:
                 yield view
+        else:
+            found = {id(m): m for root in used_modules(f) for m in root.modules()}
+            with _module_state(list(found.values())):
+                yield None
 
 
 @contextlib.contextmanager
-def _module_state(f: nn.Module) -> Iterator[ModelView]:
-    modules = list(f.modules())
+def _module_state(modules: list[nn.Module]) -> Iterator[ModelView]:
     training = tuple(m.training for m in modules)
     slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
     params = list({id(p): p for _, _, p in slots if p is not None}.values())  # f.parameters(), in order
@@ -115,7 +179,8 @@ def _module_state(f: nn.Module) -> Iterator[ModelView]:
             bn.running_mean, bn.running_var, bn.num_batches_tracked = mean, var, count
             bn.track_running_stats = True
         for m, flag in zip(modules, training):
-            m.training = flag
+            if m.training != flag:  # nn.Module.__setattr__ is slow: only where a flag moved
+                m.training = flag
         for m, name, p in slots:  # functional_call fails to restore a module registered twice
             if m._parameters.get(name) is not p:
                 m._parameters[name] = p

@@ -16,7 +16,6 @@ from typing import Callable, Optional
 
 import grammar as G
 import runner as R
-import torch
 
 RNNS = ("rnn", "gru", "lstm")
 
@@ -38,15 +37,6 @@ def _differentiates_result(case: G.Case) -> bool:
 
 
 KNOWN: list[Known] = [
-    Known("NEW", "nn.LSTM in float32 on CPU (the mkldnn kernel) in reverse mode: jacmode runs torch.func.vjp under "
-                 "torch.no_grad(), where that kernel keeps no workspace, so its backward raises torch's raw "
-                 "'Expected a proper Tensor but got None ... workspace' (torch.func.jacrev outside no_grad works)",
-          lambda c: c.head == "lstm" and c.dtype == torch.float32 and c.options.get("mode") != "forward"),
-    Known("NEW", "BatchNorm in training mode behind a lambda / functional_call (so no module to inspect): the "
-                 "coupling probe evaluates f on one sample and surfaces torch's raw 'Expected more than 1 value "
-                 "per channel' instead of CoupledBatchError",
-          lambda c: "batchnorm_train" in _kinds(c) and c.batch > 1
-          and c.convention in ("lambda", "fcall_same", "fcall_other", "func_grad", "vmap")),
 ]
 
 

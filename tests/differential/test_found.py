@@ -3,9 +3,9 @@
 Fixed here: layer-wise reverse mode for parameters ran Y copies of a one-sample batch through f
 (repeated rows), which is a different function when f reduces over dim 0; forward mode under
 torch.inference_mode() wrote zero columns for chunks of one direction; the coupling probe inside
-torch.func.vmap (structure="auto") took Python bools of batched values. Not fixed here (known.py
-entries marked NEW or C, strict xfails so that a fix shows up): LSTM float32 reverse mode under
-no_grad, BatchNorm training statistics behind a lambda at B = 2, torch's forward-mode batch_norm above first order.
+torch.func.vmap (structure="auto") took Python bools of batched values. Fixed since (see
+tests/test_raw_errors.py for more): LSTM float32 reverse mode under no_grad, BatchNorm training
+statistics behind a lambda, torch's forward-mode batch_norm above first order (the decompositions).
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ def test_forward_mode_param_jacobian_under_inference_mode(chunk_size: int) -> No
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.xfail(reason="NEW (known.py): LSTM float32 reverse mode under no_grad raises torch's raw workspace error")
 def test_lstm_float32_reverse_mode() -> None:
     torch.manual_seed(0)
     lstm = nn.LSTM(2, 2, batch_first=True)
@@ -91,7 +90,6 @@ def test_vmap_around_a_jacmode_call(traceable: bool) -> None:
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.xfail(reason="NEW (known.py): the coupling probe surfaces BatchNorm's raw one-sample error behind a lambda")
 def test_batchnorm_training_behind_a_lambda_is_a_coupled_batch() -> None:
     net = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)).double().train()
     params = {k: v.detach().clone() for k, v in net.named_parameters()}
@@ -99,7 +97,6 @@ def test_batchnorm_training_behind_a_lambda_is_a_coupled_batch() -> None:
         jm.jacobian(lambda x: functional_call(net, params, (x,)), torch.randn(2, 2, dtype=torch.float64))
 
 
-@pytest.mark.xfail(reason="C (known.py): nested jvp inherits torch's wrong forward-mode batch_norm above order 1")
 def test_coupled_hessian_through_batchnorm_training() -> None:
     """structure='coupled' Hessian of sample b with the others fixed, against reverse-over-reverse
     autograd on the op in primitives (which agrees with central differences, see

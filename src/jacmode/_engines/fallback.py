@@ -38,6 +38,7 @@ from .._cache import WeakCache, rng_kept
 from .._errors import JacmodeWarning
 from .._problem import Problem
 from .._rules.embedding import forward_gap
+from .reverse import recording
 
 _CAPS = WeakCache("capabilities")
 _WARNED_OPS: set[str] = set()
@@ -123,11 +124,12 @@ def _one_sample(f: Any, p: Problem) -> tuple[Any, Tensor]:
     return p.fn, p.z
 
 
-def _try(call: Any) -> Optional[tuple[str, str]]:
+def _try(call: Any, any_error: bool = False) -> Optional[tuple[str, str]]:
+    """Why ``call`` fails (see ``classify``); None if it runs. ``any_error``: every error counts."""
     try:
         call()
     except Exception as exc:  # noqa: BLE001 - anything unforeseen surfaces in the real run
-        return classify(exc)
+        return classify(exc) or (("error", str(exc)) if any_error else None)
     return None
 
 
@@ -147,7 +149,8 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
         g, pt = _one_sample(f, p)
         with rng_kept(p.device), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            gap = _try(lambda: _pull_ones(*vjp(g, pt)))
+            with recording():  # each probe under the grad mode of the engine it stands for
+                gap = _try(lambda: _pull_ones(*vjp(g, pt)))
             if gap is not None and gap[0] == "functorch":
                 caps.functorch = gap[1]
             else:
@@ -158,7 +161,10 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
                     xs = p.x[:2].detach().clone()
                     gap = _try(lambda: vmap(p.sample_fn, in_dims=(None, 0), randomness="different")(p.z, xs))
                     if gap is not None and gap[0] == "vmap":
-                        caps.vmap_samples = gap[1]
+                        with recording():  # what per_sample_rows runs: under vjp f may take other kernels
+                            runs = _try(lambda: vmap(lambda xb: _pull_ones(*vjp(lambda z: p.sample_fn(z, xb), p.z)),
+                                                     randomness="different")(xs), any_error=True) is None
+                        caps.vmap_samples = None if runs else gap[1]
     _CAPS.put(f, key, caps)
     return caps
 

@@ -17,7 +17,7 @@ from torch.func import vjp
 
 from .._planning.plan import Plan
 from .._problem import Problem
-from .reverse import pullback
+from .reverse import pullback, recording
 
 
 def sample_loop(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
@@ -26,12 +26,13 @@ def sample_loop(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
     B, Y = p.batch, p.n_out
     res = out if out is not None else p.z.new_zeros(B, Y, p.n_in)
     eye = torch.eye(Y, dtype=p.z.dtype, device=p.z.device)
-    for b in range(B):
-        xb = p.x[b].clone()  # f may modify its input in place
-        _, vjp_fn = vjp(lambda z: p.sample_fn(z, xb), p.z)  # type: ignore[misc]
-        for y0 in range(0, Y, plan.chunk_size):
-            y1 = min(Y, y0 + plan.chunk_size)
-            res[b, y0:y1] = pullback(vjp_fn, eye[y0:y1])
+    with recording() as kept:  # see [Grad mode of the reverse engines]
+        for b in range(B):
+            xb = p.x[b].clone()  # f may modify its input in place
+            _, vjp_fn = vjp(lambda z: p.sample_fn(z, xb), p.z)  # type: ignore[misc]
+            for y0 in range(0, Y, plan.chunk_size):
+                y1 = min(Y, y0 + plan.chunk_size)
+                res[b, y0:y1] = kept(pullback(vjp_fn, eye[y0:y1]))
     return res
 
 

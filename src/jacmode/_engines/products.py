@@ -32,6 +32,7 @@ from .._checks import check_hessians
 from .._errors import JacmodeWarning
 from .._rules.base import NotCovered
 from . import layerio, layerwise, probes
+from .reverse import recording
 
 Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
 
@@ -91,7 +92,9 @@ def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], l
     step = vmap(grad(one), in_dims=(None, 0, None if y is None else 0), randomness="different")
     for b0 in range(0, x.shape[0], chunk):
         try:
-            g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
+            with recording() as kept:  # see [Grad mode of the reverse engines]
+                g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
+                g = {n: kept(t) for n, t in g.items()}
         except RuntimeError as exc:  # vmap cannot batch f (fused RNN kernels, .item(), ...): loop instead
             warnings.warn(f"jacmode: per_sample_grads cannot vectorise f over samples ({str(exc).splitlines()[0][:120]}), "
                           "so it loops over samples with autograd: exact, only slower.", JacmodeWarning, stacklevel=4)

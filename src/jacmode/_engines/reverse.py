@@ -3,20 +3,44 @@
 The mirror image of ``_engines/forward.py`` (see the note there): same signature, with the one forward
 pass and its tape shared by all chunks. ``per_sample_rows`` adds the outer ``vmap`` over samples
 that parameter Jacobians need, since parameters are shared by all samples.
+
+NOTE: [Grad mode of the reverse engines]
+``torch.func.vjp`` runs the kernels at the bottom of its stack under the *caller's* grad mode, and
+some kernels read it to decide whether to keep what their own backward needs: the mkldnn CPU kernel
+of ``nn.LSTM`` / ``nn.GRU`` in float32 keeps no workspace under ``torch.no_grad()``, and its backward
+then raises torch's "Expected a proper Tensor but got None ... workspace". So the engines pull back
+under ``torch.enable_grad()`` (``recording``) and detach the blocks when the caller's mode was off
+(``create_graph=False``), so nothing outside the engine holds on to a tape. Under
+``torch.inference_mode()`` grad mode stays off (functorch would try to save inference tensors)
+and the engines take torch's native CPU kernels instead (``_state.without_mkldnn``). The
+capability probes (``fallback.capabilities``) run under the same modes as the engines.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor
 from torch.func import vjp, vmap
 
-from .._state import RngReplay
+from .._state import RngReplay, without_mkldnn
 
 Seeds = Callable[[int, int], Tensor]
 Place = Callable[[int, int, Tensor], None]
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[Callable[[Tensor], Tensor]]:
+    """Grad mode on for a vjp engine; yields what to apply to its products (see the note)."""
+    if torch.is_inference_mode_enabled():  # grad mode on would save inference tensors for backward
+        with without_mkldnn():
+            yield lambda t: t
+        return
+    keep = torch.is_grad_enabled()
+    with torch.enable_grad():
+        yield (lambda t: t) if keep else Tensor.detach
 
 
 def pullback(vjp_fn: Callable[[Tensor], tuple[Tensor, ...]], cotangents: Tensor) -> Tensor:
@@ -40,10 +64,11 @@ def reverse_rows(
     One forward pass records the tape; every chunk reuses it, so random layers draw one mask
     (``rng`` is accepted for symmetry with the forward engine).
     """
-    vjp_fn = vjp(fn, primal)[1]
-    for start in range(0, n, chunk_size):
-        stop = min(n, start + chunk_size)
-        place(start, stop, pullback(vjp_fn, seeds(start, stop)))
+    with recording() as out:
+        vjp_fn = vjp(fn, primal)[1]
+        for start in range(0, n, chunk_size):
+            stop = min(n, start + chunk_size)
+            place(start, stop, out(pullback(vjp_fn, seeds(start, stop))))
 
 
 def per_sample_rows(
@@ -76,11 +101,12 @@ def per_sample_rows(
         return pullback(vjp_fn, cotangents)
 
     batched_rows = vmap(rows, in_dims=(0, None), randomness="different")
-    for b0 in range(0, data.shape[0], sample_chunk):
-        b1 = min(data.shape[0], b0 + sample_chunk)
-        replay = RngReplay(primal.device) if rng is not None else None
-        for y0 in range(0, n_out, direction_chunk):
-            y1 = min(n_out, y0 + direction_chunk)
-            if replay is not None:
-                replay.reset()
-            place(b0, b1, y0, y1, batched_rows(data[b0:b1], eye[y0:y1]))
+    with recording() as out:
+        for b0 in range(0, data.shape[0], sample_chunk):
+            b1 = min(data.shape[0], b0 + sample_chunk)
+            replay = RngReplay(primal.device) if rng is not None else None
+            for y0 in range(0, n_out, direction_chunk):
+                y1 = min(n_out, y0 + direction_chunk)
+                if replay is not None:
+                    replay.reset()
+                place(b0, b1, y0, y1, out(batched_rows(data[b0:b1], eye[y0:y1])))

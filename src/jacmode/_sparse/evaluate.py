@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.func import grad, jvp, vjp
 
 from .._engines.forward import pushforward
-from .._engines.reverse import pullback
+from .._engines.reverse import pullback, recording
 from .coloring import Coloring
 from .pattern import SparsityPattern
 
@@ -85,10 +85,11 @@ def compressed(f: Fn, x: Tensor, c: Coloring, chunk: int, out_shape: tuple[int, 
     """The C compressed products, stacked and flattened: (C, Y) for columns, (C, N) otherwise."""
     blocks = []
     if c.partition == "row":
-        vjp_fn = vjp(f, x)[1]
-        for s in range(0, c.n_colors, chunk):
-            e = min(c.n_colors, s + chunk)
-            blocks.append(pullback(vjp_fn, seeds(c, s, e, out_shape, x)).reshape(e - s, -1))
+        with recording() as kept:  # see [Grad mode of the reverse engines]
+            vjp_fn = vjp(f, x)[1]
+            for s in range(0, c.n_colors, chunk):
+                e = min(c.n_colors, s + chunk)
+                blocks.append(kept(pullback(vjp_fn, seeds(c, s, e, out_shape, x))).reshape(e - s, -1))
     else:
         fn = f if c.partition == "column" else _gradient(f)
         for s in range(0, c.n_colors, chunk):
@@ -148,7 +149,8 @@ def probe_check(f: Fn, x: Tensor, c: Coloring, vals: Tensor) -> Optional[float]:
     xd = x.detach()
     if c.partition == "row":
         u = torch.randn(p.shape[0], generator=gen, dtype=x.dtype).to(x.device)
-        exact = vjp(f, xd)[1](u.reshape(p.out_shape))[0].reshape(-1)
+        with recording() as kept:
+            exact = kept(vjp(f, xd)[1](u.reshape(p.out_shape))[0]).reshape(-1)
         approx = torch.zeros(p.shape[1], dtype=x.dtype, device=x.device).index_add_(0, col, vals * u[rows])
     else:
         v = torch.randn(p.shape[1], generator=gen, dtype=x.dtype).to(x.device)
