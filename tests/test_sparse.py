@@ -397,3 +397,124 @@ def test_structure_auto_gives_up_early_on_a_dense_function():
     from jacmode._sparse import detect
     assert detect._trace(net, x, False, max_average=512).startswith("dense")  # abandoned at the first layer
     torch.testing.assert_close(jm.jacobian(net, x, batched=False), torch.func.jacrev(net)(x))
+
+
+# --- bidirectional colouring ---
+
+
+def arrowhead(z):
+    """A dense first row (the sum), a dense first column (z[0] scales every output) and a band."""
+    band = torch.sin(z[1:] * z[:-1]) + z[1:] ** 2
+    return torch.cat([z.sum().reshape(1), band + z[0] * z[1:]])
+
+
+def test_bidirectional_beats_both_sides_on_the_arrowhead():
+    x = torch.rand(200, dtype=D)
+    p = jm.sparsity(arrowhead, x)
+    col, row, both = (jm.coloring(p, part) for part in ("column", "row", "bidirectional"))
+    assert (col.n_colors, row.n_colors) == (200, 200)  # the dense row and column: one colour each
+    assert both.n_colors == both.n_column_colors + both.n_row_colors <= 5 < min(col.n_colors, row.n_colors)
+    assert both.n_row_colors == 1 and jm.coloring(p).partition == "bidirectional"
+    pl = jm.plan(arrowhead, x, batched=False, structure="sparse")
+    assert (pl.mode, pl.directions, pl.coloring.partition) == ("bidirectional", both.n_colors, "bidirectional")
+    assert f"{both.n_column_colors} jvps on column colours + 1 vjps" in pl.reason
+    assert pl.costs["bidirectional"] < min(pl.costs["forward"], pl.costs["reverse"])
+    ref = torch.func.jacfwd(arrowhead)(x)
+    for chunk in (None, 1):
+        J = jm.jacobian(arrowhead, x, batched=False, structure="sparse", chunk_size=chunk)
+        torch.testing.assert_close(J.to_dense(), ref, rtol=1e-12, atol=1e-12)
+
+
+def test_bidirectional_mirror_image_dense_columns_from_jvps():
+    # block sums (wide rows, cheap by rows) scaled by z[0] (a dense column) next to the total (a dense row)
+    f = lambda z: torch.cat([z.sum().reshape(1), (z.reshape(-1, 4) ** 2).sum(1) * z[0]])
+    x = torch.rand(400, dtype=D)
+    c = jm.coloring(jm.sparsity(f, x))
+    assert c.partition == "bidirectional" and (c.n_column_colors, c.n_row_colors) == (1, 2)
+    assert c.colors[0] == 0 and (c.colors[1:] == -1).all()  # only the dense column is pushed
+    torch.testing.assert_close(jm.sparse_jacobian(f, x).to_dense(), torch.func.jacfwd(f)(x), rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_bidirectional_is_differentiable_and_a_fallback_keeps_it():
+    x = torch.rand(30, dtype=D, requires_grad=True)
+    c = jm.coloring(jm.sparsity(arrowhead, x.detach()), "bidirectional")
+    J = jm.sparse_jacobian(arrowhead, x, coloring=c, create_graph=True)
+    g = torch.autograd.grad((J.values() ** 2).sum(), x)[0]
+    ref = torch.autograd.grad((torch.func.jacrev(arrowhead)(x) ** 2).sum(), x)[0]
+    torch.testing.assert_close(g, ref)
+    assert jm.sparse_jacobian(arrowhead, x.detach(), coloring=c, layout="dense").shape == (30, 30)
+
+
+@st.composite
+def arrow_patterns(draw):
+    """A band of drawn width, up to three dense rows and columns, sometimes random entries on top."""
+    y, n = draw(st.integers(1, 24)), draw(st.integers(1, 24))
+    width = draw(st.integers(0, 3))
+    i, j = np.meshgrid(np.arange(y), np.arange(n), indexing="ij")
+    dense = np.abs(i - j * y // max(n, 1)) <= width
+    for r in draw(st.lists(st.integers(0, y - 1), max_size=3)):
+        dense[r] = True
+    for k in draw(st.lists(st.integers(0, n - 1), max_size=3)):
+        dense[:, k] = True
+    noise = np.asarray(draw(st.lists(st.booleans(), min_size=y * n, max_size=y * n))).reshape(y, n)
+    dense |= noise & draw(st.booleans())  # sometimes a random sprinkle on top
+    return dense
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrow_patterns())
+def test_bidirectional_decompression_is_exact_on_drawn_patterns(dense):
+    y, n = dense.shape
+    crow = np.concatenate([[0], np.cumsum(dense.sum(1))]).astype(np.int64)
+    p = SparsityPattern((y, n), crow, np.nonzero(dense)[1].astype(np.int64), (n,), (y,))
+    for order in ("natural", "best"):
+        c = color(p, "bidirectional", order)
+        # every entry read from its side: exact with a random matrix of this pattern
+        m = np.where(dense, np.random.default_rng(0).standard_normal((y, n)), 0.0)
+        jv = [m @ (c.colors == k) for k in range(c.n_column_colors)]
+        uj = [(c.row_colors == k) @ m for k in range(c.n_row_colors)]
+        got = np.concatenate([np.zeros(0), *jv, *uj])[sources(c)]
+        np.testing.assert_allclose(got, m[np.nonzero(dense)], rtol=1e-12, atol=1e-12)
+        assert c.n_colors == c.n_column_colors + c.n_row_colors
+        assert c.n_colors <= max(color(p, "column", order).n_colors, color(p, "row", order).n_colors)
+    auto = jm.coloring(p)
+    from jacmode._sparse.coloring import cost
+    assert cost(auto) <= min(cost(color(p, "column")), cost(color(p, "row")))
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(3, 40), st.lists(st.integers(0, 39), min_size=1, max_size=3),
+       st.lists(st.integers(0, 39), min_size=1, max_size=3), st.integers(1, 2))
+def test_bidirectional_jacobians_equal_the_dense_jacobian(n, rows, cols, width):
+    rows, cols = sorted({r % n for r in rows}), sorted({k % n for k in cols})
+
+    def f(z):
+        band = sum(torch.roll(z, s) * (1 + s) for s in range(-width, width + 1))
+        y = torch.tanh(band) + z[cols].prod() * z   # dense columns: every output sees z[cols]
+        return torch.cat([y, torch.stack([torch.sin(z * (r + 1)).sum() for r in rows])])   # dense rows
+
+    x = torch.rand(n, dtype=D)
+    ref = torch.func.jacfwd(f)(x)
+    c = jm.coloring(jm.sparsity(f, x), "bidirectional")
+    for chunk in (None, 2):
+        J = jm.sparse_jacobian(f, x, coloring=c, chunk_size=chunk)
+        torch.testing.assert_close(J.to_dense(), ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(jm.sparse_jacobian(f, x), jm.sparse_jacobian(f, x, coloring=c), rtol=1e-12,
+                               atol=1e-12)
+
+
+def test_bidirectional_errors():
+    x = torch.rand(20, dtype=D)
+    c = jm.coloring(jm.sparsity(arrowhead, x), "bidirectional")
+    for mode, want in (("forward", "column"), ("reverse", "row")):
+        with pytest.raises(ValueError, match=f"mode: '{mode}' needs a {want} colouring, got coloring= with a "
+                                             "bidirectional partition"):
+            jm.sparse_jacobian(arrowhead, x, mode=mode, coloring=c)
+    energy = lambda z: (z[1:] * z[:-1]).sum()
+    with pytest.raises(ValueError, match="partition: a Hessian pattern is coloured with 'star'"):
+        jm.coloring(jm.sparsity(energy, x, hessian=True), "bidirectional")
+    with pytest.raises(ValueError, match="pattern: it is a Jacobian pattern .* and a Hessian is asked for"):
+        jm.sparse_hessian(energy, x, coloring=c)
+    with pytest.raises(ValueError, match=r"partition: expected one of \(.*'bidirectional'\)"):
+        jm.coloring(jm.sparsity(arrowhead, x), "bicolour")

@@ -534,7 +534,7 @@ def check_fits(needed: int, budget: int, what: str, fix: str) -> None:
 
 SPARSE_LAYOUTS = ("csr", "coo", "dense")
 SPARSE_MODES = ("auto", "forward", "reverse")
-PARTITIONS = ("auto", "column", "row", "star")
+PARTITIONS = ("auto", "column", "row", "star", "bidirectional")
 COLOR_ORDERS = ("best", "natural", "largest_first", "smallest_last", "incidence", "fields")
 
 
@@ -555,7 +555,7 @@ def check_sparse_args(*, layout: Any = "csr", mode: Any = "auto", hessian: Any =
     if pattern is not None and partition == "star" and not pattern.symmetric:
         raise ValueError("partition: 'star' colours symmetric (Hessian) patterns, got a Jacobian "
                          "pattern. Use 'column' or 'row', or jm.sparsity(f, x, hessian=True).")
-    if pattern is not None and partition in ("column", "row") and pattern.symmetric:
+    if pattern is not None and partition in ("column", "row", "bidirectional") and pattern.symmetric:
         raise ValueError(f"partition: a Hessian pattern is coloured with 'star' (or 'auto'), got "
                          f"{partition!r}.")
 

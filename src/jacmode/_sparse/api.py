@@ -5,7 +5,9 @@ Forward mode pushes one jvp per column colour, reverse mode one vjp per row colo
 records a tape and costs about ``REVERSE_COST`` jvp passes here (as in the dense cost model, see
 ``_planning/plan.py``). ``mode="auto"`` colours both ways and keeps the cheaper: for a function
 with a few dense rows (a sum of every input next to local terms) rows need few colours and columns
-many, and the reverse for a few dense columns.
+many, and the reverse for a few dense columns. With both (an arrowhead) it also tries a
+bidirectional colouring (see the note in ``coloring.py``: dense rows from vjps, the rest from
+jvps, or the mirror image) and keeps it only when it costs less than both sides.
 """
 
 from __future__ import annotations
@@ -27,12 +29,11 @@ from .._state import preserved_state
 from .._transforms import in_transform
 from . import detect as _detect
 from . import evaluate
-from .coloring import Coloring, color
+from .coloring import Coloring, bidirectional, color, cost
 from .pattern import SparsityPattern
 
 Fn = Callable[[Tensor], Tensor]
 Memory = Optional[Union[int, float, str]]
-REVERSE_COST = 1.5  # one vjp pass in units of one jvp pass
 AUTO_MIN_N = 4096  # structure="auto" looks for sparsity from this many inputs on
 AUTO_GAIN = 8  # ... and uses it when it needs at least this many times fewer passes
 TIE = 2.0  # colourings this close in cost are timed (see _timed)
@@ -88,8 +89,10 @@ def coloring(pattern: SparsityPattern, partition: str = "auto", *, order: str = 
     Args:
         pattern: from :func:`sparsity`.
         partition: "column" (one jvp per colour), "row" (one vjp per colour), "star" (symmetric
-            Hessian patterns: one Hessian-vector product per colour), or "auto": star for a
-            Hessian pattern, else the cheaper of column and row (see the note in ``api.py``).
+            Hessian patterns: one Hessian-vector product per colour), "bidirectional" (the
+            nonzeros of some rows, or of all but some columns, from vjps, the others from jvps;
+            see docs/sparse.md), or "auto": star for a Hessian pattern, else the cheapest of
+            column, row and bidirectional (see the note in ``api.py``).
         order: greedy vertex order: "natural", "largest_first", "smallest_last", "incidence",
             "fields", or "best" (try all, keep the fewest colours).
 
@@ -102,6 +105,9 @@ def coloring(pattern: SparsityPattern, partition: str = "auto", *, order: str = 
         >>> c = jm.coloring(p, "column")
         >>> c.n_colors, c.lower_bound        # 2 jvps instead of 100
         (2, 2)
+        >>> arrow = lambda x: torch.cat([x.sum().reshape(1), x[1:] * x[:-1] + x[0] * x[1:]])
+        >>> jm.coloring(jm.sparsity(arrow, torch.zeros(100)))   # a dense row and a dense column
+        Coloring(bidirectional, 4 colours (3 jvps + 1 vjps), lower bound 4, order 'natural/natural')
     """
     if not isinstance(pattern, SparsityPattern):
         raise TypeError(f"pattern: expected a SparsityPattern from jm.sparsity(f, x), got "
@@ -120,7 +126,9 @@ def _color(p: SparsityPattern, partition: str, order: str = "best") -> Coloring:
             cache[key] = Coloring(partition, c.colors, c.n_colors, c.lower_bound, c.order, p)
         elif partition == "auto":
             col, row = _color(p, "column", order), _color(p, "row", order)
-            cache[key] = col if cost(col) <= cost(row) else row
+            best = col if cost(col) <= cost(row) else row
+            both = bidirectional(p, order, beat=cost(best))
+            cache[key] = best if both is None else both
         else:
             cache[key] = color(p, partition, order)
     return cache[key]
@@ -131,11 +139,6 @@ def _symmetric(p: SparsityPattern) -> bool:
         return False
     t = p.transpose()
     return bool(np.array_equal(t.crow, p.crow) and np.array_equal(t.col, p.col))
-
-
-def cost(c: Coloring) -> float:
-    """Relative cost of evaluating with ``c``: passes, a vjp pass counting ``REVERSE_COST``."""
-    return c.n_colors * (REVERSE_COST if c.partition == "row" else 1.0)
 
 
 _PARTITION = {"auto": "auto", "autotune": "auto", "forward": "column", "reverse": "row"}
@@ -153,23 +156,26 @@ def prepare(f: Fn, x: Tensor, mode: str, pattern: Optional[SparsityPattern],
 
 
 def _timed(f: Fn, x: Tensor, p: SparsityPattern) -> Coloring:
-    """mode="auto": the cheaper colouring by colours; within a factor ``TIE`` of each other, the
-    faster of one compressed evaluation each (timed once per pattern: on CPU a vjp pass is often
-    cheaper than a jvp pass, whose rules for shape ops are slower under vmap)."""
+    """mode="auto": the cheapest colouring by colours; the ones within a factor ``TIE`` of it are
+    timed, one compressed evaluation each, and the fastest kept (once per pattern: on CPU a vjp
+    pass is often cheaper than a jvp pass, whose rules for shape ops are slower under vmap)."""
     cache = _COLORINGS.setdefault(p, {})
     if ("timed",) in cache:
         return cache[("timed",)]
     col, row = _color(p, "column"), _color(p, "row")
-    best = col if cost(col) <= cost(row) else row
-    if min(cost(col), cost(row)) * TIE >= max(cost(col), cost(row)) and p.nnz:
-        seconds = {}
+    auto = _color(p, "auto")
+    candidates = [col, row] + ([auto] if auto.partition == "bidirectional" else [])
+    best = min(candidates, key=cost)
+    close = [c for c in candidates if cost(c) <= TIE * cost(best)]
+    if len(close) > 1 and p.nnz:
+        seconds = []
         xd = x.detach()
-        for c in (col, row):
+        for c in close:
             chunk, _ = _chunk(c, x, None, None)
             t0 = time.perf_counter()
             evaluate.values(f, xd, c, chunk, p.out_shape)
-            seconds[c.partition] = time.perf_counter() - t0
-        best = col if seconds["column"] <= seconds["row"] else row
+            seconds.append(time.perf_counter() - t0)
+        best = close[int(np.argmin(seconds))]
     cache[("timed",)] = best
     return best
 
@@ -205,7 +211,7 @@ def run(f: Fn, x: Tensor, c: Coloring, layout: str, chunk_size: Optional[int],
             with warnings.catch_warnings():  # one warning (above) is enough
                 warnings.simplefilter("ignore", JacmodeWarning)
                 dense = _detect._dense_fallback(f, x, p.symmetric, f"the {p.scope} pattern missed nonzeros")
-            c = color(dense, c.partition if c.partition != "star" else "star")
+            c = color(dense, c.partition)
             _VERIFIED.add(c)
             return run(f, x, c, layout, chunk_size, max_memory, create_graph)
         if p.scope == "global":
@@ -261,8 +267,8 @@ def sparse_jacobian(
     Args:
         f: maps x (N elements, any shape) to y (Y elements, any shape).
         x: one point.
-        mode: "auto" (the cheaper of column and row colouring), "forward" (column colouring,
-            jvps) or "reverse" (row colouring, vjps).
+        mode: "auto" (the cheapest of column, row and bidirectional colouring), "forward"
+            (column colouring, jvps) or "reverse" (row colouring, vjps).
         layout: "csr" (``torch.sparse_csr_tensor``, (Y, N)), "coo" ((Y, N)) or "dense"
             ((*out, *x.shape), as ``jm.jacobian(..., batched=False)`` returns).
         pattern: a pattern from :func:`sparsity` to reuse.
@@ -379,14 +385,18 @@ def plan(f: Fn, x: Tensor, mode: str, chunk_size: Optional[int], max_memory: Opt
     chunk, budget = _chunk(c, x, chunk_size, max_memory)
     costs = {}
     if not hessian:
-        for name, part in (("forward", "column"), ("reverse", "row")):
+        for name, part in (("forward", "column"), ("reverse", "row"), ("bidirectional", "bidirectional")):
+            if part == "bidirectional" and c.partition != part:
+                continue  # only costed when chosen (or given)
             other = c if c.partition == part else _color(p, part)
             costs[name] = call_s * (1 + 2 * cost(other))
     else:
         costs["forward"] = call_s * (1 + 4 * c.n_colors)
-    mode_name = "reverse" if c.partition == "row" else "forward"
+    mode_name = {"row": "reverse", "bidirectional": "bidirectional"}.get(c.partition, "forward")
     what = {"column": "column colouring (one jvp per colour)", "row": "row colouring (one vjp per colour)",
-            "star": "star colouring of the Hessian (one Hessian-vector product per colour)"}[c.partition]
+            "star": "star colouring of the Hessian (one Hessian-vector product per colour)",
+            "bidirectional": f"bidirectional colouring ({c.n_column_colors} jvps on column colours + "
+                             f"{c.n_row_colors} vjps on row colours)"}[c.partition]
     reason = (f"sparse: {what}, {c.n_colors} colours (lower bound {c.lower_bound}, order "
               f"{c.order!r}) for {p.shape[0]:,} x {p.shape[1]:,} with {p.nnz:,} nonzeros; "
               f"{p.scope} pattern" + (f" ({p.reason})" if p.reason else ""))

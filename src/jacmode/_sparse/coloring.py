@@ -20,10 +20,27 @@ size, the leading dimension of x when it has several, else F = 2, 3, 4: the F va
 grid point in turn, the order that colours the 2-D Brusselator with 8 colours where the others
 need 11-12). "best" tries every order and keeps the fewest colours.
 The lower bound is the largest number of nonzeros in one row (columns), column (rows) or row of H.
+
+NOTE: [Bidirectional colouring]
+A few dense rows force a column colouring to give every column its own colour, a few dense
+columns do the same to a row colouring; with both (an arrowhead) neither side helps. A
+bidirectional colouring reads some nonzeros from vjps and the others from jvps. The simple exact
+scheme used here (not Coleman and Verma's star bicolouring, which also splits entries inside a
+row): set the rows R apart; colour the rows of J[R, :] (row colouring, one vjp per colour, over
+every column) and the columns of J[not R, :] (column colouring that ignores the rows in R). An
+entry in a row of R is read from its row colour's vjp, any other from its column colour's jvp;
+each colouring is structurally orthogonal on the entries it reads, so nothing is subtracted and
+decompression is a gather as for one side. Symmetrically with a set of columns C read from jvps
+and the rest from a row colouring that ignores C. R (C) runs over thresholds of the row (column)
+degrees, largest first: the rows with at least t nonzeros; a threshold is coloured only when the
+sum of both sides' lower bounds can beat the best cost so far, and the search stops once the
+set-apart side alone cannot. Cost: jvps + ``REVERSE_COST`` x vjps + ``SIDE_COST`` (using both
+modes runs f once more), so a bidirectional colouring is kept only where it beats both sides.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -33,7 +50,10 @@ from .pattern import SparsityPattern
 from .sets import unique
 
 ORDERS = ("natural", "largest_first", "smallest_last", "incidence", "fields")
-PARTITIONS = ("auto", "column", "row", "star")
+PARTITIONS = ("auto", "column", "row", "star", "bidirectional")
+REVERSE_COST = 1.5  # one vjp pass in units of one jvp pass (as the dense cost model)
+SIDE_COST = 1.0  # a bidirectional evaluation runs both modes: one pass more than one side
+THRESHOLDS = 24  # degree thresholds tried per side
 ADJACENCY_CAP = 50_000_000  # entries of the intersection graph before a partition counts as hopeless
 
 
@@ -43,13 +63,21 @@ class Coloring:
 
     Attributes:
         partition: "column" (forward mode, one jvp per colour), "row" (reverse mode, one vjp per
-            colour) or "star" (symmetric Hessian, one Hessian-vector product per colour).
-        colors: (N,) int64 NumPy array for "column"/"star", (Y,) for "row": the colour of each.
-        n_colors: the number of colours (of directions to push).
+            colour), "star" (symmetric Hessian, one Hessian-vector product per colour) or
+            "bidirectional" (some nonzeros from jvps of column colours, the others from vjps of
+            row colours; see the note in ``coloring.py``).
+        colors: (N,) int64 NumPy array for "column"/"star"/"bidirectional", (Y,) for "row": the
+            colour of each (-1 for a column no jvp needs, "bidirectional" only).
+        n_colors: the number of colours (of directions to push; both sides for "bidirectional").
         lower_bound: the most nonzeros in one row (column colouring), one column (row colouring)
-            or one row of the Hessian (star): no valid colouring has fewer colours.
-        order: the vertex order that produced it.
+            or one row of the Hessian (star): no valid colouring has fewer colours. For
+            "bidirectional", the sum of both sides' bounds for its split of the nonzeros.
+        order: the vertex order that produced it ("forward/reverse" for "bidirectional").
         pattern: the pattern it colours.
+        row_colors: "bidirectional" only: (Y,) the row colour of each row read from vjps, -1 for
+            the others.
+        from_rows: "bidirectional" only: (nnz,) bool in the pattern's CSR order, True for the
+            nonzeros read from the vjps.
     """
 
     partition: str
@@ -58,16 +86,36 @@ class Coloring:
     lower_bound: int
     order: str
     pattern: SparsityPattern
+    row_colors: Optional[np.ndarray] = None
+    from_rows: Optional[np.ndarray] = None
+
+    @property
+    def n_column_colors(self) -> int:
+        """Colours pushed forward (jvps): all of them for "column"/"star", none for "row"."""
+        if self.partition == "bidirectional":
+            return int(self.colors.max(initial=-1)) + 1
+        return 0 if self.partition == "row" else self.n_colors
+
+    @property
+    def n_row_colors(self) -> int:
+        """Colours pulled back (vjps): all of them for "row", none for "column"/"star"."""
+        if self.partition == "bidirectional":
+            assert self.row_colors is not None  # set with the partition, not user input
+            return int(self.row_colors.max(initial=-1)) + 1
+        return self.n_colors if self.partition == "row" else 0
 
     def groups(self) -> list[np.ndarray]:
-        """The members of each colour, sorted."""
-        order = np.argsort(self.colors, kind="stable")
-        counts = np.bincount(self.colors, minlength=self.n_colors)
+        """The members of each colour of ``colors``, sorted (the columns' side for "bidirectional")."""
+        used = np.flatnonzero(self.colors >= 0)
+        order = used[np.argsort(self.colors[used], kind="stable")]
+        counts = np.bincount(self.colors[used], minlength=int(self.colors.max(initial=-1)) + 1)
         return np.split(order, np.cumsum(counts)[:-1])
 
     def __repr__(self) -> str:
-        return (f"Coloring({self.partition}, {self.n_colors} colours, lower bound {self.lower_bound}, "
-                f"order {self.order!r})")
+        sides = (f" ({self.n_column_colors} jvps + {self.n_row_colors} vjps)"
+                 if self.partition == "bidirectional" else "")
+        return (f"Coloring({self.partition}, {self.n_colors} colours{sides}, lower bound "
+                f"{self.lower_bound}, order {self.order!r})")
 
 
 def intersection_graph(p: SparsityPattern) -> Optional[tuple[np.ndarray, np.ndarray]]:
@@ -120,7 +168,7 @@ def vertex_orders(order: str, ptr: np.ndarray, adj: np.ndarray, p: SparsityPatte
 
 def _one_order(order: str, n: int, deg: np.ndarray, ptr: np.ndarray, adj: np.ndarray,
                p: SparsityPattern) -> np.ndarray:
-    if order == "natural":
+    if order == "natural" or p.nnz == 0:
         return np.arange(n, dtype=np.int64)
     if order == "largest_first":
         return np.argsort(-deg, kind="stable")
@@ -219,7 +267,14 @@ def star_greedy(ptr: Any, adj: Any, order: np.ndarray) -> np.ndarray:
 
 
 def color(p: SparsityPattern, partition: str = "column", order: str = "best") -> Coloring:
-    """Colour ``p`` (see the note); ``partition`` one of "column", "row", "star"."""
+    """Colour ``p`` (see the notes); ``partition`` one of "column", "row", "star", "bidirectional"."""
+    if partition == "bidirectional":
+        split = bidirectional(p, order)
+        if split is None:  # nothing to split (no nonzeros): every entry from the jvps
+            c = color(p, "column", order)
+            split = Coloring("bidirectional", c.colors, c.n_colors, c.lower_bound, c.order, p,
+                             np.full(p.shape[0], -1, dtype=np.int64), np.zeros(p.nnz, dtype=bool))
+        return split
     if partition == "row":
         t = p.transpose()
         same = t.shape == p.shape and np.array_equal(t.crow, p.crow) and np.array_equal(t.col, p.col)
@@ -231,8 +286,8 @@ def color(p: SparsityPattern, partition: str = "column", order: str = "best") ->
         bound = int(p.row_counts().max(initial=0))
         run = star_greedy
     else:
-        graph = intersection_graph(p)
         bound = int(p.row_counts().max(initial=0))
+        graph = intersection_graph(p) if bound < n else None
         if graph is None:  # a dense row: every column its own colour
             return Coloring(partition, np.arange(n, dtype=np.int64), n, bound, "natural", p)
         ptr, adj = graph
@@ -248,3 +303,79 @@ def color(p: SparsityPattern, partition: str = "column", order: str = "best") ->
         best = (run(*lists, np.arange(n, dtype=np.int64)), "natural")
     colors, name = best
     return Coloring(partition, colors, int(colors.max(initial=-1)) + 1, bound, name, p)
+
+
+def cost(c: Coloring) -> float:
+    """Relative cost of evaluating with ``c``: passes, a vjp pass counting ``REVERSE_COST``."""
+    if c.partition == "bidirectional":
+        both = c.n_column_colors > 0 and c.n_row_colors > 0
+        return c.n_column_colors + REVERSE_COST * c.n_row_colors + (SIDE_COST if both else 0.0)
+    return c.n_colors * (REVERSE_COST if c.partition == "row" else 1.0)
+
+
+def keep_rows(p: SparsityPattern, keep: np.ndarray) -> SparsityPattern:
+    """``p`` with the rows outside ``keep`` ((Y,) bool) emptied; same shape."""
+    counts = np.where(keep, p.row_counts(), 0)
+    crow = np.zeros(p.shape[0] + 1, dtype=np.int64)
+    np.cumsum(counts, out=crow[1:])
+    return SparsityPattern(p.shape, crow, p.col[np.repeat(keep, p.row_counts())], p.in_shape, p.out_shape)
+
+
+def bidirectional(p: SparsityPattern, order: str = "best", beat: float = float("inf")) -> Optional[Coloring]:
+    """The cheapest bidirectional colouring of ``p`` (see the note) costing less than ``beat``, or None."""
+    found: Optional[tuple[float, Coloring]] = None
+    one_sided = math.isinf(beat)  # else the caller has the one-sided colourings already
+    t = p.transpose()
+    for side in ("rows", "columns"):
+        q, w_apart, w_rest = (p, REVERSE_COST, 1.0) if side == "rows" else (t, 1.0, REVERSE_COST)
+        best = beat if found is None else min(beat, found[0])
+        split = _rows_apart(q, order, best, w_apart, w_rest, one_sided)
+        if split is None:
+            continue
+        total, apart, apart_colors, rest_colors, lb, name = split
+        if side == "rows":
+            rev, fwd = name.split("/")
+            c = Coloring("bidirectional", rest_colors, 0, lb, f"{fwd}/{rev}", p, apart_colors,
+                         np.repeat(apart, p.row_counts()))
+        else:  # q = p^T: its rows apart are p's columns read from jvps
+            c = Coloring("bidirectional", apart_colors, 0, lb, name, p, rest_colors, ~apart[p.col])
+        c = Coloring(c.partition, c.colors, c.n_column_colors + c.n_row_colors, c.lower_bound, c.order,
+                     p, c.row_colors, c.from_rows)
+        found = (total, c)
+    return None if found is None else found[1]
+
+
+def _rows_apart(q: SparsityPattern, order: str, beat: float, w_apart: float, w_rest: float,
+                one_sided: bool) -> Optional[tuple[float, np.ndarray, np.ndarray, np.ndarray, int, str]]:
+    """The best split of ``q`` into rows set apart (row colouring, weight ``w_apart`` per colour)
+    and the rest (column colouring ignoring them, ``w_rest``) over thresholds of the row degrees;
+    every row apart (a one-sided colouring) only when ``one_sided``."""
+    deg = q.row_counts()
+    levels = np.unique(deg[deg > 0])[::-1]
+    if levels.shape[0] > THRESHOLDS:  # the densest levels, then halving degrees
+        top = int(levels[0])
+        halves = [top >> k for k in range(1, 40) if top >> k]
+        levels = np.unique(np.concatenate([levels[:THRESHOLDS // 2], [v for v in halves if v > 0]]))[::-1]
+    rows = np.repeat(np.arange(q.shape[0]), deg)
+    found = None
+    for level in levels.tolist():
+        apart = deg >= level
+        rest_bound = int(deg[~apart].max(initial=0))
+        apart_bound = int(np.bincount(q.col[apart[rows]], minlength=1).max(initial=0))
+        if w_apart * apart_bound >= beat or (rest_bound == 0 and not one_sided):
+            break  # the set-apart side only grows with the set
+        if w_apart * apart_bound + w_rest * rest_bound + SIDE_COST * (rest_bound > 0) >= beat:
+            continue
+        rc = color(keep_rows(q, apart), "row", order)
+        cc = color(keep_rows(q, ~apart), "column", order)
+        apart_colors = np.where(apart, rc.colors, -1)
+        needed = np.zeros(q.shape[1], dtype=bool)
+        needed[q.col[~apart[rows]]] = True
+        rest_colors = np.where(needed, cc.colors, -1)
+        n_apart, n_rest = int(apart_colors.max(initial=-1)) + 1, int(rest_colors.max(initial=-1)) + 1
+        total = w_apart * n_apart + w_rest * n_rest + (SIDE_COST if n_apart and n_rest else 0.0)
+        if total < beat:
+            beat = total
+            found = (total, apart, apart_colors, rest_colors, apart_bound + rest_bound,
+                     f"{rc.order}/{cc.order}")
+    return found

@@ -3,6 +3,8 @@ decompression into the nonzeros of the pattern.
 
 NOTE: [Compression and decompression]
 A colouring with C colours gives C seed vectors (the sum of the unit vectors of one colour).
+Bidirectional: the jvps of its column colours and the vjps of its row colours, each nonzero read
+in the block its side says (``from_rows``).
 Column colouring: the C jvps J v_c, stacked (C, Y), hold J[i, j] at (colour(j), i). Row colouring:
 the C vjps u_c^T J, stacked (C, N), hold J[i, j] at (colour(i), j). Star colouring: the C Hessian-
 vector products H v_c (forward over reverse), stacked (C, N), hold H[i, j] at (colour(j), i) or,
@@ -42,6 +44,10 @@ def sources(c: Coloring) -> np.ndarray:
     y, n = p.shape
     if c.partition == "column":
         src = c.colors[cols] * y + rows
+    elif c.partition == "bidirectional":  # the jvps' block (C_f, Y), then the vjps' (C_r, N)
+        assert c.row_colors is not None and c.from_rows is not None
+        src = np.where(c.from_rows, c.n_column_colors * y + c.row_colors[rows] * n + cols,
+                       c.colors[cols] * y + rows)
     elif c.partition == "row":
         src = c.colors[rows] * n + cols
     else:
@@ -66,14 +72,19 @@ _SEEDS: "weakref.WeakKeyDictionary[Coloring, dict[tuple, Tensor]]" = weakref.Wea
 SEED_CACHE_BYTES = 64 * 2**20
 
 
-def seeds(c: Coloring, start: int, stop: int, shape: tuple[int, ...], like: Tensor) -> Tensor:
-    """(stop - start, *shape) tangents: the indicator of each colour (kept for small colourings)."""
-    key = (start, stop, like.dtype, str(like.device))
+def seeds(c: Coloring, start: int, stop: int, shape: tuple[int, ...], like: Tensor,
+          side: str = "columns") -> Tensor:
+    """(stop - start, *shape) tangents: the indicator of each colour (kept for small colourings).
+
+    ``side="rows"`` seeds the row colours of a bidirectional colouring (its vjps).
+    """
+    key = (start, stop, like.dtype, str(like.device), side)
     cache = _SEEDS.setdefault(c, {})
     hit = cache.get(key)
     if hit is not None:
         return hit
-    col = torch.from_numpy(c.colors).to(like.device)
+    colors = c.row_colors if side == "rows" and c.row_colors is not None else c.colors
+    col = torch.from_numpy(colors).to(like.device)
     ks = torch.arange(start, stop, device=like.device)
     out = (col.unsqueeze(0) == ks.unsqueeze(1)).to(like.dtype).reshape(stop - start, *shape)
     if out.numel() * out.element_size() <= SEED_CACHE_BYTES:
@@ -82,7 +93,12 @@ def seeds(c: Coloring, start: int, stop: int, shape: tuple[int, ...], like: Tens
 
 
 def compressed(f: Fn, x: Tensor, c: Coloring, chunk: int, out_shape: tuple[int, ...]) -> Tensor:
-    """The C compressed products, stacked and flattened: (C, Y) for columns, (C, N) otherwise."""
+    """The C compressed products, stacked and flattened: (C, Y) for columns, (C, N) otherwise;
+    for "bidirectional" the jvps' (C_f, Y) and the vjps' (C_r, N) flattened one after the other."""
+    if c.partition == "bidirectional":
+        fwd = _pushed(f, x, c.n_column_colors, chunk, lambda s, e: seeds(c, s, e, tuple(x.shape), x))
+        rev = _pulled(f, x, c.n_row_colors, chunk, lambda s, e: seeds(c, s, e, out_shape, x, "rows"))
+        return torch.cat([fwd.reshape(-1), rev.reshape(-1)])
     blocks = []
     if c.partition == "row":
         with recording() as kept:  # see [Grad mode of the reverse engines]
@@ -99,6 +115,20 @@ def compressed(f: Fn, x: Tensor, c: Coloring, chunk: int, out_shape: tuple[int, 
         width = math.prod(out_shape) if c.partition == "column" else x.numel()
         return x.new_zeros(0, width)
     return torch.cat(blocks)
+
+
+def _pushed(f: Fn, x: Tensor, k: int, chunk: int, seed: Callable[[int, int], Tensor]) -> Tensor:
+    blocks = [pushforward(f, x, seed(s, min(k, s + chunk))).reshape(min(k, s + chunk) - s, -1)
+              for s in range(0, k, chunk)]
+    return torch.cat(blocks) if blocks else x.new_zeros(0)
+
+
+def _pulled(f: Fn, x: Tensor, k: int, chunk: int, seed: Callable[[int, int], Tensor]) -> Tensor:
+    if k == 0:
+        return x.new_zeros(0)
+    vjp_fn = vjp(f, x)[1]
+    return torch.cat([pullback(vjp_fn, seed(s, min(k, s + chunk))).reshape(min(k, s + chunk) - s, -1)
+                      for s in range(0, k, chunk)])
 
 
 def _gradient(f: Fn) -> Fn:
@@ -152,9 +182,9 @@ def probe_check(f: Fn, x: Tensor, c: Coloring, vals: Tensor) -> Optional[float]:
         with recording() as kept:
             exact = kept(vjp(f, xd)[1](u.reshape(p.out_shape))[0]).reshape(-1)
         approx = torch.zeros(p.shape[1], dtype=x.dtype, device=x.device).index_add_(0, col, vals * u[rows])
-    else:
+    else:  # a jvp also checks a bidirectional colouring: a missed nonzero changes J v either way
         v = torch.randn(p.shape[1], generator=gen, dtype=x.dtype).to(x.device)
-        fn = f if c.partition == "column" else _gradient(f)
+        fn = _gradient(f) if c.partition == "star" else f
         exact = jvp(fn, (xd,), (v.reshape(xd.shape),))[1].reshape(-1)
         approx = torch.zeros(p.shape[0], dtype=x.dtype, device=x.device).index_add_(0, rows, vals * v[col])
     eps = torch.finfo(x.dtype).eps
