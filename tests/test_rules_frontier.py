@@ -167,7 +167,7 @@ def test_losses_reduced_over_the_batch_are_refused_and_weights_fall_back() -> No
     x = torch.randn(4, 3, dtype=DT)
     for reduction in ("mean", "sum"):  # one number for the whole batch: it couples the samples
         with pytest.raises(ValueError, match="keep the batch dimension"):
-            jm.laplacian(lambda z: F.huber_loss(torch.tanh(z), z, reduction=reduction), x)
+            jm.laplacian(lambda z, r=reduction: F.huber_loss(torch.tanh(z), z, reduction=r), x)
     weighted = lambda z: F.mse_loss(torch.tanh(z), z, reduction="none", weight=torch.full_like(z, 2.0))  # noqa: E731
     assert jm.operator_plan(weighted, x, [(1.0, (0, 0))]).engine == "nested forward mode"
     want = 2 * jm.laplacian(lambda z: F.mse_loss(torch.tanh(z), z, reduction="none"), x)
