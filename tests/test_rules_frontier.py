@@ -1,10 +1,11 @@
-"""Taylor rules for pooling, batch norm in eval mode, softmax and log_softmax, orders 1-4.
+"""Taylor rules for pooling, batch norm in eval mode, softmax, log_softmax and the losses, orders 1-4.
 
 The oracle is float64 central finite differences along a direction (Richardson extrapolated),
 independent of torch's derivative formulas; each model is checked to take the captured path, so a
 test cannot pass by falling back. Max pooling is piecewise: for the differences it is replaced by
 the fixed selection it makes at x (a gather, a primitive decomposition equal to f near x), so that
-no step crosses a kink.
+no step crosses a kink; the piecewise losses (l1, smooth l1, Huber) likewise by the branch and
+sign each entry takes at x.
 """
 
 from __future__ import annotations
@@ -83,6 +84,42 @@ class Normed(Frozen):
         return p * nn.LogSoftmax(dim=1)(self.out(h))
 
 
+class Losses(Frozen):
+    """The per-sample losses of a residual: mse, l1, smooth l1, Huber (F and nn), constant or traced targets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.huber, self.smooth = nn.HuberLoss(reduction="none", delta=0.4), nn.SmoothL1Loss(reduction="none", beta=0.3)
+        self.register_buffer("target", torch.linspace(-0.5, 0.5, 9).reshape(3, 3))  # one row per sample of x
+
+    def piecewise(self, name: str, d: Tensor, delta: float) -> Tensor:
+        """huber_delta(d) (|d| for delta = 0) with the branch and sign frozen at x; records them first."""
+        if self.frozen is None:
+            if self.record is not None:
+                self.record[name] = torch.stack([d.abs() < delta, d > 0])
+            return d  # unused
+        inside, pos = self.frozen[name]
+        s = torch.where(pos, 1.0, -1.0).to(d.dtype)
+        return torch.where(inside, 0.5 * d * d, delta * (s * d - 0.5 * delta)) if delta > 0 else s * d
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.inp(x))
+        u, w = self.out(h), torch.sin(x[:, :3])
+        if self.frozen is not None or self.record is not None:
+            self.piecewise("h", u - w, 0.4), self.piecewise("s", w - u, 0.3), self.piecewise("l", u - self.target, 0.0)
+            self.piecewise("z", u - w, 0.0)
+        if self.frozen is not None:
+            parts = [self.piecewise("h", u - w, 0.4), self.piecewise("s", w - u, 0.3) / 0.3,
+                     self.piecewise("l", u - self.target, 0.0), self.piecewise("h", u - w, 0.4) * 2,
+                     self.piecewise("z", u - w, 0.0), self.piecewise("z", u - w, 0.0)]
+        else:
+            parts = [self.huber(u, w), self.smooth(w, u), F.l1_loss(self.target, u, reduction="none"),
+                     F.huber_loss(u, w, reduction="none", delta=0.4) * 2,
+                     F.smooth_l1_loss(u, w, reduction="none", beta=0.0), nn.L1Loss(reduction="none")(u, w)]
+        return F.mse_loss(u, w, reduction="none") + nn.MSELoss(reduction="none")(u, self.target) + sum(parts)
+
+
 def _fd(f: Callable[[Tensor], Tensor], x: Tensor, v: Tensor, k: int) -> Tensor:
     """d^k/dt^k f(x + t v) at 0 by central differences, Richardson-extrapolated (error O(h^4))."""
     stencils = {1: {1: 0.5, -1: -0.5}, 2: {1: 1.0, 0: -2.0, -1: 1.0},
@@ -96,7 +133,7 @@ def _fd(f: Callable[[Tensor], Tensor], x: Tensor, v: Tensor, k: int) -> Tensor:
     return (4 * diff(h / 2) - diff(h)) / 3
 
 
-@pytest.mark.parametrize("cls,dim", [(Pools, 64), (Normed, 5)])
+@pytest.mark.parametrize("cls,dim", [(Pools, 64), (Normed, 5), (Losses, 4)])
 @pytest.mark.parametrize("k", [1, 2, 3, 4])
 def test_rules_match_finite_differences(cls: Callable[[], nn.Module], dim: int, k: int) -> None:
     torch.manual_seed(0)
@@ -124,3 +161,14 @@ def test_batch_norm_in_training_mode_is_not_taken_as_independent() -> None:
     with pytest.raises(jm.CoupledBatchError, match="training"):
         jm.operator_plan(f, x, [(1.0, (0,))])
     assert jm.operator_plan(f, x, [(1.0, (0,))], structure="coupled").engine == "nested forward mode"
+
+
+def test_losses_reduced_over_the_batch_are_refused_and_weights_fall_back() -> None:
+    x = torch.randn(4, 3, dtype=DT)
+    for reduction in ("mean", "sum"):  # one number for the whole batch: it couples the samples
+        with pytest.raises(ValueError, match="keep the batch dimension"):
+            jm.laplacian(lambda z, r=reduction: F.huber_loss(torch.tanh(z), z, reduction=r), x)
+    weighted = lambda z: F.mse_loss(torch.tanh(z), z, reduction="none", weight=torch.full_like(z, 2.0))  # noqa: E731
+    assert jm.operator_plan(weighted, x, [(1.0, (0, 0))]).engine == "nested forward mode"
+    want = 2 * jm.laplacian(lambda z: F.mse_loss(torch.tanh(z), z, reduction="none"), x)
+    torch.testing.assert_close(jm.laplacian(weighted, x), want)

@@ -2,7 +2,7 @@
 
 Keys are module types (``nn.Tanh``), functions (``torch.tanh``, ``F.tanh``, ``operator.mul``) and
 Tensor methods (``("method", "tanh")``). The families live in their own modules (``linear``,
-``shape``, ``arithmetic``, ``norm``, ``pooling``, ``softmax``, ``batchnorm``); the elementwise
+``shape``, ``arithmetic``, ``norm``, ``pooling``, ``softmax``, ``batchnorm``, ``losses``); the elementwise
 functions are listed here, each spelling
 once, with the parameters it takes. Adding an operation is adding one entry. ``META`` marks
 operations that only read shapes (``x.shape``, ``x.size(1)``): they carry no derivatives.
@@ -20,7 +20,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from . import arithmetic, batchnorm, conv, linear, norm, pooling, shape, softmax
+from . import arithmetic, batchnorm, conv, linear, losses, norm, pooling, shape, softmax
 from .base import Algebra, Traced, Unsupported
 from .elementwise import FUNCTIONS, SELU
 
@@ -92,7 +92,7 @@ _HARDTANH = _ns(min_val=-1.0, max_val=1.0, inplace=False)
 _INPLACE = _ns(inplace=False)
 
 TABLE: dict[Any, Rule] = {**linear.TABLE, **conv.TABLE, **shape.TABLE, **arithmetic.TABLE, **norm.TABLE,
-                         **pooling.TABLE, **softmax.TABLE, **batchnorm.TABLE}
+                         **pooling.TABLE, **softmax.TABLE, **batchnorm.TABLE, **losses.TABLE}
 for name, spellings, params in [
     ("tanh", (torch.tanh, F.tanh, ("method", "tanh")), None),
     ("sigmoid", (torch.sigmoid, F.sigmoid, ("method", "sigmoid")), None),
