@@ -157,12 +157,13 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
                 gap = None if caps.forward else _try(lambda: jvp(g, (pt,), (torch.ones_like(pt),)))
                 if gap is not None:
                     caps.forward = gap[1]
-                if p.kind == "params" and p.batched and p.structure == "independent" and p.sample_fn:
+                one = p.sample_fn
+                if p.kind == "params" and p.batched and p.structure == "independent" and one is not None:
                     xs = p.x[:2].detach().clone()
-                    gap = _try(lambda: vmap(p.sample_fn, in_dims=(None, 0), randomness="different")(p.z, xs))
+                    gap = _try(lambda: vmap(one, in_dims=(None, 0), randomness="different")(p.z, xs))
                     if gap is not None and gap[0] == "vmap":
                         with recording():  # what per_sample_rows runs: under vjp f may take other kernels
-                            runs = _try(lambda: vmap(lambda xb: _pull_ones(*vjp(lambda z: p.sample_fn(z, xb), p.z)),
+                            runs = _try(lambda: vmap(lambda xb: _pull_ones(*vjp(lambda z: one(z, xb), p.z)),
                                                      randomness="different")(xs), any_error=True) is None
                         caps.vmap_samples = None if runs else gap[1]
     _CAPS.put(f, key, caps)
