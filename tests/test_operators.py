@@ -259,3 +259,50 @@ def test_overwriting_dead_coefficients_leaves_shared_ones_alone() -> None:
     torch.testing.assert_close(jm.laplacian(f, x, weight=S), torch.einsum("ij,byij->by", S @ S.T, H))
     net = _net()  # a stack of layers: every activation may overwrite its dead input
     torch.testing.assert_close(jm.laplacian(net, x), _hess(net, x).diagonal(0, -2, -1).sum(-1))
+
+
+# --- the generic path differentiates torch's wrong-above-first-order ops through their decompositions ---
+
+
+class _BranchyNorm(torch.nn.Module):
+    """Linear -> tanh -> LayerNorm -> Linear behind a value-dependent branch (not traceable), or with
+    the LayerNorm written in primitive ops (``primitive=True``), the oracle's spelling."""
+
+    def __init__(self, primitive: bool) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.ln, self.b = (torch.nn.Linear(2, 6, dtype=torch.float64), torch.nn.LayerNorm(6, dtype=torch.float64),
+                                   torch.nn.Linear(6, 1, dtype=torch.float64))
+        torch.nn.init.normal_(self.ln.weight)
+        torch.nn.init.normal_(self.ln.bias)
+        self.primitive = primitive
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.primitive:
+            mu = h.mean(-1, keepdim=True)
+            var = ((h - mu) ** 2).mean(-1, keepdim=True)
+            h = (h - mu) / torch.sqrt(var + self.ln.eps) * self.ln.weight + self.ln.bias
+        elif float(h.sum()) > -1e9:  # always true; torch.fx cannot trace it
+            h = self.ln(h)
+        return self.b(h)
+
+
+def test_generic_operators_do_not_inherit_torchs_layer_norm_formulas() -> None:
+    """jm.operator, the weighted Laplacian and the biharmonic on the generic path gave torch's wrong
+    second derivatives of layer_norm (off by 0.5 here) before they ran under the decompositions."""
+    from torch.func import hessian, jacfwd, jacrev, vmap
+
+    f, ref = _BranchyNorm(False), _BranchyNorm(True)
+    x = torch.randn(3, 2, dtype=torch.float64)
+    one = lambda xb: ref(xb[None])[0, 0]  # noqa: E731
+    H = vmap(hessian(one))(x)  # (B, D, D), nested reverse mode on primitives
+    D4 = vmap(jacfwd(jacfwd(jacrev(jacrev(one)))))(x)  # (B, D, D, D, D)
+    S = torch.tensor([[1.0, 0.0], [0.5, 2.0]], dtype=torch.float64)
+    op = jm.operator(f, x, [(1.0, (0, 0)), (2.0, (0, 1)), (-1.0, ())])
+    torch.testing.assert_close(op[:, 0], H[:, 0, 0] + 2 * H[:, 0, 1] - ref(x)[:, 0])
+    torch.testing.assert_close(jm.laplacian(f, x, weight=S)[:, 0], torch.einsum("ij,bjk,ik->b", S.T, H, S.T))
+    torch.testing.assert_close(jm.biharmonic(f, x)[:, 0], torch.einsum("biijj->b", D4))
+    V = torch.tensor([[1.0, 1.0]], dtype=torch.float64)
+    along = jm.operator(f, x, [(1.0, (0, 0))], directions=V)
+    torch.testing.assert_close(along[:, 0], torch.einsum("i,bij,j->b", V[0], H, V[0]))

@@ -22,9 +22,10 @@ asking for it keeps the K second-order coefficients apart instead of summing the
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -36,6 +37,7 @@ from ._engines import directional as _directional
 from ._engines.taylor import Key, _sub_keys
 from ._operands import SUM_PASS_BYTES, Target, direction_chunks, evaluate, validated
 from ._problem import captured
+from ._rules import decompositions
 
 Fn = Callable[[Tensor], Tensor]
 Result = Union[Tensor, tuple[Tensor, Tensor]]
@@ -154,9 +156,14 @@ def _evaluate(t: Target, spec: _Terms, z: Tensor, scale: Optional[Tensor], sl: s
     else:
         for group, per_sample in ((collapsed, True), (read, False)):
             for w, k in group:
-                tangents = [_vectors(vectors, [d], z)[0] for d in k]
-                stack = torch.stack(tangents)[None] if tangents else z.new_zeros(1, 0, 1, z.shape[1])
-                parts.append(_times(_directional.terms(t.fn, z, [stack], scale)[0][0], w, per_sample))
+                if vectors is None:  # coordinates: the derivative operators' generic engine (exact formulas,
+                    value = t.run("partial", z, tuple(k), scale=scale)  # reverse nesting where needed)
+                else:
+                    tangents = [_vectors(vectors, [d], z)[0] for d in k]
+                    stack = torch.stack(tangents)[None] if tangents else z.new_zeros(1, 0, 1, z.shape[1])
+                    with _generic(len(k)):
+                        value = _directional.terms(t.fn, z, [stack], scale)[0][0]
+                parts.append(_times(value, w, per_sample))
     if not parts:
         return z.new_zeros(z.shape[0], math.prod(t.out_shape))
     return sum(parts[1:], parts[0])
@@ -299,9 +306,31 @@ def _directions_of(t: Target, vectors: Tensor, order: int, z: Tensor, scale: Opt
         if order == 2:
             return _collapsed.second(t.program, z, t.in_shape, vectors, weights, per_direction)
         return _collapsed.directional(t.program, z, t.in_shape, vectors, order)
-    if order == 2:
-        return _directional.second(t.fn, z, vectors, weights, per_direction, scale)
-    return _directional.directional(t.fn, z, vectors, order, scale)
+    with _generic(order):
+        if order == 2:
+            return _directional.second(t.fn, z, vectors, weights, per_direction, scale)
+        return _directional.directional(t.fn, z, vectors, order, scale)
+
+
+@contextlib.contextmanager
+def _generic(order: int) -> Iterator[None]:
+    """Around the nested forward mode of the generic path: the decompositions of the torch ops whose
+    own higher derivatives are wrong (``_rules/decompositions.py``), and a clear error for an op
+    without a forward-mode formula (directions have no reverse nesting here)."""
+    with decompositions.exact(decompositions.wanted(order)):
+        try:
+            yield
+        except NotImplementedError as err:
+            text = str(err)
+            if "forward" not in text.lower() and "jvp" not in text.lower():
+                raise
+            raise ValueError(
+                f"f: an operation in f has no forward-mode derivative of the order this operator needs "
+                f"({text.splitlines()[0][:160]}), and f's graph could not be captured, so the generic "
+                "engine (nested forward mode along the directions) cannot run it. Make f traceable by "
+                "torch.fx (jm.operator_plan says why it is not), write that operation in primitive ops, or "
+                "use jm.partials / jm.laplacian with coordinates, which nest reverse mode instead."
+            ) from err
 
 
 def _mean_and_error(each: Tensor) -> tuple[Tensor, Tensor]:
