@@ -622,10 +622,11 @@ def check_terms(terms: Any, x: Tensor, labels: int, directions: bool) -> list[tu
         if isinstance(items, (str, bytes)) or not isinstance(items, (tuple, list)) or any(
                 isinstance(d, bool) or not isinstance(d, int) for d in items):
             raise TypeError(f"terms: dims must be a tuple of {what}, e.g. (0, 0), got {_fmt(dims)}.")
-        bad = [d for d in items if not 0 <= d < labels]
+        bad = [d for d in items if not -labels <= d < labels]
         if bad:
-            raise ValueError(f"terms: dims entry {bad[0]} is out of range: there are {labels} {what} (0..{labels - 1}).")
-        out.append((coef, tuple(sorted(items))))
+            raise ValueError(f"terms: dims entry {bad[0]} is out of range: there are {labels} {what}, so dims "
+                             f"must lie in 0..{labels - 1} (or -{labels}..-1, counting from the end, as jm.partial does).")
+        out.append((coef, tuple(sorted(d % labels for d in items))))
     return out
 
 

@@ -234,7 +234,8 @@ class Net(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # The case: plain data, drawn by ``cases()``.
 
-INPUT_ENTRIES = ("jacobian", "derivative", "partial", "partials", "hessian", "laplacian", "divergence")
+INPUT_ENTRIES = ("jacobian", "derivative", "partial", "partials", "hessian", "laplacian", "divergence",
+                 "operator", "weighted_laplacian", "biharmonic")
 PRODUCTS = ("per_sample_grads", "ntk", "ggn")
 ENTRIES = (*INPUT_ENTRIES, "jacobian_params", *PRODUCTS)
 # module: f = net; lambda: f = lambda x: net(x); fcall_same / fcall_other: functional_call(net, params, (x,))
@@ -327,7 +328,10 @@ def _head(draw: st.DrawFn, entry: str) -> tuple[str, dict, tuple[int, ...], int]
     """(kind, spec, per-sample input shape, feature width W)."""
     if entry == "derivative":
         return "flat", {}, (1,), 1
-    if entry in ("partial", "partials", "hessian", "laplacian", "divergence"):
+    if entry == "biharmonic":  # fourth order: the oracle's nested jacfwd stays small
+        d = draw(st.integers(1, 3))
+        return "flat", {}, (d,), d
+    if entry in ("partial", "partials", "hessian", "laplacian", "divergence", "operator", "weighted_laplacian"):
         kinds = ["flat", "multi"]
     else:
         kinds = ["flat", "multi", "transpose", "conv1d", "conv2d", "embedding", "embeddingbag", "rnn", "gru", "lstm"]
@@ -420,7 +424,16 @@ def _entry_options(draw: st.DrawFn, entry: str, case_in: tuple[int, ...], out_sh
         n = draw(st.integers(1, 3))
         dims = [tuple(draw(coordinate) for _ in range(draw(st.integers(1, 3)))) for _ in range(n)]
         return {"dims": dims, **structure}
-    if entry in ("hessian", "laplacian", "divergence"):
+    if entry == "operator":  # sum_k c_k d^(dims_k) f, dims () being f itself
+        n = draw(st.integers(1, 3))
+        terms = [(draw(st.sampled_from([1.0, -0.5, 2.0])), tuple(draw(coordinate) for _ in range(draw(st.integers(0, 3)))))
+                 for _ in range(n)]
+        return {"terms": terms, **structure}
+    if entry == "weighted_laplacian":  # tr(S S^T Hess f) with S (D, m) drawn as plain numbers
+        m = draw(st.integers(1, 2))
+        weight = [[draw(st.sampled_from([1.0, -0.5, 0.25, 2.0])) for _ in range(m)] for _ in range(d)]
+        return {"weight": weight, **structure}
+    if entry in ("hessian", "laplacian", "divergence", "biharmonic"):
         return structure
     if entry == "per_sample_grads":  # cross-entropy over one class is constant: left out
         return {"loss": draw(st.sampled_from(["sq", "mse_y"] + ["cross_entropy_y"] * (out_shape[0] > 1)))}

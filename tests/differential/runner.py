@@ -130,8 +130,13 @@ def call(case: G.Case, f: Any, net: nn.Module, x: Tensor, extra: dict, create_gr
         return jm.partial(f, x, o["dims"], structure=o["structure"], **cg)
     if e == "partials":
         return jm.partials(f, x, o["dims"], structure=o["structure"], **cg)
-    if e in ("hessian", "laplacian", "divergence"):
+    if e in ("hessian", "laplacian", "divergence", "biharmonic"):
         return getattr(jm, e)(f, x, structure=o["structure"], **cg)
+    if e == "operator":
+        return jm.operator(f, x, o["terms"], structure=o["structure"], **cg)
+    if e == "weighted_laplacian":
+        S = torch.tensor(o["weight"], dtype=x.dtype)
+        return jm.laplacian(f, x, weight=S, structure=o["structure"], **cg)
     if e == "per_sample_grads":
         return jm.per_sample_grads(net, x, extra["loss"], y=extra["y"])
     if e == "ntk":
@@ -154,8 +159,12 @@ def reference(case: G.Case, f64: Callable[[Tensor], Tensor], net64: nn.Module, x
         return O.partial(f64, x, o["dims"])
     if e == "partials":
         return tuple(O.partial(f64, x, d) for d in o["dims"])
-    if e in ("hessian", "laplacian", "divergence"):
+    if e in ("hessian", "laplacian", "divergence", "biharmonic"):
         return getattr(O, e)(f64, x)
+    if e == "operator":
+        return O.operator(f64, x, o["terms"])
+    if e == "weighted_laplacian":
+        return O.weighted_laplacian(f64, x, torch.tensor(o["weight"], dtype=torch.float64))
     if e == "per_sample_grads":
         return O.per_sample_grads(net64, x, extra["loss"], extra["y"])
     if e == "ntk":
@@ -171,8 +180,12 @@ def order(case: G.Case) -> int:
         return len(o["dims"])
     if case.entry == "partials":
         return max(len(d) for d in o["dims"])
-    if case.entry in ("hessian", "laplacian"):
+    if case.entry in ("hessian", "laplacian", "weighted_laplacian"):
         return 2
+    if case.entry == "operator":
+        return max([1, *(len(dims) for _, dims in o["terms"])])
+    if case.entry == "biharmonic":
+        return 4
     return 1
 
 
