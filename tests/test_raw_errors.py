@@ -207,3 +207,28 @@ def test_used_modules_finds_closures_globals_methods_and_partials() -> None:
     assert used_modules(net.forward) == [net]
     assert used_modules(functools.partial(functional_call, net)) == [net]
     assert used_modules(torch.tanh) == []
+
+
+def test_forward_mode_create_graph_through_softmax_backpropagates() -> None:
+    """Found by the differential harness: the dual-tensor fast path of a one-direction chunk ran
+    torch's dual softmax, which modifies its exp output in place, so backward through a
+    create_graph=True forward-mode Jacobian raised torch's raw "modified by an inplace operation"."""
+    torch.manual_seed(0)
+    lin, out = nn.Linear(1, 3, dtype=torch.float64), nn.Linear(3, 2, dtype=torch.float64)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = lin(x)
+        if float(h.sum()) > -1e9:  # not traceable: the generic forward engine
+            h = torch.softmax(h, -1)
+        return out(h)
+
+    x = torch.randn(2, 1, dtype=torch.float64, requires_grad=True)
+    J = jm.jacobian(f, x, mode="forward", create_graph=True)
+    (gx,) = torch.autograd.grad(J.sum(), x)
+    rows = []
+    for b in range(x.shape[0]):  # the oracle: autograd.grad loops, one sample alone
+        xb = x[b : b + 1].detach().clone().requires_grad_(True)
+        yb = f(xb)[0]
+        jb = sum(torch.autograd.grad(o, xb, create_graph=True)[0].sum() for o in yb)
+        rows.append(torch.autograd.grad(jb, xb)[0])
+    torch.testing.assert_close(gx, torch.cat(rows))

@@ -12,7 +12,9 @@ fastest way to run a single jvp; not under ``torch.inference_mode()``, where ``m
 drops the tangent (the output's tangent is None, which would read as "does not depend on the
 input"), while ``torch.func.jvp`` still differentiates; and not inside torch.func transforms,
 where a ``dual_level`` under an outer ``jvp`` / ``jacfwd`` raises "Nested forward mode AD is not
-supported", while ``torch.func.jvp`` nests.
+supported", while ``torch.func.jvp`` nests; nor when the result keeps a graph (``create_graph``):
+torch's dual-tensor softmax modifies its exp output in place, which breaks the backward pass of
+that graph ("modified by an inplace operation"; found by the differential harness).
 
 NOTE: [Forward mode and threads]
 PyTorch keeps the forward-AD level (``torch.autograd.forward_ad``) and the jvp nesting depth of
@@ -55,7 +57,8 @@ def pushforward(fn: Callable[[Tensor], Tensor], primal: Tensor, tangents: Tensor
         Shape (K, *fn(primal).shape).
     """
     with _FORWARD_AD_LOCK:
-        single = tangents.shape[0] == 1 and not torch.is_inference_mode_enabled() and not in_transform()
+        single = (tangents.shape[0] == 1 and not torch.is_inference_mode_enabled() and not in_transform()
+                  and not torch.is_grad_enabled())
         if single:  # see the note above
             with fwAD.dual_level():
                 out = fn(fwAD.make_dual(primal, tangents[0]))
