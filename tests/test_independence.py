@@ -376,3 +376,25 @@ def test_coupling_is_caught_when_every_sample_holds_the_same_ids(ids: list, entr
     }
     with pytest.raises(jm.CoupledBatchError, match="samples of the batch are coupled"):
         calls[entry]()
+
+
+class _MixInTraining(nn.Module):
+    """Couples the samples only in training mode, behind a value-dependent branch (not traceable)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if float(x.sum()) > -1e9 and self.training:
+            return x - x.mean(0)
+        return x * 2
+
+
+def test_a_plain_functions_verdict_follows_the_training_flags_of_its_modules() -> None:
+    """The cached verdict of a lambda ignored the training flags of the modules it calls, so a
+    coupling that appears after model.train() went unseen (per-sample blocks returned)."""
+    mix = _MixInTraining()
+    g = lambda x: mix(x)  # noqa: E731
+    x = torch.randn(4, 2, dtype=torch.float64)
+    mix.eval()
+    torch.testing.assert_close(jm.jacobian(g, x), 2 * torch.eye(2, dtype=torch.float64).expand(4, 2, 2))
+    mix.train()
+    with pytest.raises(jm.CoupledBatchError, match="samples of the batch are coupled"):
+        jm.jacobian(g, x)

@@ -232,3 +232,19 @@ def test_forward_mode_create_graph_through_softmax_backpropagates() -> None:
         jb = sum(torch.autograd.grad(o, xb, create_graph=True)[0].sum() for o in yb)
         rows.append(torch.autograd.grad(jb, xb)[0])
     torch.testing.assert_close(gx, torch.cat(rows))
+
+
+def test_an_op_without_higher_derivatives_in_torch_is_a_clear_error() -> None:
+    """torch.cdist has no derivative above first order in either mode: the generic engine's
+    reverse nesting raised torch's raw "not implemented" error."""
+    c = torch.randn(3, 2, dtype=torch.float64)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if float(x.sum()) > -1e9:  # not traceable
+            return torch.cdist(x, c)
+        return x
+
+    x = torch.randn(4, 2, dtype=torch.float64)
+    assert jm.partial(f, x, (0,)).shape == (4, 3)
+    with pytest.raises(ValueError, match="f: torch has no derivative of the order asked"):
+        jm.laplacian(f, x)

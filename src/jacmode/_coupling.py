@@ -72,7 +72,9 @@ OPERATOR_WAYS_OUT = (
 
 
 def _cache_key(f: Any, x: Tensor) -> tuple:
-    flags = tuple(m.training for m in f.modules()) if isinstance(f, nn.Module) else ()
+    # a plain function's verdict also depends on the training flags of the modules it refers to
+    modules = f.modules() if isinstance(f, nn.Module) else (m for u in used_modules(f) for m in u.modules())
+    flags = tuple(m.training for m in modules)
     return (tuple(x.shape[1:]), x.dtype, x.device, flags, torch.is_inference_mode_enabled())
 
 

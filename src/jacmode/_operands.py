@@ -87,7 +87,18 @@ class Target:
                         raise
                     with contextlib.suppress(TypeError):
                         _NO_FORWARD_AD.add(self.key)
-            return engine(self.fn, z, *args, scale, reverse=True)
+            try:
+                return engine(self.fn, z, *args, scale, reverse=True)
+            except (NotImplementedError, RuntimeError) as err:  # no derivative of this order in torch
+                text = str(err)
+                if "not implemented" not in text.lower() and "not supported" not in text.lower():
+                    raise
+                raise ValueError(
+                    f"f: torch has no derivative of the order asked for an operation in f, in forward or "
+                    f"reverse mode ({text.splitlines()[0][:160]}), and f's graph could not be captured for "
+                    "Taylor mode. Write that operation in primitive ops, or make f traceable by torch.fx "
+                    "(jm.plan says why it is not)."
+                ) from err
 
     def over_samples(self, width: Optional[int], lead: tuple[int, ...],
                      compute: Callable[[Tensor, Optional[Tensor]], Tensor]) -> Tensor:
