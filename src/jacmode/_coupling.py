@@ -23,7 +23,8 @@ Every pass replays the same random state (same batch size, same draws), so rando
 Dropout layers are also switched off, and the random state is left as found. NaNs compare equal
 to NaNs. BatchNorm layers in training mode are reported by name without running anything.
 The verdict and the per-sample output shape are cached per function, per-sample shape, dtype,
-device, training flags and inference mode, so later calls run nothing before differentiating.
+device, training flags (of the module, or of the modules a plain function refers to) and inference
+mode, so later calls run nothing before differentiating.
 What the probe cannot see: a coupling that shows only for values that the probed samples and
 their changes do not reach, or only at other batch sizes (f runs on k samples), and, since the
 verdict is cached, only in later batches.
