@@ -38,6 +38,7 @@ from ._planning.plan import Plan
 from ._problem import Problem
 from ._rules.base import NotCovered, Unsupported
 from ._state import RngReplay
+from ._transforms import in_transform
 
 
 def one_hot(start: int, stop: int, n: int, like: Tensor) -> Tensor:
@@ -104,6 +105,8 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
 
     shape = (B, Y, N) if p.batched else (Y, N)
     res = _Result(shape, z, out)
+    if plan.strategy == "whole-batch" and in_transform() and not (forward and p.kind == "params"):
+        return _whole_batch_functional(p, plan, engine, res, rng)
     seeds, place = _SEEDS[(plan.strategy, forward, p.kind == "params")](p, res, plan.directions)
     if forward and plan.strategy == "broadcast" and p.program is not None:
         try:
@@ -116,6 +119,35 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
 
 
 Layout = tuple[Callable[[int, int], Tensor], Callable[[int, int, Tensor], None]]
+
+
+def _whole_batch_functional(p: Problem, plan: Plan, engine: Callable[..., None], res: _Result,
+                            rng: Optional[RngReplay]) -> Tensor:
+    """The whole-batch strategy without indexed writes into a preallocated result: inside torch.func
+    transforms (vmap) such writes of batched blocks fail or lose the vmap dimension (found by the
+    differential harness: wrong numbers under vmap with structure='coupled'). Direction j runs over
+    (b, d) or (b, y) in order, so the kept rows, concatenated, are the result in that order."""
+    forward = plan.mode == "forward"
+    seeds, _ = _SEEDS[("whole-batch", forward, p.kind == "params")](p, res, plan.directions)
+    rows: list[Tensor] = []
+    inner = p.n_in if forward else p.n_out
+
+    def keep(s: int, e: int, blk: Tensor) -> None:
+        if p.kind == "params":  # parameters are shared: the product is the whole row (B*Y, P)
+            rows.append(blk)
+            return
+        b = torch.arange(s, e, device=blk.device) // inner
+        rows.append(blk[torch.arange(e - s, device=blk.device), b])  # (k, Y) forward, (k, D) reverse
+
+    engine(p.fn, p.z, plan.directions, seeds, keep, plan.chunk_size, rng)
+    flat = torch.cat(rows)
+    if p.kind == "params":
+        value = flat.reshape(res.shape)
+    elif forward:  # rows j = b * D + d hold column d of block b
+        value = flat.reshape(p.batch, p.n_in, p.n_out).transpose(1, 2)
+    else:  # rows j = b * Y + y hold row y of block b
+        value = flat.reshape(p.batch, p.n_out, p.n_in)
+    return res.out.copy_(value) if res.out is not None else value
 
 
 def _broadcast_forward(p: Problem, res: _Result, n: int) -> Layout:

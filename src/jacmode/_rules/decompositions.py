@@ -144,6 +144,16 @@ def _torch_batch_norm(input: Tensor, weight: Optional[Tensor], bias: Optional[Te
     return batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
 
 
+@decomposes(F.group_norm)
+def group_norm(input: Tensor, num_groups: int, weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+               eps: float = 1e-5) -> Tensor:
+    # torch's formulas are right, but its kernel needs a contiguous input, which torch.func's batched
+    # tangents need not be ("Expected X.is_contiguous", found by the differential harness under vmap)
+    grouped = input.reshape(input.shape[0], num_groups, -1)
+    y = _normalise(grouped, (-1,), eps).reshape(input.shape)
+    return _affine(y, weight, bias, _channels(input))
+
+
 @decomposes(F.instance_norm)
 def instance_norm(input: Tensor, running_mean: Optional[Tensor] = None, running_var: Optional[Tensor] = None,
                   weight: Optional[Tensor] = None, bias: Optional[Tensor] = None, use_input_stats: bool = True,
