@@ -60,6 +60,15 @@ SUM_PASS_BYTES = 16 * 2**20  # see the note on chunks
 _NO_FORWARD_AD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions that need reverse mode
 
 
+def missing_derivative(err: BaseException, markers: tuple[str, ...], what: str, fix: str) -> Optional[ValueError]:
+    """The clear error for ``err`` of a generic engine when its message (one of ``markers``) says torch
+    has no derivative formula for an op of f; None for any other error, which the caller re-raises."""
+    text = str(err)
+    if not any(m in text.lower() for m in markers):
+        return None
+    return ValueError(f"f: {what} ({text.splitlines()[0][:160]}), and f's graph could not be captured{fix}")
+
+
 @dataclass
 class Target:
     """The function to differentiate in flat form, and the engine that will do it."""
@@ -90,15 +99,14 @@ class Target:
             try:
                 return engine(self.fn, z, *args, scale, reverse=True)
             except (NotImplementedError, RuntimeError) as err:  # no derivative of this order in torch
-                text = str(err)
-                if "not implemented" not in text.lower() and "not supported" not in text.lower():
+                clear = missing_derivative(
+                    err, ("not implemented", "not supported"),
+                    "torch has no derivative of the order asked for an operation in f, in forward or reverse mode",
+                    " for Taylor mode. Write that operation in primitive ops, or make f traceable by torch.fx "
+                    "(jm.plan says why it is not).")
+                if clear is None:
                     raise
-                raise ValueError(
-                    f"f: torch has no derivative of the order asked for an operation in f, in forward or "
-                    f"reverse mode ({text.splitlines()[0][:160]}), and f's graph could not be captured for "
-                    "Taylor mode. Write that operation in primitive ops, or make f traceable by torch.fx "
-                    "(jm.plan says why it is not)."
-                ) from err
+                raise clear from err
 
     def over_samples(self, width: Optional[int], lead: tuple[int, ...],
                      compute: Callable[[Tensor, Optional[Tensor]], Tensor]) -> Tensor:

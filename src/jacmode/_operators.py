@@ -35,7 +35,7 @@ from ._checks import Options
 from ._engines import collapsed as _collapsed
 from ._engines import directional as _directional
 from ._engines.taylor import Key, _sub_keys
-from ._operands import SUM_PASS_BYTES, Target, direction_chunks, evaluate, validated
+from ._operands import SUM_PASS_BYTES, Target, direction_chunks, evaluate, missing_derivative, validated
 from ._problem import captured
 from ._rules import decompositions
 
@@ -321,16 +321,14 @@ def _generic(order: int) -> Iterator[None]:
         try:
             yield
         except NotImplementedError as err:
-            text = str(err)
-            if "forward" not in text.lower() and "jvp" not in text.lower():
+            clear = missing_derivative(
+                err, ("forward", "jvp"), "an operation in f has no forward-mode derivative of the order this operator needs",
+                ", so the generic engine (nested forward mode along the directions) cannot run it. Make f traceable by "
+                "torch.fx (jm.operator_plan says why it is not), write that operation in primitive ops, or use "
+                "jm.partials / jm.laplacian with coordinates, which nest reverse mode instead.")
+            if clear is None:
                 raise
-            raise ValueError(
-                f"f: an operation in f has no forward-mode derivative of the order this operator needs "
-                f"({text.splitlines()[0][:160]}), and f's graph could not be captured, so the generic "
-                "engine (nested forward mode along the directions) cannot run it. Make f traceable by "
-                "torch.fx (jm.operator_plan says why it is not), write that operation in primitive ops, or "
-                "use jm.partials / jm.laplacian with coordinates, which nest reverse mode instead."
-            ) from err
+            raise clear from err
 
 
 def _mean_and_error(each: Tensor) -> tuple[Tensor, Tensor]:
