@@ -13,6 +13,8 @@ from typing import Any, ContextManager, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from ._args import Flat, signature
+
 _ALL: list["WeakCache"] = []
 
 
@@ -25,12 +27,14 @@ class WeakCache:
         _ALL.append(self)
 
     def get(self, ident: Any, key: tuple) -> Optional[Any]:
+        ident, key = _resolved(ident, key)
         try:
             return self._data.get(ident, {}).get(key)
         except TypeError:  # not weak-referenceable
             return None
 
     def put(self, ident: Any, key: tuple, value: Any) -> None:
+        ident, key = _resolved(ident, key)
         try:
             self._data.setdefault(ident, {})[key] = value
         except TypeError:
@@ -43,6 +47,14 @@ class WeakCache:
 
     def clear(self) -> None:
         self._data.clear()
+
+
+def _resolved(ident: Any, key: tuple) -> tuple[Any, tuple]:
+    """A flat function of a call with several arguments (``_args.Flat``, new per call) is cached
+    under the user's function, with the call's structure added to the key."""
+    if isinstance(ident, Flat):
+        return ident.f, (signature(ident), *key)
+    return ident, key
 
 
 def problem_key(f: Any, x: Tensor, batched: bool, wrt: Any, structure: str, full_shape: bool) -> tuple:
