@@ -102,11 +102,19 @@ DOCS: dict[str, str] = {
     ),
 }
 
-PY_DIRS = ["src", "tests", "bench", "asv_benchmarks", "examples", "dev", "docs"]
+PY_DIRS = ["src", "tests", "bench", "asv_benchmarks", "examples", "docs"]  # not dev/: it names _engines on purpose
 TEXT_FILES = ["README.md", "mkdocs.yml", "pyproject.toml", "Makefile"]
 TEXT_EXT = {".py", ".md", ".yml", ".yaml", ".toml", ".txt", ".cfg", ".ini", ".json", ".rst"}
 SKIP_DIRS = {".git", ".venv", "__pycache__", "site", "node_modules", ".mypy_cache", ".pytest_cache",
              ".hypothesis", "results", "html", "env"}
+
+
+def set_root(root: Path) -> None:
+    """Work on the repository at ``root`` (tests run the script on a small tree of their own)."""
+    global ROOT, SRC, PKG
+    ROOT = root.resolve()
+    SRC = ROOT / "src"
+    PKG = SRC / "jacmode"
 
 
 def log(msg: str) -> None:
@@ -200,6 +208,12 @@ def apply_moves(moves: list[tuple[Path, Path]], dry: bool) -> None:
         if not left:
             init = old_dir / "__init__.py"
             if init.exists():
+                body = ast.parse(init.read_text()).body
+                if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+                    body = body[1:]  # the docstring
+                if [n for n in body if not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]:
+                    log(f"WARNING: {init.relative_to(ROOT)} held code (re-exports?), removed with the folder:\n"
+                        + init.read_text())
                 if tracked(init):
                     subprocess.run(["git", "rm", "-q", "-f", str(init)], cwd=ROOT, check=True)
                 else:
@@ -388,9 +402,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python dev/relayout.py", description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="say what would change; change nothing")
     parser.add_argument("--check", action="store_true", help="exit 1 if anything is still to move or rewrite")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the repository (default: the one holding dev/)")
     parser.add_argument("--map", action="append", default=[], metavar="NAME=FOLDER",
                         help="where _engines/NAME.py goes (e.g. profile=_capture); repeatable")
     args = parser.parse_args(argv)
+    set_root(args.root)
     overrides = {}
     for item in args.map:
         name, _, folder = item.partition("=")
