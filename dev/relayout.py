@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src"
 PKG = SRC / "jacmode"
 OLD = "_engines"
+TOOLS = "tools"  # src/jacmode/tools/ -> bench/ (the tooling left the package; a merge may bring files back)
 
 # module -> the folder it belongs in. Known modules of the merged tree, and those other branches were
 # adding (codegen, compiled: generated code for captured programs and its torch.compile wrapper).
@@ -184,6 +185,56 @@ def plan_moves(overrides: dict[str, str]) -> tuple[dict[str, str], list[tuple[Pa
     return {**TABLE, **location}, moves
 
 
+def plan_tool_moves() -> list[tuple[Path, Path]]:
+    """src/jacmode/tools/NAME.py -> bench/NAME.py (a branch merged after the tooling left the package)."""
+    tools = PKG / TOOLS
+    if not tools.is_dir():
+        return []
+    moves = []
+    for f in sorted(tools.glob("*.py")):
+        if f.name == "__init__.py":
+            continue
+        target = ROOT / "bench" / f.name
+        if target.exists():
+            log(f"WARNING: {f.relative_to(ROOT)} and {target.relative_to(ROOT)} both exist; merge them by hand")
+            continue
+        moves.append((f, target))
+    return moves
+
+
+def move(old: Path, new: Path, dry: bool) -> None:
+    log(f"move {old.relative_to(ROOT)} -> {new.relative_to(ROOT)}")
+    if dry:
+        return
+    new.parent.mkdir(parents=True, exist_ok=True)
+    if tracked(old):
+        subprocess.run(["git", "mv", str(old), str(new)], cwd=ROOT, check=True)
+    else:
+        shutil.move(str(old), str(new))
+        log(f"  (not tracked by git: moved, not git-mv'ed; `git add {new.relative_to(ROOT)}`)")
+
+
+def remove_if_empty(folder: Path) -> None:
+    left = [p for p in folder.iterdir() if p.name not in ("__init__.py", "__pycache__")]
+    if left:
+        log(f"WARNING: {folder.relative_to(ROOT)}/ still holds {[p.name for p in left]}; kept")
+        return
+    init = folder / "__init__.py"
+    if init.exists():
+        body = ast.parse(init.read_text()).body
+        if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
+            body = body[1:]  # the docstring
+        if [n for n in body if not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]:
+            log(f"WARNING: {init.relative_to(ROOT)} held code (re-exports?), removed with the folder:\n"
+                + init.read_text())
+        if tracked(init):
+            subprocess.run(["git", "rm", "-q", "-f", str(init)], cwd=ROOT, check=True)
+        else:
+            init.unlink()
+    shutil.rmtree(folder, ignore_errors=True)
+    log(f"removed {folder.relative_to(ROOT)}/")
+
+
 def apply_moves(moves: list[tuple[Path, Path]], dry: bool) -> None:
     for folder in sorted({new.parent for _, new in moves}):
         init = folder / "__init__.py"
@@ -194,34 +245,9 @@ def apply_moves(moves: list[tuple[Path, Path]], dry: bool) -> None:
                 init.write_text(f'"""{DOCS.get(folder.name, "Engines.")}\n"""\n')
                 subprocess.run(["git", "add", str(init)], cwd=ROOT, check=True)
     for old, new in moves:
-        log(f"move {old.relative_to(ROOT)} -> {new.relative_to(ROOT)}")
-        if dry:
-            continue
-        if tracked(old):
-            subprocess.run(["git", "mv", str(old), str(new)], cwd=ROOT, check=True)
-        else:
-            shutil.move(str(old), str(new))
-            log(f"  (not tracked by git: moved, not git-mv'ed; `git add {new.relative_to(ROOT)}`)")
-    old_dir = PKG / OLD
-    if old_dir.is_dir() and not dry:
-        left = [p for p in old_dir.iterdir() if p.name not in ("__init__.py", "__pycache__")]
-        if not left:
-            init = old_dir / "__init__.py"
-            if init.exists():
-                body = ast.parse(init.read_text()).body
-                if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):
-                    body = body[1:]  # the docstring
-                if [n for n in body if not (isinstance(n, ast.ImportFrom) and n.module == "__future__")]:
-                    log(f"WARNING: {init.relative_to(ROOT)} held code (re-exports?), removed with the folder:\n"
-                        + init.read_text())
-                if tracked(init):
-                    subprocess.run(["git", "rm", "-q", "-f", str(init)], cwd=ROOT, check=True)
-                else:
-                    init.unlink()
-            shutil.rmtree(old_dir, ignore_errors=True)
-            log(f"removed {old_dir.relative_to(ROOT)}/")
-        else:
-            log(f"WARNING: {old_dir.relative_to(ROOT)}/ still holds {[p.name for p in left]}; kept")
+        move(old, new, dry)
+    if (PKG / OLD).is_dir() and not dry:
+        remove_if_empty(PKG / OLD)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -229,17 +255,20 @@ def apply_moves(moves: list[tuple[Path, Path]], dry: bool) -> None:
 
 
 def package_of(path: Path) -> Optional[list[str]]:
-    """The package a file under src/ lives in (its own name for an __init__.py), None elsewhere."""
-    try:
-        rel = path.relative_to(SRC)
-    except ValueError:
-        return None
-    parts = list(rel.with_suffix("").parts)
-    return parts[:-1]
+    """The package a file under src/ or bench/ lives in (its own name for an __init__.py), None elsewhere."""
+    for base, prefix in ((SRC, []), (ROOT / "bench", ["bench"])):
+        try:
+            rel = path.relative_to(base)
+        except ValueError:
+            continue
+        return prefix + list(rel.with_suffix("").parts)[:-1]
+    return None
 
 
 def relocate(parts: list[str], location: dict[str, str]) -> list[str]:
-    """jacmode._engines.NAME[.rest] -> jacmode.FOLDER.NAME[.rest]; anything else unchanged."""
+    """jacmode._engines.NAME[.rest] -> jacmode.FOLDER.NAME[.rest], jacmode.tools[.rest] -> bench[.rest]."""
+    if parts[:2] == ["jacmode", TOOLS]:
+        return ["bench", *parts[2:]]
     if len(parts) >= 3 and parts[:2] == ["jacmode", OLD] and parts[2] in location:
         return ["jacmode", location[parts[2]], *parts[2:]]
     return parts
@@ -287,8 +316,8 @@ def rewrite_python(text: str, path: Path, old_pkg: Optional[list[str]], new_pkg:
             module = base + (node.module.split(".") if node.module else [])
         else:
             module = (node.module or "").split(".")
-        if module[:2] != ["jacmode", OLD] and (node.level == 0 or old_pkg == new_pkg):
-            continue  # nothing of _engines, and a relative import that did not move
+        if module[:2] not in (["jacmode", OLD], ["jacmode", TOOLS]) and (node.level == 0 or old_pkg == new_pkg):
+            continue  # nothing of _engines or tools, and a relative import that did not move
         groups: dict[tuple[str, ...], list[ast.alias]] = {}
         if module == ["jacmode", OLD]:  # from jacmode._engines import a, b: by where each name went
             for a in node.names:
@@ -321,8 +350,13 @@ def rewrite_python(text: str, path: Path, old_pkg: Optional[list[str]], new_pkg:
     return text
 
 
-def rewrite_text(text: str, location: dict[str, str]) -> str:
-    """Dotted names and paths of the old folder in any text: docstrings, docs, config, strings."""
+def rewrite_text(text: str, location: dict[str, str], path: Optional[Path] = None) -> str:
+    """Dotted names and paths of the old folders in any text: docstrings, docs, config, strings."""
+    text = re.sub(r"from jacmode\.tools import", "from bench import", text)
+    text = re.sub(r"(?<![\w.])jacmode\.tools\.", "bench.", text)
+    text = re.sub(r"(?<![\w.])jacmode/tools/(?=\w+\.py)", "bench/", text)
+    if path is None or path.name != "__main__.py":  # which says where the commands went
+        text = re.sub(r"python -m jacmode (bench|demo)\b", r"python -m bench.\1", text)
 
     def dotted(m: re.Match) -> str:
         return f"{location[m.group(1)]}.{m.group(1)}" if m.group(1) in location else m.group(0)
@@ -375,7 +409,7 @@ def rewrite_all(location: dict[str, str], moved: dict[Path, tuple[list[str], lis
         if path.suffix == ".py":
             old_pkg, new_pkg = moved.get(path, (package_of(path), package_of(path)))
             new = rewrite_python(new, path, old_pkg, new_pkg, location, problems)
-        new = rewrite_text(new, location)
+        new = rewrite_text(new, location, path)
         if new != text:
             changed.append(path)
             if not dry:
@@ -386,14 +420,14 @@ def rewrite_all(location: dict[str, str], moved: dict[Path, tuple[list[str], lis
 def leftovers() -> list[str]:
     found = []
     for path in files_to_scan():
-        if path.resolve() == Path(__file__).resolve():
+        if path.resolve() == Path(__file__).resolve() or path.name == "__main__.py":
             continue
         try:
             text = path.read_text()
         except (UnicodeDecodeError, OSError):
             continue
         for i, line in enumerate(text.splitlines(), 1):
-            if re.search(r"(?<!\w)_engines(?!\w)", line):
+            if re.search(r"(?<!\w)_engines(?!\w)|jacmode[./]tools\b|python -m jacmode (bench|demo)", line):
                 found.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()[:110]}")
     return found
 
@@ -415,8 +449,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         overrides[name.removesuffix(".py")] = folder
     dry = args.dry_run or args.check
     location, moves = plan_moves(overrides)
+    tool_moves = plan_tool_moves()
     apply_moves(moves, dry)
     moved = {(old if dry else new): (["jacmode", OLD], ["jacmode", new.parent.name]) for old, new in moves}
+    for old, new in tool_moves:
+        move(old, new, dry)
+        moved[old if dry else new] = (["jacmode", TOOLS], ["bench"])
+    if (PKG / TOOLS).is_dir() and not dry:
+        remove_if_empty(PKG / TOOLS)
+    moves = moves + tool_moves
     changed, problems = rewrite_all(location, moved, dry)
     for path in changed:
         log(f"{'would rewrite' if dry else 'rewrote'} {path.relative_to(ROOT)}")
@@ -424,7 +465,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"WARNING: {p}")
     rest = [] if dry else leftovers()
     if rest:
-        log(f"{len(rest)} mention(s) of _engines left to read by hand (prose, trees):")
+        log(f"{len(rest)} mention(s) of _engines or jacmode.tools left to read by hand (prose, trees):")
         for line in rest:
             print("    " + line)
     todo = bool(moves or changed)

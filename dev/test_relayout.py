@@ -140,3 +140,33 @@ def test_a_merge_after_the_relayout_is_rewritten_and_map_chooses(tmp_path: Path)
         "from ._capture import codegen\nfrom ._probes import layerwise\nfrom ._autodiff.helper import h\n")
     assert "not tracked by git" in run.stdout
     assert relayout(tmp_path, "--check").returncode == 0
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_tools_merged_back_into_the_package_go_to_bench(tmp_path: Path) -> None:
+    make_tree(tmp_path)
+    files = {
+        "src/jacmode/__init__.py": '__version__ = "0"\n',
+        "src/jacmode/tools/__init__.py": '"""Tooling."""\n',
+        "src/jacmode/tools/newbench.py": "from .. import __version__\nfrom .baselines import MLP\n"
+                                         "from jacmode.tools.timing import median_ms\nv = (__version__, MLP, median_ms)\n",
+        "bench/__init__.py": "", "bench/baselines.py": "MLP = 1\n", "bench/timing.py": "median_ms = 2\n",
+        "tests/test_y.py": "from jacmode.tools.newbench import v\nfrom jacmode.tools import baselines\n",
+        "docs/y.md": "Run `python -m jacmode.tools.newbench` or `python -m jacmode bench`.\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    subprocess.run(["git", "add", "-A"], cwd=tmp_path, check=True)
+    run = relayout(tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert not (tmp_path / "src/jacmode/tools").exists()
+    assert (tmp_path / "bench/newbench.py").read_text().startswith(
+        "from jacmode import __version__\nfrom .baselines import MLP\nfrom bench.timing import median_ms\n")
+    assert (tmp_path / "tests/test_y.py").read_text() == "from bench.newbench import v\nfrom bench import baselines\n"
+    assert (tmp_path / "docs/y.md").read_text() == "Run `python -m bench.newbench` or `python -m bench.bench`.\n"
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}
+    out = subprocess.run([sys.executable, "-c", "import bench.newbench as n; print(n.v)"], capture_output=True,
+                         text=True, env=env, cwd=tmp_path)
+    assert out.stdout.strip() == "('0', 1, 2)", out.stderr
+    assert relayout(tmp_path, "--check").returncode == 0
