@@ -83,6 +83,7 @@ TABLE: dict[str, str] = {
     "layerio": "_probes",
     "products": "_probes",  # per-sample gradients and GGN: per layer via layerio, generic for the rest
     "ntk": "_probes",  # structured NTK via layerio; contraction / products methods next to it
+    "traceable": "_autodiff",  # the operators in plain torch.func, inside a user's torch.compile
 }
 
 DOCS: dict[str, str] = {
@@ -350,8 +351,22 @@ def rewrite_python(text: str, path: Path, old_pkg: Optional[list[str]], new_pkg:
     return text
 
 
+def packaged_bench_modules() -> set[str]:
+    """bench/NAME.py that import the bench package (or jacmode.tools): they run as ``python -m bench.NAME``."""
+    names = set()
+    for f in (ROOT / "bench").glob("*.py"):
+        if re.search(r"^\s*(from|import)\s+(bench\b|jacmode\.tools\b|\.)", f.read_text(), flags=re.M):
+            names.add(f.stem)
+    return names
+
+
+PACKAGED: set[str] = set()  # filled by main: packaged_bench_modules()
+
+
 def rewrite_text(text: str, location: dict[str, str], path: Optional[Path] = None) -> str:
     """Dotted names and paths of the old folders in any text: docstrings, docs, config, strings."""
+    text = re.sub(r"python bench/(\w+)\.py", lambda m: f"python -m bench.{m.group(1)}" if m.group(1) in PACKAGED
+                  else m.group(0), text)
     text = re.sub(r"from jacmode\.tools import", "from bench import", text)
     text = re.sub(r"(?<![\w.])jacmode\.tools\.", "bench.", text)
     text = re.sub(r"(?<![\w.])jacmode/tools/(?=\w+\.py)", "bench/", text)
@@ -450,6 +465,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     dry = args.dry_run or args.check
     location, moves = plan_moves(overrides)
     tool_moves = plan_tool_moves()
+    PACKAGED.update(packaged_bench_modules() | {old.stem for old, _ in tool_moves})
     apply_moves(moves, dry)
     moved = {(old if dry else new): (["jacmode", OLD], ["jacmode", new.parent.name]) for old, new in moves}
     for old, new in tool_moves:

@@ -151,6 +151,8 @@ def test_tools_merged_back_into_the_package_go_to_bench(tmp_path: Path) -> None:
         "src/jacmode/tools/newbench.py": "from .. import __version__\nfrom .baselines import MLP\n"
                                          "from jacmode.tools.timing import median_ms\nv = (__version__, MLP, median_ms)\n",
         "bench/__init__.py": "", "bench/baselines.py": "MLP = 1\n", "bench/timing.py": "median_ms = 2\n",
+        "bench/script.py": '"""Run: ``PYTHONPATH=src python bench/script.py``."""\nfrom jacmode.tools.baselines import MLP\n',
+        "bench/alone.py": '"""Run: ``python bench/alone.py``."""\nimport torch\n',
         "tests/test_y.py": "from jacmode.tools.newbench import v\nfrom jacmode.tools import baselines\n",
         "docs/y.md": "Run `python -m jacmode.tools.newbench` or `python -m jacmode bench`.\n",
     }
@@ -165,6 +167,9 @@ def test_tools_merged_back_into_the_package_go_to_bench(tmp_path: Path) -> None:
         "from jacmode import __version__\nfrom .baselines import MLP\nfrom bench.timing import median_ms\n")
     assert (tmp_path / "tests/test_y.py").read_text() == "from bench.newbench import v\nfrom bench import baselines\n"
     assert (tmp_path / "docs/y.md").read_text() == "Run `python -m bench.newbench` or `python -m bench.bench`.\n"
+    assert (tmp_path / "bench/script.py").read_text() == (
+        '"""Run: ``PYTHONPATH=src python -m bench.script``."""\nfrom bench.baselines import MLP\n')
+    assert (tmp_path / "bench/alone.py").read_text().startswith('"""Run: ``python bench/alone.py``."""')
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "src")}
     out = subprocess.run([sys.executable, "-c", "import bench.newbench as n; print(n.v)"], capture_output=True,
                          text=True, env=env, cwd=tmp_path)
