@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m jacmode demo
+	$(BIN)/python -m bench.demo
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
@@ -28,11 +28,11 @@ $(VENV)/.extra-%: $(STAMP)
 # make bench BENCH_ARGS="--plot bench.png --json bench.json" for the full run (see also bench-docs).
 BENCH_ARGS ?= --quick
 bench: $(VENV)/.extra-bench
-	$(BIN)/python -m jacmode bench $(BENCH_ARGS)
+	$(BIN)/python -m bench.bench $(BENCH_ARGS)
 
 # The table, plot and raw figures of docs/benchmarks.md (a few minutes; run on a quiet machine).
 bench-docs: $(VENV)/.extra-bench
-	$(BIN)/python -m jacmode bench --plot docs/img/bench.png --json docs/data/bench.json > docs/data/bench-table.md
+	$(BIN)/python -m bench.bench --plot docs/img/bench.png --json docs/data/bench.json > docs/data/bench-table.md
 
 docs: $(VENV)/.extra-docs
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

@@ -17,11 +17,11 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import jacmode as jm
-from jacmode.tools.baselines import mnist_mlp
 
 
 def main(samples: int = 60_000, batch_size: int = 1_000, threads: int = 1,
@@ -33,7 +33,7 @@ def main(samples: int = 60_000, batch_size: int = 1_000, threads: int = 1,
     device = torch.device("cuda", torch.cuda.current_device()) if (
         dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
     torch.manual_seed(0)  # the same model and data on every rank
-    net = mnist_mlp().to(device)
+    net = nn.Sequential(nn.Linear(784, 20), nn.ReLU(), nn.Linear(20, 10)).to(device)  # problem 1's MLP
     x, y = torch.randn(samples, 784, device=device), torch.randn(samples, 10, device=device)
     data = TensorDataset(x, y)
 

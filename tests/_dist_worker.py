@@ -14,7 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import jacmode as jm
 from jacmode import _data
-from jacmode.tools.baselines import MLP
+from bench.baselines import MLP
 
 N, D, H, Y = 23, 6, 5, 3
 

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from conftest import ref_input_jacobian, ref_param_jacobian
-from jacmode.tools import bench as _bench, bench_report as _bench_report
-from jacmode.tools.baselines import METHODS, PROBLEMS, runs_at
+from bench import bench as _bench, bench_report as _bench_report
+from bench.baselines import METHODS, PROBLEMS, runs_at
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src"
 
 
 # jacmode's forward mode over 15,910 parameters is slow in float64 and is tested with jacmode's own tests.
@@ -62,8 +63,8 @@ def test_quadratic_idioms_are_skipped_at_large_batches() -> None:
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path_factory.mktemp("bench") / "bench.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "jacmode", "bench", "--quick", "--tiny", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(SRC)},
+        [sys.executable, "-m", "bench.bench", "--quick", "--tiny", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(SRC)}, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc, json.loads(out.read_text())
@@ -129,6 +130,21 @@ def test_cuda_without_cuda_is_refused(capsys: pytest.CaptureFixture) -> None:
 def test_threads_must_be_positive(capsys: pytest.CaptureFixture) -> None:
     assert _bench.main(_parse(["bench", "--threads", "0"])) == 2
     assert "--threads expects a positive number, got 0" in capsys.readouterr().err
+
+
+def test_python_m_jacmode_says_where_the_tools_went(capsys: pytest.CaptureFixture) -> None:
+    from jacmode.__main__ import main
+
+    assert main(["demo"]) == 2 and "run `python -m bench.demo` (or `make demo`)" in capsys.readouterr().out
+    assert main(["bench", "--quick"]) == 2 and "`python -m bench.bench`" in capsys.readouterr().out
+    assert main([]) == 2 and "bench/" in capsys.readouterr().out
+
+
+def test_the_tooling_is_not_in_the_package() -> None:
+    import jacmode
+
+    assert not (Path(jacmode.__file__).parent / "tools").exists()
+    assert (ROOT / "bench" / "demo.py").exists() and (ROOT / "bench" / "calibrate.py").exists()
 
 
 def _parse(argv: list[str]):

@@ -17,7 +17,7 @@ import jacmode as jm
 from conftest import assert_unchanged, ref_param_jacobian, snapshot
 from jacmode._streams.batches import LocalPieces, check_split
 from jacmode._streams.pages import file_backed, release
-from jacmode.tools.baselines import MLP, NetX
+from bench.baselines import MLP, NetX
 
 N = 23
 

@@ -9,7 +9,7 @@ from torch import nn
 import jacmode as jm
 from jacmode import _calls
 from jacmode._engines import layerwise
-from jacmode.tools.baselines import MLP
+from bench.baselines import MLP
 
 
 def _reference(model: nn.Module, x: torch.Tensor) -> torch.Tensor:

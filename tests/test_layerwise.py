@@ -10,7 +10,7 @@ from conftest import assert_unchanged, ref_param_jacobian, snapshot
 from torch import nn
 
 import jacmode as jm
-from jacmode.tools.baselines import MLP
+from bench.baselines import MLP
 
 
 class CNN(nn.Module):

@@ -13,7 +13,7 @@ from torch import nn
 
 import jacmode as jm
 from conftest import assert_unchanged, ref_param_jacobian, snapshot
-from jacmode.tools.baselines import MLP
+from bench.baselines import MLP
 
 
 class Residual(nn.Module):
@@ -309,7 +309,7 @@ def test_probes_serve_every_model_but_the_tied_one(name: str) -> None:
 
 def test_ntk_cost_fit_recovers_constants_and_regret() -> None:
     from jacmode._planning import ntk as cost
-    from jacmode.tools import calibrate_ntk
+    from bench import calibrate_ntk
 
     truth = {"contraction": (1e-3, 1e-9, 2e-11, 1e-9), "products": (1e-3, 2e-9, 3e-11, 0.0),
              "structured": (5e-4, 1e-11, 5e-11, 0.0)}

@@ -1,7 +1,7 @@
-"""What the suites share: the device, and a suite over one problem of jacmode.tools.baselines.
+"""What the suites share: the device, and a suite over one problem of bench.baselines.
 
-The problems, their models and the baseline idioms live in ``jacmode.tools.baselines`` so that
-``python -m jacmode bench`` times exactly the same code. Set ``JACMODE_ASV_DEVICE=cuda`` to run
+The problems, their models and the baseline idioms live in ``bench.baselines`` so that
+``python -m bench.bench`` times exactly the same code. Set ``JACMODE_ASV_DEVICE=cuda`` to run
 the suites on a GPU (each timed call then ends with ``torch.cuda.synchronize``).
 """
 
@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from jacmode.tools.baselines import METHODS, PROBLEMS, preload, runs_at
+from bench.baselines import METHODS, PROBLEMS, preload, runs_at
 
 preload()  # torch.func's lazy imports, so that peakmem compares methods and not imports
 DEVICE = os.environ.get("JACMODE_ASV_DEVICE", "cpu")

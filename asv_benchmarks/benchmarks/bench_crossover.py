@@ -1,11 +1,11 @@
 """asv suite 3: the forward/reverse crossover grid behind jacmode's cost model.
 
-Every fourth case of ``jacmode.tools.calibrate.regret_grid()`` (14 of its 55: MLPs, elementwise-heavy
+Every fourth case of ``bench.calibrate.regret_grid()`` (14 of its 55: MLPs, elementwise-heavy
 nets and a small CNN; wrt inputs and parameters; N/Y from 1/100 to 100/1; B from 1 to 1024) is
 timed in each mode, so that asv shows, per commit, whether ``mode="auto"`` keeps up with the faster
 explicit mode; asv starts a process per case and mode, and the whole grid would not fit the
-suite's 10-minute quick run (``python -m jacmode.tools.calibrate --regret`` times all 55). The
-fit grid (``fit_grid()``) is what ``python -m jacmode.tools.calibrate`` fits the constants on; it is
+suite's 10-minute quick run (``python -m bench.calibrate --regret`` times all 55). The
+fit grid (``fit_grid()``) is what ``python -m bench.calibrate`` fits the constants on; it is
 kept out of asv because it is only needed when recalibrating. ``MemoryBudget`` tracks the peak
 memory of a large parameter Jacobian under ``max_memory``.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import jacmode as jm
-from jacmode.tools.calibrate import Case, regret_grid
+from bench.calibrate import Case, regret_grid
 
 _CASES = {case.label: case for case in regret_grid()[::4]}
 

@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import jacmode as jm
-from jacmode.tools.baselines import mnist_mlp
+from bench.baselines import mnist_mlp
 
 
 class GgnOverDataSet:

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 import jacmode as jm
-from jacmode.tools.baselines import time_mlp, time_mlp_sequential
+from bench.baselines import time_mlp, time_mlp_sequential
 
 try:
     from ._common import _ProblemSuite, params_of

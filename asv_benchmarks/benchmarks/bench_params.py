@@ -6,13 +6,13 @@ torch.autograd.functional.jacobian(vectorize=True), jacmode in auto, forward and
 the class's ``nn.Sequential`` twin, and two floors: the hand-derived rule for this model and
 allocating and filling a tensor of the result's size.
 
-``ModelClasses``: the classes of ``jacmode.tools.param_models`` (a conv-conv-linear CNN at B = 64,
+``ModelClasses``: the classes of ``bench.param_models`` (a conv-conv-linear CNN at B = 64,
 a residual MLP with GELU and LayerNorm at B = 256, a transformer encoder layer at B = 32): jacmode,
 vmap(jacrev) and allocate+fill.
 """
 
-from jacmode.tools import param_models
-from jacmode.tools.baselines import allocate_fill, params_vmap_jacrev
+from bench import param_models
+from bench.baselines import allocate_fill, params_vmap_jacrev
 
 from ._common import DEVICE, _ProblemSuite, params_of, sync
 

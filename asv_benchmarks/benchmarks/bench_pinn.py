@@ -1,6 +1,6 @@
 """PINN derivative operators against the hand-written idioms they replace (asv suite).
 
-Timed on the PINN class as users write it (``jacmode.tools.baselines.PinnNet``: Linear layers and
+Timed on the PINN class as users write it (``bench.baselines.PinnNet``: Linear layers and
 ``torch.tanh`` in ``forward``), with its ``nn.Sequential`` twin as a second row (``model``
 parameter), every call with ``create_graph=True`` as in PINN training:
 
@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 import jacmode as jm
-from jacmode.tools.baselines import CumsumNet, Opaque, PinnNet, pinn_sequential
+from bench.baselines import CumsumNet, Opaque, PinnNet, pinn_sequential
 
 B_STEP = 10_000
 B_LAPLACIAN = 4096

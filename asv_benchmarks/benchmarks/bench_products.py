@@ -1,13 +1,13 @@
 """Suite 5: per-sample gradients, NTK and GGN diagonal of problem 1's class MLP(784, 20, 10).
 
-The targets of issue 13, each method of ``jacmode.tools.bench_products.METHODS`` at the batch size
+The targets of issue 13, each method of ``bench.bench_products.METHODS`` at the batch size
 the issue names: per_sample_grads (B = 512) against vmap(grad) over functional_call and the floor
 of allocating and filling (B, P); ntk (B1 = B2 = 256, full (B, B, Y, Y)) against the tutorial's
 two vmap(jacrev) Jacobians contracted; ggn(diagonal=True) (B = 1,000) against per_sample_grads on
 the same batch.
 """
 
-from jacmode.tools.bench_products import METHODS, SIZES, problem
+from bench.bench_products import METHODS, SIZES, problem
 
 from ._common import DEVICE, sync
 

@@ -1,28 +1,37 @@
-"""Command line: ``python -m jacmode demo`` and ``python -m jacmode bench``."""
+"""``python -m jacmode``: says where the command-line tools went (the repository's ``bench/``).
+
+The demo, the benchmarks and the calibrators are tooling, not part of the installed package; they
+live in ``bench/`` at the root of the repository and run from there:
+
+    make demo                          # python -m bench.demo
+    make bench                         # python -m bench.bench --quick
+    python -m bench.calibrate --help   # re-fit the cost model of mode="auto"
+"""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from typing import Optional, Sequence
 
+_MOVED = {"demo": "python -m bench.demo", "bench": "python -m bench.bench"}
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jacmode", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="solve the two problems jacmode was founded on, check and time them")
-    bench = sub.add_parser("bench", help="time jacmode against the idioms it replaces")
-    from .tools.bench import add_arguments
+    """Print where the tool asked for lives now; exit status 2 (nothing was run).
 
-    add_arguments(bench)
-    args = parser.parse_args(argv)
-    if args.command == "demo":
-        from .tools.demo import main as demo
-
-        return demo()
-    from .tools.bench import main as run_bench
-
-    return run_bench(args)
+    Example:
+        >>> main(["demo"])
+        python -m jacmode demo moved out of the package: run `python -m bench.demo` (or `make demo`) from the repository root.
+        2
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args[0] if args else ""
+    if command in _MOVED:
+        print(f"python -m jacmode {command} moved out of the package: run `{_MOVED[command]}` "
+              f"(or `make {command}`) from the repository root.")
+    else:
+        print(__doc__)
+    return 2
 
 
 if __name__ == "__main__":

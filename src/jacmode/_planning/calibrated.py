@@ -1,11 +1,56 @@
-"""Constants of the cost and memory models, written by ``python -m jacmode.tools.calibrate``."""
+"""Constants of the cost, memory and NTK models: read once at import from ``calibrated.json``.
 
-MACHINE = 'x86_64 2 cores, 1 threads, torch 2.13.0+cpu'
-SPILL_BYTES = 8388608  # activations of one pass beyond which bytes cost more (1/4 of L3)
-COST = {
-    'forward': {'call': 0.0005599, 'pass_ops': 0, 'vmap_ops': 1.02e-05, 'pass_flops': 0, 'pass_conv': 8.299e-10, 'pass_bytes': 0, 'dir_flops': 2.942e-11, 'dir_conv': 4.082e-11, 'dir_bytes': 0, 'dir_spill': 1.489e-10, 'result': 0},
-    'forward-layerwise': {'call': 0.0002218, 'pass_ops': 0, 'vmap_ops': 7.755e-07, 'pass_flops': 2.78e-11, 'pass_conv': 0, 'pass_bytes': 5.231e-10, 'dir_flops': 2.557e-12, 'dir_conv': 0, 'dir_bytes': 2.013e-11, 'dir_spill': 2.519e-11, 'result': 1.148e-09},
-    'reverse': {'call': 0.0003368, 'pass_ops': 0, 'vmap_ops': 1.275e-05, 'pass_flops': 9.691e-11, 'pass_conv': 5.283e-10, 'pass_bytes': 0, 'dir_flops': 4.133e-12, 'dir_conv': 1.137e-10, 'dir_bytes': 4.83e-11, 'dir_spill': 6.213e-11, 'result': 9.285e-10},
-    'reverse-layerwise': {'call': 0.0006375, 'pass_ops': 0, 'vmap_ops': 0, 'pass_flops': 0, 'pass_conv': 1.344e-09, 'pass_bytes': 0, 'dir_flops': 2.281e-11, 'dir_conv': 1.227e-10, 'dir_bytes': 0, 'dir_spill': 5.842e-11, 'result': 1.603e-09},
-}
-MEMORY = {'jvp_live': 5.29, 'vjp_tape': 0.88, 'vjp_live': 2.27, 'sample_live': 7.5, 'param_copies': 1.64}
+The data file ships with the package (next to this module) and is written by the calibrators of the
+repository's ``bench/``: ``python -m bench.calibrate --write`` (``COST``, ``MEMORY``) and
+``python -m bench.calibrate_ntk --write`` (``NTK_COST``); nothing edits source. The names:
+
+- ``MACHINE``: where the constants were fitted (text).
+- ``SPILL_BYTES``: activations of one pass beyond which bytes cost more (1/4 of L3).
+- ``COST``: per calibrated engine ("forward", "reverse" and their "-layerwise" kin), seconds per unit
+  of each term of the cost model (``_planning/plan.py``).
+- ``MEMORY``: the workspace multipliers of the memory model (``_planning/memory.py``).
+- ``NTK_COST``: per NTK method, the constants (c0, c1, c2, c3) of its time (``_planning/ntk.py``).
+
+Example:
+    >>> sorted(COST) == ["forward", "forward-layerwise", "reverse", "reverse-layerwise"]
+    True
+    >>> load(DATA_FILE)["MEMORY"] == MEMORY
+    True
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Union
+
+DATA_FILE = "calibrated.json"  # a resource of this package (jacmode/_planning/calibrated.json)
+
+
+def path() -> Path:
+    """Where the data file lies (the calibrators write it there; an installed package has it too)."""
+    return Path(str(resources.files(__package__ or "jacmode._planning").joinpath(DATA_FILE)))
+
+
+def load(source: Union[str, Path] = DATA_FILE) -> dict[str, Any]:
+    """The data file's contents, checked for the names the planner reads; ``source``: a path or the resource name."""
+    if str(source) == DATA_FILE:
+        text = resources.files(__package__ or "jacmode._planning").joinpath(DATA_FILE).read_text()
+    else:
+        text = Path(source).read_text()
+    data = json.loads(text)
+    missing = [k for k in ("MACHINE", "SPILL_BYTES", "COST", "MEMORY", "NTK_COST") if k not in data]
+    if missing:
+        raise ValueError(f"{source}: the calibrated constants lack {missing}; re-run `python -m bench.calibrate --write` "
+                         "(and `python -m bench.calibrate_ntk --write`) from the repository root, or restore the file.")
+    return data
+
+
+_DATA = load()
+MACHINE: str = str(_DATA["MACHINE"])
+SPILL_BYTES: int = int(_DATA["SPILL_BYTES"])
+COST: dict[str, dict[str, float]] = {m: {k: float(v) for k, v in c.items()} for m, c in _DATA["COST"].items()}
+MEMORY: dict[str, float] = {k: float(v) for k, v in _DATA["MEMORY"].items()}
+NTK_COST: dict[str, tuple[float, ...]] = {m: tuple(float(v) for v in c) for m, c in _DATA["NTK_COST"].items()}
+del _DATA

@@ -13,7 +13,7 @@ the footprint of ``f`` (see ``_planning/footprint.py``: bytes produced per sampl
   parameter Jacobians use ``sample_live`` instead of ``vjp_live`` (vmap over samples keeps more
   alive) and add ``param_copies`` copies of k * s * P gradient entries.
 
-The multipliers are measured (peak resident memory of subprocesses, see ``jacmode.tools.calibrate``);
+The multipliers are measured (peak resident memory of subprocesses, see ``bench.calibrate``);
 chunk sizes are the largest whose estimate fits the budget. Without ``max_memory`` the budget is
 half of the memory available on the device (psutil, /proc/meminfo or sysconf on the host;
 ``torch.cuda.mem_get_info`` on CUDA) less the result.

@@ -14,7 +14,7 @@ per-sample reverse passes that form B Jacobian rows and write them,
 covered layers, whose Gram blocks come from per-sample blocks), R = B1 * B2 * Y^2 the entries of
 the result, written (and for products transposed) once. Unlike neural-tangents, which counts
 flops only, each method has its own seconds per unit (c0, c1, c2, c3), fitted by
-``python -m jacmode.tools.calibrate_ntk --write`` to timings on a grid of shapes (wide P, wide Y,
+``python -m bench.calibrate_ntk --write`` to timings on a grid of shapes (wide P, wide Y,
 deep, convolutional), since a vectorised jvp, a matrix product and a per-sample vjp run at very
 different rates. The grid, the fit and the regret of the choice are in docs/products.md.
 """
@@ -26,12 +26,10 @@ from typing import Any, Optional
 
 from torch import nn
 
-# seconds per unit, per method: (c0, c1, c2, c3); fitted by jacmode.tools.calibrate_ntk (1 thread)
-NTK_COST: dict[str, tuple[float, ...]] = {
-    "contraction": (0.00145, 1.48e-10, 1.46e-11, 0),
-    "products": (0.00141, 3.89e-10, 1.48e-11, 1.14e-08),
-    "structured": (0.000819, 6.58e-12, 5.85e-11, 0),
-}
+# seconds per unit, per method: (c0, c1, c2, c3); fitted by bench.calibrate_ntk (1 thread), stored in
+# calibrated.json
+from .calibrated import NTK_COST
+
 METHODS = ("contraction", "products", "structured")
 
 

@@ -15,8 +15,8 @@ direction, the estimated time is
 
 with one set of constants per engine (forward, forward layer by layer, reverse; see ``engine``),
 fitted to timings over a grid of MLPs, elementwise-heavy nets and a small CNN (wrt inputs and
-parameters, N/Y from 1/1000 to 1000/1, B from 1 to 1024) by ``python -m jacmode.tools.calibrate``; they
-live in ``_planning/calibrated.py``. Small problems are dominated by the fixed and per-pass terms, large
+parameters, N/Y from 1/1000 to 1000/1, B from 1 to 1024) by ``python -m bench.calibrate``; they
+live in ``_planning/calibrated.json`` (read by ``calibrated.py``). Small problems are dominated by the fixed and per-pass terms, large
 ones by the per-direction work, which costs more per byte as the activations of one pass outgrow
 the caches (``dir_spill``: logarithmic in the pass size above ``SPILL_BYTES``). docs/modes.md
 shows the fitted constants, the crossover and the regret of the choice. The strategy fixes how

@@ -1,4 +1,4 @@
-"""The grids of shapes that calibrate and judge the cost model (see ``jacmode.tools.calibrate``)."""
+"""The grids of shapes that calibrate and judge the cost model (see ``bench.calibrate``)."""
 
 from __future__ import annotations
 

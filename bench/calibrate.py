@@ -1,17 +1,17 @@
-"""Calibrate the cost and memory models on this machine: ``python -m jacmode.tools.calibrate``.
+"""Calibrate the cost and memory models on this machine: ``python -m bench.calibrate``.
 
 Times ``jacobian(mode="forward")`` and ``mode="reverse"`` (interleaved, medians) over a grid of
 MLPs and a small CNN -- wrt inputs and parameters, N/Y from 1/100 to 100/1, B from 1 to 1024 --
 fits the constants of the cost model (see the note in ``_planning/plan.py``) by least squares on the
 relative error with non-negative coefficients, measures the workspace multipliers of the memory
-model from the peak resident memory of subprocesses, writes ``_planning/calibrated.py``, and draws the
+model from the peak resident memory of subprocesses, writes ``jacmode/_planning/calibrated.json``, and draws the
 forward/reverse crossover plot (matplotlib). ``--regret`` checks ``mode="auto"`` against the
 faster explicit mode on a second grid that was not used for fitting.
 
 Commands:
-    python -m jacmode.tools.calibrate [--write] [--plot FILE.png] [--json FILE]
-    python -m jacmode.tools.calibrate --regret [--json FILE]
-    python -m jacmode.tools.calibrate --memory-check [--json FILE]
+    python -m bench.calibrate [--write] [--plot FILE.png] [--json FILE]
+    python -m bench.calibrate --regret [--json FILE]
+    python -m bench.calibrate --memory-check [--json FILE]
 """
 
 from __future__ import annotations
@@ -130,29 +130,30 @@ def fit_engines(records: list[dict]) -> dict[str, dict[str, float]]:
     return {e: nnls_relative(rows, secs) for e, (rows, secs) in sorted(by_engine.items())}
 
 
+def write_data(updates: dict[str, Any], path: Optional[str] = None) -> str:
+    """Replace the names in ``updates`` in the package's ``_planning/calibrated.json``; return its path.
+
+    The other names are kept as they are (the NTK calibrator and this one share the file). The library
+    reads the file once at import (``jacmode._planning.calibrated``): a new process sees the new constants.
+    """
+    from jacmode._planning import calibrated as _calibrated
+
+    target = path or str(_calibrated.path())
+    data = _calibrated.load(target if path else _calibrated.DATA_FILE)
+    data.update(updates)
+    with open(target, "w") as fh:
+        fh.write(json.dumps(data, indent=1) + "\n")
+    return target
+
+
 def write_constants(costs: dict[str, dict[str, float]], memory: dict[str, float], path: Optional[str] = None) -> str:
-    """Write ``_planning/calibrated.py`` next to this module; return its path."""
+    """Write the cost and memory constants (4 significant digits) and the machine to ``calibrated.json``."""
     import os
     import platform
 
-    from jacmode._planning.calibrated import SPILL_BYTES
-
-    path = path or os.path.join(os.path.dirname(__file__), "..", "_planning", "calibrated.py")
     machine = f"{platform.machine()} {os.cpu_count()} cores, {torch.get_num_threads()} threads, torch {torch.__version__}"
-    lines = [
-        '"""Constants of the cost and memory models, written by ``python -m jacmode.tools.calibrate``."""',
-        "",
-        f"MACHINE = {machine!r}",
-        f"SPILL_BYTES = {SPILL_BYTES}  # activations of one pass beyond which bytes cost more (1/4 of L3)",
-        "COST = {",
-        *[f"    {m!r}: {{{', '.join(f'{k!r}: {v:.4g}' for k, v in c.items())}}}," for m, c in costs.items()],
-        "}",
-        f"MEMORY = {memory!r}",
-        "",
-    ]
-    with open(path, "w") as fh:
-        fh.write("\n".join(lines))
-    return path
+    cost = {m: {k: float(f"{v:.4g}") for k, v in c.items()} for m, c in costs.items()}
+    return write_data({"MACHINE": machine, "COST": cost, "MEMORY": dict(memory)}, path)
 
 
 def plot_crossover(records: list[dict], costs: dict[str, dict[str, float]], path: str) -> None:
@@ -214,11 +215,11 @@ def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[d
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jacmode.tools.calibrate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--regret", action="store_true", help="judge mode='auto' on the regret grid")
     parser.add_argument("--memory-check", action="store_true",
                         help="peak memory of a large parameter Jacobian under max_memory='200MB'")
-    parser.add_argument("--write", action="store_true", help="write the fitted constants to _planning/calibrated.py")
+    parser.add_argument("--write", action="store_true", help="write the fitted constants to jacmode/_planning/calibrated.json")
     parser.add_argument("--no-memory", action="store_true", help="skip the memory multipliers")
     parser.add_argument("--refit", metavar="FIT.json",
                         help="fit again on the timings of an earlier --json run (terms recomputed)")

@@ -1,4 +1,4 @@
-"""``python -m jacmode demo``: the two problems jacmode was founded on, checked and timed.
+"""``python -m bench.demo`` (``make demo``): the two problems jacmode was founded on, checked and timed.
 
 Problem 2 (dy/dt of a 1 -> 4 tanh network over many time steps) and problem 1 (the (B, Y, P)
 parameter Jacobian of the MNIST-shaped MLP), each against the users' own loop and the replies they
@@ -127,3 +127,7 @@ def main() -> int:
     demo_dydt()
     demo_params()
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,12 +1,12 @@
 """The targets of per_sample_grads, ntk and ggn on problem 1's class, side by side in one process.
 
-``python -m jacmode.tools.bench_products [--rounds N] [--markdown PATH] [--memory]`` times, with one
+``python -m bench.bench_products [--rounds N] [--markdown PATH] [--memory]`` times, with one
 thread, every method of each target in interleaved rounds (medians), prints the ratios the issue
 asks for, and with ``--memory`` the peak resident memory above the set-up of each method, each in a
 fresh process. The asv suite ``bench_products.py`` times the same callables.
 
 Example:
-    >>> from jacmode.tools.bench_products import METHODS, problem
+    >>> from bench.bench_products import METHODS, problem
     >>> model, x, y = problem(4)
     >>> METHODS["per_sample_grads"]["jacmode"](model, x, y).shape
     torch.Size([4, 15910])
@@ -27,8 +27,9 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 import jacmode as jm
-from jacmode.tools.baselines import MLP
-from jacmode.tools.bench import _maxrss_growth, _rss_peak
+from bench import ROOT
+from bench.baselines import MLP
+from bench.bench import _maxrss_growth, _rss_peak
 
 Method = Callable[[nn.Module, Tensor, Tensor], Tensor]
 SIZES = {"per_sample_grads": 512, "ntk": 256, "ggn_diagonal": 1000}
@@ -112,7 +113,7 @@ def time_target(target: str, rounds: int) -> dict[str, float]:
 def peak_bytes(target: str, method: str) -> int:
     """Peak resident memory of one call above the set-up (after a warm-up call on 2 samples).
 
-    Measured as the bench command does (``tools/bench.py``): VmHWM after resetting it, or the growth
+    Measured as the bench command does (``bench/bench.py``): VmHWM after resetting it, or the growth
     of ru_maxrss where /proc is missing.
     """
     model, x, y = problem(SIZES[target])
@@ -144,8 +145,8 @@ def main() -> None:
         for name, t in times.items():
             row = f"| {target} | {SIZES[target]} | {name} | {t:.2f} | {t / ours:.2f} |"
             if args.memory:
-                out = subprocess.run([sys.executable, "-m", "jacmode.tools.bench_products", "--peak", target, name],
-                                     capture_output=True, text=True, check=True).stdout
+                out = subprocess.run([sys.executable, "-m", "bench.bench_products", "--peak", target, name],
+                                     capture_output=True, text=True, check=True, cwd=ROOT).stdout
                 row += f" {int(out) / 2**20:.1f} |"
             lines.append(row)
             print(row, flush=True)

@@ -1,4 +1,4 @@
-"""``python -m jacmode bench``: time jacmode against the idioms it replaces, without asv.
+"""``python -m bench.bench``: time jacmode against the idioms it replaces, without asv.
 
 NOTE: [Honest timing and memory]
 Each (problem, B, method) runs in a fresh process forked from this one before it has computed
@@ -163,7 +163,7 @@ def machine(device: str, quick: bool) -> dict:
     """Where and when the figures were measured."""
     import torch
 
-    from .. import __version__
+    from jacmode import __version__
 
     cpu = platform.processor() or platform.machine()
     if os.path.exists("/proc/cpuinfo"):
@@ -236,3 +236,14 @@ def _child_inline(call: tuple) -> dict:
         return measure(*call)
     except Exception as err:  # e.g. out of memory on the device: a row, and the run goes on
         return {"error": f"{type(err).__name__}: {err}"}
+
+
+def cli(argv: Optional[list[str]] = None) -> int:
+    """``python -m bench.bench [--quick] [--plot FILE.png] [--json FILE] ...``."""
+    parser = argparse.ArgumentParser(prog="python -m bench.bench", description=(__doc__ or "").splitlines()[0])
+    add_arguments(parser)
+    return main(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,6 +1,6 @@
 """The two problems of the benchmarks, and the idioms jacmode replaces, written once.
 
-Shared by ``python -m jacmode bench`` and the asv suites in ``asv_benchmarks/``. Every method maps
+Shared by ``python -m bench.bench`` and the asv suites in ``asv_benchmarks/``. Every method maps
 (model, x) to the per-sample result, so the suites and the command time the same code:
 
 * ``"params"`` (problem 1): the class ``MLP(784, 20, 10)`` of problems.md (fc1 -> ReLU -> fc2),
@@ -13,7 +13,7 @@ Timings are of the problems' own classes, as users write them; the ``nn.Sequenti
 
 Example:
     >>> import torch
-    >>> from jacmode.tools.baselines import METHODS, PROBLEMS
+    >>> from bench.baselines import METHODS, PROBLEMS
     >>> model, x = PROBLEMS["dydt"].make(8, "cpu")
     >>> a = METHODS["dydt"]["jvp with ones"](model, x)
     >>> b = METHODS["dydt"]["users' loop"](model, x)

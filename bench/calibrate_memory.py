@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
+from . import ROOT
 from .grid import Case
 
 MARGIN = 1.3  # memory multipliers are set this much above the largest of three measured peaks
@@ -17,7 +18,7 @@ _MEMORY_SCRIPT = r"""
 import json, resource, sys, torch, psutil
 torch.set_num_threads(cfg_threads := 1)
 import jacmode as jm
-from jacmode.tools.calibrate import Case
+from bench.calibrate import Case
 cfg = json.loads(sys.argv[1])
 case = Case(**cfg["case"])
 model, x = case.build()
@@ -37,7 +38,7 @@ def measure_workspace(case: Case, mode: str, chunk: Optional[int]) -> dict[str, 
     import sys
 
     cfg = json.dumps({"case": dataclasses.asdict(case), "mode": mode, "chunk": chunk})
-    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, cfg], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, cfg], capture_output=True, text=True, check=True, cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -71,7 +72,7 @@ import json, resource, sys, torch, psutil
 torch.set_num_threads(1)
 import jacmode as jm
 from torch.func import functional_call, jacrev, vmap
-from jacmode.tools.calibrate import Case
+from bench.calibrate import Case
 cfg = json.loads(sys.argv[1])
 case = Case(**cfg["case"])
 model, x = case.build()
@@ -112,7 +113,7 @@ def memory_check(case: Optional[Case] = None, budget: str = "200MB", log: Any = 
 
     def sub(c: Case, how: str) -> dict[str, Any]:
         cfg = json.dumps({"case": dataclasses.asdict(c), "how": how, "budget": budget})
-        out = subprocess.run([sys.executable, "-c", _BUDGET_SCRIPT, cfg], capture_output=True, text=True)
+        out = subprocess.run([sys.executable, "-c", _BUDGET_SCRIPT, cfg], capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-2000:])
         return json.loads(out.stdout.strip().splitlines()[-1])

@@ -1,10 +1,10 @@
 """Fit the NTK cost model of ``jm.ntk(method="auto")``, report its regret, plot the crossover.
 
-``python -m jacmode.tools.calibrate_ntk [--write] [--plot PNG] [--table MD]`` times every method
+``python -m bench.calibrate_ntk [--write] [--plot PNG] [--table MD]`` times every method
 on a grid of model classes (wide P, wide Y, deep, convolutional, a weight used outside its module)
 with one thread, fits the three constants of each method (least squares on relative error, see
 ``_planning/ntk.py``), prints the regret of "auto" (its time over the fastest method's) per shape,
-and with ``--write`` stores the constants in ``_planning/ntk.py``. A few minutes on one core.
+and with ``--write`` stores the constants in ``jacmode/_planning/calibrated.json``. A few minutes on one core.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import argparse
 import dataclasses
 import functools
 import json
-import re
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -23,8 +22,8 @@ from torch import Tensor, nn
 
 import jacmode as jm
 from jacmode._planning import ntk as model_ntk
-from jacmode.tools.baselines import MLP
-from jacmode.tools.timing import median_ms
+from bench.baselines import MLP
+from bench.timing import median_ms
 
 
 class Deep(nn.Module):
@@ -144,12 +143,11 @@ def regret(rows: list[dict]) -> list[tuple[str, str, str, float]]:
     return out
 
 
-def _write(constants: dict[str, tuple[float, ...]]) -> None:
-    path = Path(model_ntk.__file__)
-    body = "".join(f'    "{m}": ({", ".join(f"{v:.3g}" for v in c)}),\n' for m, c in constants.items())
-    text = re.sub(r"(NTK_COST: dict\[str, tuple\[float, \.\.\.\]\] = \{\n)(.*?)(\})", lambda m: m.group(1) + body + m.group(3),
-                  path.read_text(), count=1, flags=re.S)
-    path.write_text(text)
+def _write(constants: dict[str, tuple[float, ...]], path: Optional[str] = None) -> str:
+    """Store the NTK constants (3 significant digits) in ``jacmode/_planning/calibrated.json``."""
+    from bench.calibrate import write_data
+
+    return write_data({"NTK_COST": {m: [float(f"{v:.3g}") for v in c] for m, c in constants.items()}}, path)
 
 
 def _table(rows: list[dict], path: str) -> None:
@@ -194,7 +192,7 @@ def plot_crossover(path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="store the fitted constants in _planning/ntk.py")
+    parser.add_argument("--write", action="store_true", help="store the fitted constants in jacmode/_planning/calibrated.json")
     parser.add_argument("--plot", help="write the crossover plot to this PNG")
     parser.add_argument("--table", help="write the regret table (markdown) to this file")
     parser.add_argument("--save", help="save the timings to this JSON file")
@@ -215,7 +213,7 @@ def main() -> None:
     for name, choice, best, ratio in regret(rows):
         print(f"{name:32s} auto={choice:12s} fastest={best:12s} regret {ratio:.2f}")
     if args.write and not args.check:
-        _write(constants)
+        print("wrote", _write(constants))
     if args.table:
         _table(rows, args.table)
     if args.plot:

@@ -1,9 +1,9 @@
 """Every speed target of the release, measured side by side on the problems' own classes.
 
-``python -m jacmode.tools.targets [threads] [sections]`` prints one row per target: two methods timed
+``python -m bench.targets [threads] [sections]`` prints one row per target: two methods timed
 alternately in one process (medians), their ratio and the target it is held to. Sections: 10 (input
 derivatives by graph capture), 11 (parameter Jacobians by probes), 13 (per-sample gradients, NTK,
-GGN); e.g. ``python -m jacmode.tools.targets 1 10,13``. docs/benchmarks.md keeps one run.
+GGN); e.g. ``python -m bench.targets 1 10,13``. docs/benchmarks.md keeps one run.
 """
 # mypy: ignore-errors
 
@@ -19,7 +19,7 @@ from torch import nn
 from torch.func import functional_call, grad, jacrev, vmap
 
 import jacmode as jm
-from jacmode.tools.baselines import (
+from bench.baselines import (
     MLP,
     NetX,
     PinnNet,
@@ -162,7 +162,7 @@ def main() -> None:
 
     # ---- issue 11
     if section("11"):
-        from jacmode.tools import baselines as bl
+        from bench import baselines as bl
 
         m = MLP(784, 20, 10)
         x2 = torch.rand(2, 784)

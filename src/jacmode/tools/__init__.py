@@ -1,1 +1,0 @@
-"""Tooling run by people and CI (bench, demo, calibration, baselines); never imported by the library."""
