@@ -27,6 +27,7 @@ from ._planning import memory as _memory
 from ._planning.decide import Decision
 from ._problem import Problem, again, facts
 from ._state import ModelView
+from ._functional import bound_values
 from ._transforms import in_transform
 
 _CALLS = WeakCache("repeated calls")
@@ -34,7 +35,7 @@ _CALLS = WeakCache("repeated calls")
 
 def signature(x: Tensor, opts: Options, view: Optional[ModelView], out_given: bool) -> Optional[tuple]:
     """What a call's problem and plan depend on, or None when it is not cached (see the note)."""
-    if view is None or opts.wrt != "params" or opts.mode == "autotune":
+    if view is None or opts.wrt != "params" or opts.mode == "autotune" or bound_values(view.modules[0]) is not None:
         return None
     return (x.shape, x.dtype, x.device, opts, out_given, view.training, tuple(map(id, view.params)),
             view.flags, tuple(p.dtype for p in view.params), in_transform(), torch.is_inference_mode_enabled())

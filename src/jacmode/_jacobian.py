@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import _calls, _checks
 from ._checks import Options, Wrt
+from ._functional import accepts_params_dict
 from ._planning.decide import decide, execute
 from ._planning.plan import Plan
 from ._problem import Problem, connected, describe
@@ -27,6 +28,7 @@ def _options(f: Any, x: Any, **kw: Any) -> Options:
     return opts
 
 
+@accepts_params_dict
 def plan(
     f: Callable[[Tensor], Tensor],
     x: Tensor,
@@ -76,6 +78,7 @@ def plan(
         return decide(f, problem, opts, out_given=False, timing=False).plan
 
 
+@accepts_params_dict
 def jacobian(
     f: Callable[[Tensor], Tensor],
     x: Tensor,

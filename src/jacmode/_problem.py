@@ -26,6 +26,7 @@ from ._engines import capture as _capture
 from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
 from ._engines.probes import Coverage, coverage
+from ._functional import refreshed, selection_key
 from ._rules.local import LOCAL
 from ._transforms import in_transform
 
@@ -240,10 +241,10 @@ def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
     walks the model's modules once, in the first call only.
     """
     key = (*problem_key(model, x, True, "params", "independent", True), opts.create_graph,
-           tuple((n, id(p)) for n, p in selected))
+           selection_key(model, selected))
     hit = _COVERAGE.get(model, key)
     if hit is not None:
-        return hit[0]
+        return refreshed(hit[0], selected)  # a bound dict's tensors are new in each call
     found: Optional[Coverage] = None
     # the module-local vmap rule re-runs a module: not with random layers (new masks) nor with
     # create_graph (its blocks are not differentiable); without it too if it fails the check
