@@ -140,7 +140,7 @@ def check_options(
             "dict with torch.func.functional_call.")
     else:
         raise TypeError(
-            f"wrt: expected 'inputs', 'params', a list of parameter names or a dict name -> tensor, got "
+            f"wrt: expected 'inputs', 'params' or a list of parameter names (for a module also a dict name -> tensor), got "
             f"{type(wrt).__name__} ({_fmt(wrt)})."
         )
     if not isinstance(mode, str) or mode not in MODES:

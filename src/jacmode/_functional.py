@@ -98,6 +98,8 @@ def accepts_params_dict(entry: F) -> F:
     """Let ``entry(f, ..., wrt=...)`` take ``wrt`` as a dict name -> tensor (see the note)."""
     @functools.wraps(entry)
     def wrapper(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if entry.__name__ in _ROUTED and routes(args, kwargs):  # fn(params, x) with params broadcast
+            return functional_call_jacobian(wrapper, f, args, kwargs)
         wrt = kwargs.get("wrt")
         if not isinstance(wrt, dict):
             return entry(f, *args, **kwargs)
@@ -160,3 +162,241 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
     if not flatten:
         return {n: g[n].to(dtype) for n in primal}
     return torch.cat([g[n].reshape(batch, math.prod(p.shape)).to(dtype) for n, p in primal.items()], dim=1)
+
+
+# ---- functional style: f(params, x) with the differentiated arguments broadcast -----------------------
+#
+# NOTE: [Broadcast parameters]
+# ``jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))`` is torch.func's
+# ``vmap(jacrev(fn), in_dims=(None, 0))(params, x)``: every differentiated argument is broadcast
+# (in_dims None) while another is batched, so each sample gets the Jacobian of its output with
+# respect to the shared tensors, a parameter problem. :func:`functional_call_jacobian` serves it
+# by the module path above:
+#
+# * when ``fn`` is ``functional_call(model, params, x)`` in disguise (:func:`_disguised`: one run
+#   of fn with fresh leaves for the differentiated tensors shows that fn returns the very tensor
+#   that one call ``model(x_in)`` returned, that during that call every fresh leaf sat in one slot
+#   of the model and nothing else of the model -- its other slots, tensor attributes, its input
+#   x_in -- depended on them), the answer is ``jacobian(model, x_in, wrt={slot: leaf})``: the probe
+#   engines fire, as for the module's own parameters. (A forward that reads a tensor fn stored
+#   outside the module, in a global, is the one route this check does not see.) Inside torch.func
+#   transforms the probes do not run, so the check is skipped there;
+# * otherwise fn is wrapped in a module (:class:`_Applied`) whose slots are the differentiated
+#   leaves, whose children are the modules fn refers to (their flags, state and dropout are seen)
+#   and whose forward rebuilds fn's arguments (the batched tensors from its one input: the single
+#   batched tensor itself, or sample indices when there are several); the generic engines serve it.
+#
+# The result is torch.func's layout: for each output leaf of fn, the pytree of the differentiated
+# argument (a tuple of them for a tuple ``argnums``) of blocks (B, *out_leaf, *leaf.shape).
+
+_ROUTED = ("jacobian", "plan")
+
+
+def routes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call is in the functional style with broadcast differentiated arguments."""
+    if "in_dims" not in kwargs or len(args) < 2:
+        return False
+    from ._args import _in_dim, check_argnums, check_in_dims  # noqa: PLC0415
+
+    nums, _ = check_argnums(kwargs.get("argnums", 0), len(args))
+    check_in_dims(kwargs["in_dims"], len(args))
+    dims = [_in_dim(kwargs["in_dims"], a, None, ()) for a in nums]
+    if all(d is None for d in dims):
+        return True
+    if any(d is None for d in dims):
+        raise ValueError(
+            f"in_dims: the differentiated arguments {nums} are broadcast for some and batched for others "
+            f"(in_dims={kwargs['in_dims']!r}). Differentiate either the per-sample inputs (in_dims 0) or the "
+            "shared tensors (in_dims None) in one call; make two calls for both.")
+    return False
+
+
+class _Applied(nn.Module):
+    """fn as a module of its batched input: slots p0, p1, ... are the differentiated leaves (see the note)."""
+
+    def __init__(self, fn: Callable[..., Any], leaves: list[Any], spec: Any, diff: list[int], batched: list[int],
+                 modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.fn, self.leaves, self.spec, self.diff, self.batched = fn, leaves, spec, diff, batched
+        for k, j in enumerate(diff):
+            self._parameters[f"p{k}"] = leaves[j].detach()  # a placeholder: the call binds the user's tensors
+        self.used = nn.ModuleList(modules)
+        self.out_spec: Any = None
+        self.out_shapes: list[tuple[int, ...]] = []
+
+    def forward(self, xin: Tensor) -> Tensor:
+        from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
+
+        leaves = list(self.leaves)
+        for k, j in enumerate(self.diff):
+            leaves[j] = self._parameters[f"p{k}"]
+        if len(self.batched) == 1:
+            leaves[self.batched[0]] = xin
+        else:
+            for j in self.batched:
+                leaves[j] = self.leaves[j].index_select(0, xin)
+        out = self.fn(*tree_unflatten(leaves, self.spec))
+        outs, spec = tree_flatten(out)
+        if not outs or not all(isinstance(t, Tensor) for t in outs):
+            raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
+        if self.out_spec is None:
+            self.out_spec, self.out_shapes = spec, [tuple(t.shape[1:]) for t in outs]
+        if len(outs) == 1 and isinstance(out, Tensor):
+            return out
+        return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
+
+
+def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> Any:
+    """``entry(f, *args, argnums=, in_dims=, ...)`` with broadcast differentiated arguments (see the note)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
+
+    from ._args import _in_dim, check_argnums  # noqa: PLC0415
+    from ._state import used_modules  # noqa: PLC0415
+
+    kwargs = dict(kwargs)
+    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
+    for bad in ("wrt", "flatten", "has_aux", "out"):
+        if bad in kwargs:
+            raise ValueError(
+                f"{bad}: not taken with broadcast differentiated arguments (argnums={argnums!r}, in_dims="
+                f"{in_dims!r}): the result is torch.func's pytree of per-leaf blocks (B, *out, *leaf.shape), "
+                f"with respect to the arguments argnums names. Drop {bad}=.")
+    if isinstance(f, nn.Module) or not callable(f):
+        _checks.check_function(f)
+    nums, as_int = check_argnums(argnums, len(args))
+    leaves, spec = tree_flatten(tuple(args))
+    starts, i = [], 0
+    for a in args:
+        starts.append(i)
+        i += len(tree_flatten(a)[0])
+    starts.append(i)
+    diff: list[int] = []
+    for a in nums:
+        for j in range(starts[a], starts[a + 1]):
+            t = leaves[j]
+            where = f"argument {a}" + (f" (leaf {j - starts[a]})" if starts[a + 1] - starts[a] > 1 else "")
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{where}: expected a tensor to differentiate, got {type(t).__name__}. Differentiated "
+                                "arguments must be tensors or pytrees of tensors.")
+            if not t.is_floating_point():
+                raise TypeError(f"{where}: differentiating needs a floating dtype, got {t.dtype}. Convert with "
+                                "`.float()`, or leave it out of argnums.")
+            diff.append(j)
+        if starts[a + 1] == starts[a]:
+            raise ValueError(f"argnums: argument {a} holds no tensors to differentiate.")
+    batched = [j for a in range(len(args)) if a not in nums for j in range(starts[a], starts[a + 1])
+               if isinstance(leaves[j], Tensor) and _in_dim(in_dims, a, None, ()) == 0]
+    if not batched:
+        raise ValueError(
+            f"in_dims: every argument is broadcast (in_dims={in_dims!r}), so there are no samples to give "
+            "per-sample Jacobians to. Mark the per-sample argument with 0, e.g. in_dims=(None, 0).")
+    sizes = {leaves[j].shape[0] if leaves[j].dim() else None for j in batched}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            f"in_dims: the batched arguments must share dim 0 (the samples), got shapes "
+            f"{[tuple(leaves[j].shape) for j in batched]}. Give the others in_dims=None.")
+    batch = sizes.pop()
+    values = {f"p{k}": leaves[j] for k, j in enumerate(diff)}
+    blocks: Optional[dict[str, Tensor]] = None
+    out_spec, out_shapes = None, None
+    hidden = _disguised(f, leaves, spec, diff, batched) if len(batched) == 1 and not _in_transform() else None
+    if hidden is not None:
+        model, x_in, slots, out_shape = hidden
+        res = entry(model, x_in, wrt={slot: leaves[j] for slot, j in slots.items()}, flatten=False, **kwargs)
+        if entry.__name__ == "plan":
+            return res
+        by_leaf = {j: res[slot] for slot, j in slots.items()}
+        blocks = {f"p{k}": by_leaf[j] for k, j in enumerate(diff)}
+        out_shapes = [out_shape]
+    else:
+        modules = used_modules(f)
+        wrapper = _Applied(f, leaves, spec, diff, batched, modules)
+        xin = leaves[batched[0]] if len(batched) == 1 else torch.arange(batch, device=leaves[batched[0]].device)
+        res = entry(wrapper, xin, wrt=values, flatten=False, **kwargs)
+        if entry.__name__ == "plan":
+            return res
+        blocks, out_spec, out_shapes = res, wrapper.out_spec, wrapper.out_shapes
+    assert blocks is not None and out_shapes is not None
+    single = out_spec is None or (out_spec.num_leaves == 1 and out_spec.type is None)
+    per_out = []
+    lo = 0
+    for s_y in out_shapes:
+        n_y = math.prod(s_y)
+        per_arg = []
+        for a in nums:
+            mine = []
+            for j in range(starts[a], starts[a + 1]):
+                blk = blocks[f"p{diff.index(j)}"]
+                if not single:
+                    blk = blk.reshape(batch, -1, *leaves[j].shape)[:, lo:lo + n_y]
+                mine.append(blk.reshape(batch, *s_y, *leaves[j].shape))
+            per_arg.append(tree_unflatten(mine, tree_flatten(args[a])[1]))
+        per_out.append(per_arg[0] if as_int else tuple(per_arg))
+        lo += n_y
+    return per_out[0] if single else tree_unflatten(per_out, out_spec)
+
+
+def _in_transform() -> bool:
+    from ._transforms import in_transform  # noqa: PLC0415
+
+    return in_transform()
+
+
+def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: list[int]
+               ) -> Optional[tuple[nn.Module, Tensor, dict[str, int], tuple[int, ...]]]:
+    """(model, its input, slot name -> leaf index, per-sample output shape) when ``f`` is
+    ``functional_call(model, params, x)`` in disguise (see the note), else None."""
+    from torch.utils._pytree import tree_unflatten  # noqa: PLC0415
+
+    from ._state import preserved_state, used_modules  # noqa: PLC0415
+
+    roots = [m for m in used_modules(f) if not isinstance(m, _Applied)]
+    if not roots or isinstance(f, nn.Module):
+        return None
+    fresh = list(leaves)
+    for j in diff:
+        fresh[j] = leaves[j].detach().requires_grad_(True)
+    mine = {id(fresh[j]): j for j in diff}
+    seen: list[tuple[nn.Module, tuple[Any, ...], dict[str, Any], Any, dict[str, int], list[Tensor]]] = []
+
+    def hook(module: nn.Module, a: tuple[Any, ...], kw: dict[str, Any], out: Any) -> None:
+        slots: dict[str, int] = {}
+        others: list[Tensor] = []
+        for name, t in (*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)):
+            if t is None:
+                continue
+            if id(t) in mine:
+                slots[name] = mine[id(t)]
+            elif t.grad_fn is not None:
+                others.append(t)
+        for m in module.modules():
+            others += [v for v in vars(m).values() if isinstance(v, Tensor) and v.grad_fn is not None]
+        seen.append((module, a, kw, out, slots, others))
+
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in roots]
+    try:
+        with preserved_state(f), torch.enable_grad():
+            out = f(*tree_unflatten(fresh, spec))
+    except Exception:  # noqa: BLE001 -- fn fails here as it would anyway: the generic route says how
+        return None
+    finally:
+        for h in handles:
+            h.remove()
+    if len(seen) != 1:
+        return None
+    model, a, kw, result, slots, others = seen[0]
+    if result is not out or not isinstance(out, Tensor) or kw or len(a) != 1 or not isinstance(a[0], Tensor):
+        return None
+    x_in = a[0]
+    if sorted(slots.values()) != sorted(diff) or len(set(slots.values())) != len(slots):
+        return None  # a differentiated tensor not in the model, or in two of its slots
+    b = leaves[batched[0]].shape[0]
+    if x_in.dim() == 0 or x_in.shape[0] != b or out.dim() == 0 or out.shape[0] != b:
+        return None
+    probes = [t for t in (x_in, *others) if t.grad_fn is not None]
+    if probes:
+        grads = torch.autograd.grad([t.sum() for t in probes], [fresh[j] for j in diff], allow_unused=True)
+        if any(g is not None for g in grads):
+            return None  # the model's input or another of its tensors depends on the differentiated ones
+    return model, x_in.detach() if not x_in.requires_grad else x_in, slots, tuple(out.shape[1:])

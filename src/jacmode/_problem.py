@@ -159,7 +159,8 @@ def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
     items = result.values() if isinstance(result, dict) else result if isinstance(result, tuple) else (result,)
     if all(r.requires_grad or not r.is_floating_point() for r in items):  # the usual case: nothing to tie
         return result
-    params = [p for p in f.parameters() if p.requires_grad] if isinstance(f, nn.Module) else []
+    params = [p for p in f.parameters() if p.requires_grad and p.device == x.device] if isinstance(f, nn.Module) else []
+    # (a model on the meta device whose tensors a dict replaces, torch.func.stack_module_state's idiom, has no values)
     sources = [s for s in (x, *params) if s.requires_grad]
     if not sources:
         return result
