@@ -47,6 +47,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _checks
+from ._transforms import outside, plain
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -147,9 +148,12 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
     _checks.check_target(y, x.shape[0])
     selected = _checks.check_param_selection(f, opts.param_names)
     batch = x.shape[0]
-    if _losses.is_torch_loss(loss):
+    if _losses.is_torch_loss(loss):  # its per-sample terms, checked on plain values (no bool of a batched one)
         assert y is not None
-        loss = _losses.per_sample(cast(nn.Module, loss), f(x), y)
+        out = f(x)
+        with outside():
+            po, py = _one_slice(plain(out), out.dim()).detach(), _one_slice(plain(y), y.dim()).detach()
+            loss = _losses.per_sample(cast(nn.Module, loss), po, py)
 
     def one(p: dict[str, Tensor], xb: Tensor, yb: Optional[Tensor]) -> Tensor:
         out = functional_call(f, p, (xb.unsqueeze(0),))
@@ -335,6 +339,13 @@ def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any,
         per_out.append(per_arg[0] if as_int else tuple(per_arg))
         lo += n_y
     return per_out[0] if single else tree_unflatten(per_out, out_spec)
+
+
+def _one_slice(t: Tensor, dim: int) -> Tensor:
+    """The first vmap slice of a :func:`plain` tensor (its vmapped dims lead): ``dim`` dims left."""
+    while t.dim() > dim:
+        t = t[0]
+    return t
 
 
 def _in_transform() -> bool:
