@@ -10,7 +10,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ MODES = ("auto", "forward", "reverse", "autotune")
 STRUCTURES = ("auto", "independent", "coupled", "diagonal", "sparse")
 WRT_KINDS = ("inputs", "params")
 
-Wrt = Union[str, Sequence[str]]
+Wrt = Union[str, Sequence[str], Mapping[str, Tensor]]  # a dict: functional parameters (_functional.py)
 
 
 @dataclass(frozen=True)

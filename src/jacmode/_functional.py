@@ -160,7 +160,7 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
         value = loss(out) if yb is None else loss(out, yb.unsqueeze(0))
         return _checks.check_losses(value, 1).reshape(())
 
-    primal = dict(selected)
+    primal: dict[str, Tensor] = dict(selected)
     g = vmap(grad(one), in_dims=(None, 0, None if y is None else 0), randomness="different")(primal, x, y)
     dtype = functools.reduce(torch.promote_types, [p.dtype for p in primal.values()])
     if not flatten:
@@ -300,7 +300,7 @@ def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any,
         raise ValueError(
             f"in_dims: the batched arguments must share dim 0 (the samples), got shapes "
             f"{[tuple(leaves[j].shape) for j in batched]}. Give the others in_dims=None.")
-    batch = sizes.pop()
+    batch = int(leaves[batched[0]].shape[0])
     values = {f"p{k}": leaves[j] for k, j in enumerate(diff)}
     blocks: Optional[dict[str, Tensor]] = None
     out_spec, out_shapes = None, None
@@ -338,7 +338,10 @@ def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any,
             per_arg.append(tree_unflatten(mine, tree_flatten(args[a])[1]))
         per_out.append(per_arg[0] if as_int else tuple(per_arg))
         lo += n_y
-    return per_out[0] if single else tree_unflatten(per_out, out_spec)
+    if single:
+        return per_out[0]
+    assert out_spec is not None
+    return tree_unflatten(per_out, out_spec)
 
 
 def _one_slice(t: Tensor, dim: int) -> Tensor:

@@ -1,0 +1,400 @@
+"""Functional parameters (issue 18): ``wrt=params_dict``, ``fn(params, x)`` with broadcast params, ensembles.
+
+Every result is compared with a float64 torch.func oracle that evaluates the same
+``functional_call`` sample by sample (``vmap(jacrev(...), in_dims=(None, 0))``, ``vmap(grad(...))``)
+or with a loop over the models of an ensemble; the module must be left as found (parameters,
+buffers, flags, hooks, the parameter objects themselves), also when the call raises.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+from torch.func import functional_call, grad, jacfwd, jacrev, stack_module_state, vmap
+from torch.utils._pytree import tree_leaves
+
+import jacmode as jm
+from jacmode import _problem
+from jacmode._engines import layerio
+from _zoo_models import one_intra_op_thread  # noqa: F401 -- tiny tensors: one thread
+from conftest import assert_unchanged, snapshot
+
+DT = torch.float64
+Params = dict[str, Tensor]
+
+
+def mlp(d_in: int = 3, d_out: int = 2, width: int = 5, depth: int = 1, bias: bool = True,
+        act: Callable[[], nn.Module] = nn.Tanh) -> nn.Module:
+    layers: list[nn.Module] = [nn.Linear(d_in, width, bias=bias), act()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width, bias=bias), act()]
+    return nn.Sequential(*layers, nn.Linear(width, d_out, bias=bias)).to(DT)
+
+
+def other(net: nn.Module, shift: float = 0.5) -> Params:
+    """Values other than the module's own, as a functional optimiser holds them."""
+    return {k: v.detach() + shift * torch.randn_like(v) for k, v in net.named_parameters()}
+
+
+def oracle(net: nn.Module, params: Params, x: Tensor) -> Params:
+    """{name: (B, *out, *shape)}: torch.func's per-sample Jacobian of functional_call(net, params, x_b)."""
+    return vmap(jacrev(lambda p, xb: functional_call(net, p, (xb[None],))[0]), in_dims=(None, 0))(params, x)
+
+
+def flat(blocks: Params, batch: int, n_out: int) -> Tensor:
+    return torch.cat([t.reshape(batch, n_out, -1) for t in blocks.values()], dim=-1)
+
+
+def close(a: Any, b: Any, tol: float = 1e-10) -> None:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    assert len(la) == len(lb)
+    for u, v in zip(la, lb):
+        assert u.shape == v.shape
+        torch.testing.assert_close(u, v, rtol=tol, atol=tol)
+
+
+def probed(call: Callable[[], Any]) -> tuple[Any, list[tuple[str, bool]]]:
+    """``call()`` and, for each parameter problem it built, (the module's class, whether probes cover it)."""
+    seen: list[tuple[str, bool]] = []
+    orig = _problem._params_problem
+
+    def spy(*a: Any, **k: Any) -> Any:
+        p = orig(*a, **k)
+        seen.append((type(p.model).__name__, p.probes is not None))
+        return p
+
+    _problem._params_problem = spy  # type: ignore[assignment]
+    try:
+        return call(), seen
+    finally:
+        _problem._params_problem = orig  # type: ignore[assignment]
+
+
+def objects(net: nn.Module) -> list[tuple[int, int]]:
+    """The identity of every parameter and buffer slot: a bound dict must be swapped out again."""
+    return [(id(m), id(t)) for m in net.modules() for t in (*m._parameters.values(), *m._buffers.values())]
+
+
+# ---- wrt=params_dict -------------------------------------------------------------------------------
+
+@settings(max_examples=15, deadline=None)
+@given(depth=st.integers(1, 2), width=st.integers(1, 5), bias=st.booleans(), batch=st.integers(1, 5),
+       mode=st.sampled_from(["auto", "forward", "reverse"]), data=st.data())
+def test_dict_matches_functional_call_oracle(depth: int, width: int, bias: bool, batch: int, mode: str,
+                                              data: st.DataObject) -> None:
+    net = mlp(width=width, depth=depth, bias=bias, act=nn.Tanh if depth == 1 else nn.Softplus)
+    names = list(dict(net.named_parameters()))
+    chosen = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True))
+    params = {n: v for n, v in other(net).items() if n in chosen}
+    params = dict(reversed(list(params.items()))) if data.draw(st.booleans()) else params  # any order
+    x = torch.randn(batch, 3, dtype=DT)
+    before, slots = snapshot(net), objects(net)
+    want = oracle(net, params, x)
+    got = jm.jacobian(net, x, wrt=params, mode=mode, flatten=False)
+    assert list(got) == list(params)  # the dict's order
+    close(got, want)
+    close(jm.jacobian(net, x, wrt=params, mode=mode), flat(want, batch, 2))
+    assert_unchanged(net, before)
+    assert objects(net) == slots
+
+
+def test_probes_fire_and_read_the_dicts_tensors() -> None:
+    net = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).to(DT)
+    x = torch.randn(7, 6, dtype=DT)
+    params = other(net)
+    got, seen = probed(lambda: jm.jacobian(net, x, wrt=params))
+    assert seen == [("Sequential", True)]
+    close(got, flat(oracle(net, params, x), 7, 3))
+    big = nn.Sequential(nn.Linear(64, 20), nn.ReLU(), nn.Linear(20, 3)).to(DT)
+    xb = torch.randn(16, 64, dtype=DT)
+    ours, own = jm.plan(big, xb, wrt=other(big)), jm.plan(big, xb, wrt="params")
+    assert "layer-wise probes" in repr(ours) and (ours.mode, ours.strategy) == (own.mode, own.strategy)
+    # a new dict of new tensors each step (a functional optimiser): right values, and caches that do not grow
+    sizes = []
+    for _ in range(4):
+        params = other(net)
+        close(jm.jacobian(net, x, wrt=params), flat(oracle(net, params, x), 7, 3))
+        sizes.append(sum(1 for _ in _problem._COVERAGE.items()))
+    assert len(set(sizes)) == 1
+
+
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+def test_create_graph_gives_gradients_to_the_dict(mode: str) -> None:
+    net = mlp()
+    x = torch.randn(6, 3, dtype=DT)
+    params = {n: v.requires_grad_() for n, v in other(net).items()}
+    w = torch.randn(6, 2, 32, dtype=DT)
+    J = jm.jacobian(net, x, wrt=params, create_graph=True, mode=mode)
+    got = torch.autograd.grad((J * w).sum(), list(params.values()), allow_unused=True, materialize_grads=True)
+    O = flat(oracle(net, params, x), 6, 2)
+    want = torch.autograd.grad((O * w).sum(), list(params.values()), allow_unused=True, materialize_grads=True)
+    close(got, want)
+    assert all(p.grad is None for p in net.parameters())
+
+
+def test_buffers_tied_weights_and_shared_tensors() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.out = nn.Linear(3, 3)
+            self.out.weight = self.lin.weight  # tied
+            self.register_buffer("scale", torch.ones(3))
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.out(torch.tanh(self.lin(x) * self.scale))
+
+    net = Scaled().to(DT)
+    x = torch.randn(4, 3, dtype=DT)
+    # a floating buffer, and one of two tied names (the other follows it, as functional_call's tie_weights)
+    params = {"scale": torch.rand(3, dtype=DT) + 0.5, "lin.weight": torch.randn(3, 3, dtype=DT)}
+    close(jm.jacobian(net, x, wrt=params, flatten=False), oracle(net, params, x))
+    # one tensor object for two untied names: each name gets its own columns, as jacrev over the dict
+    plain = mlp(d_in=3, d_out=3, width=3)
+    t = torch.randn(3, 3, dtype=DT)
+    shared = {"0.weight": t, "2.weight": t}
+    close(jm.jacobian(plain, x, wrt=shared, flatten=False), oracle(plain, shared, x))
+
+
+def test_module_left_as_found_when_the_call_raises() -> None:
+    class Fails(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.armed = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            if self.armed and self.lin.weight.grad_fn is None and not isinstance(self.lin.weight, nn.Parameter):
+                raise RuntimeError("boom")
+            return self.lin(x)
+
+    net = Fails().to(DT)
+    net.lin.weight.grad = torch.ones_like(net.lin.weight)
+    net.eval()
+    before, slots = snapshot(net), objects(net)
+    net.armed = True
+    with pytest.raises(RuntimeError, match="boom"):
+        jm.jacobian(net, torch.randn(4, 3, dtype=DT), wrt={"lin.weight": torch.randn(2, 3, dtype=DT)})
+    net.armed = False
+    assert_unchanged(net, before)
+    assert objects(net) == slots and isinstance(net.lin.weight, nn.Parameter)
+
+
+def test_products_take_a_dict() -> None:
+    net = mlp(width=4)
+    x, y = torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT)
+    params = {k: v for k, v in other(net).items() if k != "0.bias"}
+    before = snapshot(net)
+
+    def loss(out: Tensor, t: Tensor) -> Tensor:
+        return ((out - t) ** 2).sum(1)
+
+    g = vmap(grad(lambda p, xb, yb: loss(functional_call(net, p, (xb[None],)), yb[None]).sum()),
+             in_dims=(None, 0, 0))(params, x, y)
+    close(jm.per_sample_grads(net, x, loss, y=y, wrt=params, flatten=False), g)
+    close(jm.per_sample_grads(net, x, loss, y=y, wrt=params), torch.cat([t.reshape(5, -1) for t in g.values()], 1))
+    J = flat(oracle(net, params, x), 5, 2)  # (B, Y, P)
+    close(jm.ggn(net, x, "mse", wrt=params), torch.einsum("byp,byq->pq", J, J))
+    close(jm.ggn(net, x, "mse", wrt=params, diagonal=True), (J ** 2).sum((0, 1)))
+    x2 = torch.randn(3, 3, dtype=DT)
+    J2 = flat(oracle(net, params, x2), 3, 2)
+    close(jm.ntk(net, x, x2, wrt=params), torch.einsum("byp,czp->bcyz", J, J2))
+    assert jm.ntk_plan(net, x, x2, wrt=params).method in ("structured", "contraction", "products")
+    assert_unchanged(net, before)
+
+
+# ---- errors -------------------------------------------------------------------------------------------
+
+def test_dict_errors() -> None:
+    net = mlp()
+    x = torch.randn(4, 3, dtype=DT)
+    good = other(net)
+    with pytest.raises(ValueError, match=r"wrt: '0\.wieght' is not a parameter of Sequential\. Did you mean '0\.weight'"):
+        jm.jacobian(net, x, wrt={"0.wieght": good["0.weight"]})
+    with pytest.raises(ValueError, match=r"wrt: the value of '0\.weight' has shape \(3, 5\), but the module's"):
+        jm.jacobian(net, x, wrt={"0.weight": good["0.weight"].T})
+    with pytest.raises(TypeError, match=r"wrt: the value of '0\.weight' has dtype torch\.int64; .*floating"):
+        jm.jacobian(net, x, wrt={"0.weight": torch.ones(5, 3, dtype=torch.long)})
+    with pytest.raises(TypeError, match=r"wrt: the value of '0\.bias' must be a tensor .*got list"):
+        jm.per_sample_grads(net, x, lambda o: o.sum(1), wrt={"0.bias": [0.0] * 5})
+    with pytest.raises(TypeError, match=r"wrt: a dict of parameter tensors needs f to be an nn\.Module.*argnums=0"):
+        jm.jacobian(lambda v: net(v), x, wrt=good)
+    with pytest.raises(ValueError, match=r"wrt: got an empty dict"):
+        jm.ggn(net, x, wrt={})
+    with pytest.raises(TypeError, match=r"wrt: the dict's tensors must share one dtype and device"):
+        jm.ntk(net, x, wrt={"0.weight": good["0.weight"], "0.bias": good["0.bias"].float()})
+    with pytest.raises(TypeError, match=r"wrt: dict keys must be parameter names \(str\)"):
+        jm.jacobian(net, x, wrt={0: good["0.weight"]})
+    with pytest.raises(TypeError, match=r"wrt: a dict of parameter tensors is not taken by this function"):
+        next(iter(jm.jacobians(net, iter([x]), wrt=good)))
+    tied = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)).to(DT)
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match=r"wrt: \['0\.weight', '1\.weight'\] are tied in the module"):
+        jm.jacobian(tied, x, wrt={"0.weight": torch.randn(3, 3, dtype=DT), "1.weight": torch.randn(3, 3, dtype=DT)})
+
+
+def test_functional_style_errors() -> None:
+    net = mlp()
+    x, params = torch.randn(4, 3, dtype=DT), other(net)
+
+    def fn(p: Params, v: Tensor) -> Tensor:
+        return functional_call(net, p, (v,))
+
+    with pytest.raises(ValueError, match=r"in_dims: every argument is broadcast"):
+        jm.jacobian(fn, params, x, argnums=0, in_dims=None)
+    with pytest.raises(ValueError, match=r"in_dims: the differentiated arguments \(0, 1\) are broadcast for some"):
+        jm.jacobian(lambda p, v: fn(p, v), params, x, argnums=(0, 1), in_dims=(None, 0))
+    with pytest.raises(ValueError, match=r"flatten: not taken with broadcast differentiated arguments"):
+        jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0), flatten=True)
+    with pytest.raises(TypeError, match=r"argument 0: differentiating needs a floating dtype"):
+        jm.jacobian(fn, {"0.weight": torch.ones(5, 3, dtype=torch.long)}, x, argnums=0, in_dims=(None, 0))
+    with pytest.raises(TypeError, match=r"argument 0: expected a tensor to differentiate, got str"):
+        jm.jacobian(fn, "weights", x, argnums=0, in_dims=(None, 0))
+    with pytest.raises(ValueError, match=r"in_dims: the batched arguments must share dim 0"):
+        jm.jacobian(lambda w, a, b: a @ w + b, torch.randn(3, 2, dtype=DT), x, torch.randn(5, 2, dtype=DT),
+                    argnums=0, in_dims=(None, 0, 0))
+
+
+# ---- functional style: fn(params, x) -----------------------------------------------------------------
+
+NET = mlp()
+
+FNS: dict[str, tuple[Callable[..., Any], bool]] = {  # fn(params, x), and whether the probes serve it
+    "functional_call": (lambda p, x: functional_call(NET, p, (x,)), True),
+    "functional_call, kwargs dict": (lambda p, x: functional_call(NET, p, args=(), kwargs={"input": x}), False),
+    "after the model": (lambda p, x: torch.sin(functional_call(NET, p, (x,))), False),
+    "input depends on params": (lambda p, x: functional_call(NET, p, (x * p["0.bias"].sum(),)), False),
+    "modified params": (lambda p, x: functional_call(NET, {k: 2 * v for k, v in p.items()}, (x,)), False),
+    "tuple output": (lambda p, x: (functional_call(NET, p, (x,)), functional_call(NET, p, (x,)).sum(1)), False),
+    "by hand": (lambda p, x: torch.tanh(x @ p["0.weight"].T + p["0.bias"]) @ p["2.weight"].T + p["2.bias"], False),
+}
+
+
+@pytest.mark.parametrize("name", list(FNS))
+def test_functional_style_matches_torch_func(name: str) -> None:
+    fn, fast = FNS[name]
+    x, params = torch.randn(5, 3, dtype=DT), other(NET)
+    before = snapshot(NET)
+    got, seen = probed(lambda: jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0)))
+
+    def one(p: Params, xb: Tensor) -> Any:
+        return torch.utils._pytree.tree_map(lambda t: t[0], fn(p, xb[None]))
+
+    close(got, vmap(jacrev(one), in_dims=(None, 0))(params, x))
+    assert (seen == [("Sequential", True)]) == fast
+    assert_unchanged(NET, before)
+
+
+def test_functional_style_several_arguments() -> None:
+    x, m = torch.randn(6, 3, dtype=DT), torch.rand(6, 4, dtype=DT)
+    w, b = torch.randn(4, 3, dtype=DT), torch.randn(4, dtype=DT)
+
+    def f2(w: Tensor, b: Tensor, x: Tensor) -> Tensor:
+        return torch.tanh(x @ w.T + b)
+
+    got = jm.jacobian(f2, w, b, x, argnums=(0, 1), in_dims=(None, None, 0))
+    close(got, vmap(jacrev(f2, argnums=(0, 1)), in_dims=(None, None, 0))(w, b, x))
+
+    def f3(w: Tensor, x: Tensor, m: Tensor) -> Tensor:  # two batched arguments
+        return torch.tanh(x @ w.T) * m
+
+    close(jm.jacobian(f3, w, x, m, argnums=0, in_dims=(None, 0, 0)), vmap(jacrev(f3), in_dims=(None, 0, 0))(w, x, m))
+    assert jm.plan(f2, w, b, x, argnums=(0, 1), in_dims=(None, None, 0)).directions > 0
+
+
+def test_functional_style_create_graph() -> None:
+    x = torch.randn(5, 3, dtype=DT)
+    params = {n: v.requires_grad_() for n, v in other(NET).items()}
+    fn = FNS["functional_call"][0]
+    J = jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0), create_graph=True)
+    O = oracle(NET, params, x)
+    got = torch.autograd.grad(sum(t.sin().sum() for t in J.values()), list(params.values()), allow_unused=True,
+                              materialize_grads=True)
+    want = torch.autograd.grad(sum(t.sin().sum() for t in O.values()), list(params.values()), allow_unused=True,
+                               materialize_grads=True)
+    close(got, want)
+
+
+# ---- ensembles: vmap over torch.func.stack_module_state ------------------------------------------------
+
+def _ensemble(n: int = 3) -> tuple[list[nn.Module], Params, nn.Module]:
+    models = [nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.LayerNorm(6), nn.Linear(6, 2)).to(DT) for _ in range(n)]
+    stacked, _ = stack_module_state(models)
+    base = copy.deepcopy(models[0]).to("meta")
+    return models, stacked, base
+
+
+ENSEMBLE: dict[str, Callable[[nn.Module, Callable[..., Tensor], Params, Tensor], Any]] = {
+    "jacobian inputs": lambda m, fm, p, x: jm.jacobian(lambda v: fm(p, v), x),
+    "jacobian inputs, reverse": lambda m, fm, p, x: jm.jacobian(lambda v: fm(p, v), x, mode="reverse"),
+    "hessian": lambda m, fm, p, x: jm.hessian(lambda v: fm(p, v)[:, 0], x),
+    "laplacian": lambda m, fm, p, x: jm.laplacian(lambda v: fm(p, v), x),
+    "jacobian wrt dict": lambda m, fm, p, x: jm.jacobian(m, x, wrt=p),
+    "jacobian wrt dict, forward": lambda m, fm, p, x: jm.jacobian(m, x, wrt=p, mode="forward", flatten=False),
+    "functional style": lambda m, fm, p, x: jm.jacobian(fm, p, x, argnums=0, in_dims=(None, 0)),
+    "per_sample_grads": lambda m, fm, p, x: jm.per_sample_grads(m, x, lambda o: (o ** 2).sum(1), wrt=p),
+    "per_sample_grads, torch loss": lambda m, fm, p, x: jm.per_sample_grads(
+        m, x, nn.MSELoss(), y=torch.ones(x.shape[0], 2, dtype=DT), wrt=p, flatten=False),
+}
+
+
+@pytest.mark.parametrize("name", list(ENSEMBLE))
+def test_vmap_over_stacked_parameters_matches_a_loop(name: str) -> None:
+    models, stacked, base = _ensemble()
+    x = torch.randn(5, 3, dtype=DT)
+
+    def fm(p: Params, v: Tensor) -> Tensor:
+        return functional_call(base, p, (v,))
+
+    call = ENSEMBLE[name]
+    got = vmap(lambda p: call(base, fm, p, x))(stacked)
+    for i, model in enumerate(models):
+        mine = {n: t[i] for n, t in stacked.items()}
+        want = call(model, lambda p, v: functional_call(model, p, (v,)), mine, x)
+        close(torch.utils._pytree.tree_map(lambda t: t[i], got), want)
+
+
+def test_per_sample_grads_inside_grad_and_jacfwd() -> None:
+    net = mlp()
+    x, y = torch.randn(4, 3, dtype=DT), torch.randn(4, 2, dtype=DT)
+
+    def loss(out: Tensor, t: Tensor) -> Tensor:
+        return ((out - t) ** 2).sum(1)
+
+    def ours(v: Tensor) -> Tensor:
+        return jm.per_sample_grads(net, v, loss, y=y)
+
+    params = {n: p.detach() for n, p in net.named_parameters()}
+
+    def theirs(v: Tensor) -> Tensor:
+        g = vmap(grad(lambda p, xb, yb: loss(functional_call(net, p, (xb[None],)), yb[None]).sum()),
+                 in_dims=(None, 0, 0))(params, v, y)
+        return torch.cat([t.reshape(v.shape[0], -1) for t in g.values()], 1)
+
+    close(grad(lambda v: ours(v).pow(2).sum())(x), grad(lambda v: theirs(v).pow(2).sum())(x))
+    close(jacfwd(ours)(x), jacfwd(theirs)(x))
+    # meta-learning: the gradient of a loss of per-sample gradients with respect to the parameters
+    def one(q: Params, xb: Tensor, yb: Tensor) -> Tensor:
+        return loss(functional_call(net, q, (xb[None],)), yb[None]).sum()
+
+    meta = grad(lambda p: jm.per_sample_grads(net, x, loss, y=y, wrt=p).pow(2).sum())(params)
+    ref = grad(lambda p: sum(t.pow(2).sum() for t in vmap(grad(one), in_dims=(None, 0, 0))(p, x, y).values()))(params)
+    close(meta, ref)
+
+
+def test_cache_entries_do_not_grow_with_new_dicts() -> None:
+    net = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).to(DT)
+    x, y = torch.randn(8, 4, dtype=DT), torch.randn(8, 2, dtype=DT)
+    counts = []
+    for _ in range(3):
+        p = other(net)
+        jm.jacobian(net, x, wrt=p)
+        jm.per_sample_grads(net, x, lambda o, t: ((o - t) ** 2).sum(1), y=y, wrt=p)
+        counts.append((sum(1 for _ in _problem._COVERAGE.items()), sum(1 for _ in layerio._COVERAGE.items())))
+    assert counts[0] == counts[-1]
