@@ -398,3 +398,23 @@ def test_cache_entries_do_not_grow_with_new_dicts() -> None:
         jm.per_sample_grads(net, x, lambda o, t: ((o - t) ** 2).sum(1), y=y, wrt=p)
         counts.append((sum(1 for _ in _problem._COVERAGE.items()), sum(1 for _ in layerio._COVERAGE.items())))
     assert counts[0] == counts[-1]
+
+
+@pytest.mark.parametrize("name", ["functional_call", "by hand"])
+def test_functional_per_sample_grads(name: str) -> None:
+    fn = FNS[name][0]
+    x, y, params = torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT), other(NET)
+
+    def loss(out: Tensor, t: Tensor) -> Tensor:
+        return ((out - t) ** 2).sum(1)
+
+    got = jm.per_sample_grads(fn, (params, x), loss, y=y, argnums=0, in_dims=(None, 0))
+    want = vmap(grad(lambda p, xb, yb: loss(fn(p, xb[None]), yb[None]).sum()), in_dims=(None, 0, 0))(params, x, y)
+    close(got, want)
+    w, b = torch.randn(2, 3, dtype=DT), torch.randn(2, dtype=DT)
+    got2 = jm.per_sample_grads(lambda w, b, v: v @ w.T + b, (w, b, x), loss, y=y, argnums=(0, 1), in_dims=(None, None, 0))
+    want2 = vmap(grad(lambda w, b, xb, yb: loss((xb @ w.T + b)[None], yb[None]).sum(), argnums=(0, 1)),
+                 in_dims=(None, None, 0, 0))(w, b, x, y)
+    close(got2, want2)
+    with pytest.raises(TypeError, match=r"f: per_sample_grads needs f to return one tensor"):
+        jm.per_sample_grads(lambda p, v: (fn(p, v), 0), (params, x), loss, y=y, argnums=0, in_dims=(None, 0))

@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, cast
 
 import torch
@@ -101,6 +102,8 @@ def accepts_params_dict(entry: F) -> F:
     def wrapper(f: Any, *args: Any, **kwargs: Any) -> Any:
         if entry.__name__ in _ROUTED and routes(args, kwargs):  # fn(params, x) with params broadcast
             return functional_call_jacobian(wrapper, f, args, kwargs)
+        if entry.__name__ == "per_sample_grads" and args and isinstance(args[0], tuple) and routes(args[0], kwargs):
+            return functional_per_sample_grads(wrapper, f, args, kwargs)
         wrt = kwargs.get("wrt")
         if not isinstance(wrt, dict):
             return entry(f, *args, **kwargs)
@@ -219,8 +222,9 @@ class _Applied(nn.Module):
     """fn as a module of its batched input: slots p0, p1, ... are the differentiated leaves (see the note)."""
 
     def __init__(self, fn: Callable[..., Any], leaves: list[Any], spec: Any, diff: list[int], batched: list[int],
-                 modules: list[nn.Module]) -> None:
+                 modules: list[nn.Module], tensor_output: bool = False) -> None:
         super().__init__()
+        self.tensor_output = tensor_output
         self.fn, self.leaves, self.spec, self.diff, self.batched = fn, leaves, spec, diff, batched
         for k, j in enumerate(diff):
             self._parameters[f"p{k}"] = leaves[j].detach()  # a placeholder: the call binds the user's tensors
@@ -240,6 +244,9 @@ class _Applied(nn.Module):
             for j in self.batched:
                 leaves[j] = self.leaves[j].index_select(0, xin)
         out = self.fn(*tree_unflatten(leaves, self.spec))
+        if self.tensor_output and not isinstance(out, Tensor):
+            raise TypeError(f"f: per_sample_grads needs f to return one tensor (the loss's input), got "
+                            f"{type(out).__name__}. Return the model's output; put the rest in the loss.")
         outs, spec = tree_flatten(out)
         if not outs or not all(isinstance(t, Tensor) for t in outs):
             raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
@@ -250,22 +257,26 @@ class _Applied(nn.Module):
         return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
 
 
-def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
-                             kwargs: dict[str, Any]) -> Any:
-    """``entry(f, *args, argnums=, in_dims=, ...)`` with broadcast differentiated arguments (see the note)."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
+@dataclass
+class _Prepared:
+    """A call ``f(*args)`` with broadcast differentiated arguments, described (see the note)."""
+
+    args: tuple[Any, ...]
+    leaves: list[Any]
+    spec: Any
+    starts: list[int]  # leaf index range of argument a: [starts[a], starts[a + 1])
+    nums: tuple[int, ...]
+    as_int: bool
+    diff: list[int]  # leaf indices of the differentiated tensors
+    batched: list[int]  # leaf indices of the batched tensors
+    batch: int
+
+
+def _prepare(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> _Prepared:
+    from torch.utils._pytree import tree_flatten  # noqa: PLC0415
 
     from ._args import _in_dim, check_argnums  # noqa: PLC0415
-    from ._state import used_modules  # noqa: PLC0415
 
-    kwargs = dict(kwargs)
-    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
-    for bad in ("wrt", "flatten", "has_aux", "out"):
-        if bad in kwargs:
-            raise ValueError(
-                f"{bad}: not taken with broadcast differentiated arguments (argnums={argnums!r}, in_dims="
-                f"{in_dims!r}): the result is torch.func's pytree of per-leaf blocks (B, *out, *leaf.shape), "
-                f"with respect to the arguments argnums names. Drop {bad}=.")
     if isinstance(f, nn.Module) or not callable(f):
         _checks.check_function(f)
     nums, as_int = check_argnums(argnums, len(args))
@@ -294,54 +305,105 @@ def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any,
     if not batched:
         raise ValueError(
             f"in_dims: every argument is broadcast (in_dims={in_dims!r}), so there are no samples to give "
-            "per-sample Jacobians to. Mark the per-sample argument with 0, e.g. in_dims=(None, 0).")
+            "per-sample results to. Mark the per-sample argument with 0, e.g. in_dims=(None, 0).")
     sizes = {leaves[j].shape[0] if leaves[j].dim() else None for j in batched}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(
             f"in_dims: the batched arguments must share dim 0 (the samples), got shapes "
             f"{[tuple(leaves[j].shape) for j in batched]}. Give the others in_dims=None.")
     batch = int(leaves[batched[0]].shape[0])
-    values = {f"p{k}": leaves[j] for k, j in enumerate(diff)}
-    blocks: Optional[dict[str, Tensor]] = None
-    out_spec, out_shapes = None, None
-    hidden = _disguised(f, leaves, spec, diff, batched) if len(batched) == 1 and not _in_transform() else None
+    return _Prepared(tuple(args), leaves, spec, starts, nums, as_int, diff, batched, batch)
+
+
+def _target(f: Any, prep: _Prepared, tensor_output: bool
+            ) -> tuple[nn.Module, Tensor, dict[str, Tensor], dict[str, int], Optional[_Applied]]:
+    """(module, its input, wrt dict, slot -> leaf index, the wrapper or None): what the module path runs."""
+    from ._state import used_modules  # noqa: PLC0415
+
+    hidden = None
+    if len(prep.batched) == 1 and not _in_transform():
+        hidden = _disguised(f, prep.leaves, prep.spec, prep.diff, prep.batched)
     if hidden is not None:
-        model, x_in, slots, out_shape = hidden
-        res = entry(model, x_in, wrt={slot: leaves[j] for slot, j in slots.items()}, flatten=False, **kwargs)
-        if entry.__name__ == "plan":
-            return res
-        by_leaf = {j: res[slot] for slot, j in slots.items()}
-        blocks = {f"p{k}": by_leaf[j] for k, j in enumerate(diff)}
-        out_shapes = [out_shape]
-    else:
-        modules = used_modules(f)
-        wrapper = _Applied(f, leaves, spec, diff, batched, modules)
-        xin = leaves[batched[0]] if len(batched) == 1 else torch.arange(batch, device=leaves[batched[0]].device)
-        res = entry(wrapper, xin, wrt=values, flatten=False, **kwargs)
-        if entry.__name__ == "plan":
-            return res
-        blocks, out_spec, out_shapes = res, wrapper.out_spec, wrapper.out_shapes
-    assert blocks is not None and out_shapes is not None
+        model, x_in, slots, _ = hidden
+        return model, x_in, {slot: prep.leaves[j] for slot, j in slots.items()}, slots, None
+    wrapper = _Applied(f, prep.leaves, prep.spec, prep.diff, prep.batched, used_modules(f), tensor_output)
+    first = prep.leaves[prep.batched[0]]
+    xin = first if len(prep.batched) == 1 else torch.arange(prep.batch, device=first.device)
+    slots = {f"p{k}": j for k, j in enumerate(prep.diff)}
+    return wrapper, xin, {slot: prep.leaves[j] for slot, j in slots.items()}, slots, wrapper
+
+
+def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layout: str) -> None:
+    for bad in ("wrt", "flatten", "has_aux", "out"):
+        if bad in kwargs:
+            raise ValueError(
+                f"{bad}: not taken with broadcast differentiated arguments (argnums={argnums!r}, in_dims="
+                f"{in_dims!r}): the result is torch.func's pytree of per-leaf blocks {layout}, "
+                f"with respect to the arguments argnums names. Drop {bad}=.")
+
+
+def _per_argnum(prep: _Prepared, block: Callable[[int], Tensor]) -> Any:
+    """The argnums' pytrees of ``block(leaf index)``: one pytree for an int argnums, a tuple of them otherwise."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
+
+    per_arg = [tree_unflatten([block(j) for j in range(prep.starts[a], prep.starts[a + 1])],
+                              tree_flatten(prep.args[a])[1]) for a in prep.nums]
+    return per_arg[0] if prep.as_int else tuple(per_arg)
+
+
+def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
+                             kwargs: dict[str, Any]) -> Any:
+    """``entry(f, *args, argnums=, in_dims=, ...)`` with broadcast differentiated arguments (see the note)."""
+    from torch.utils._pytree import tree_unflatten  # noqa: PLC0415
+
+    kwargs = dict(kwargs)
+    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
+    _no_layout_options(kwargs, argnums, in_dims, "(B, *out, *leaf.shape)")
+    prep = _prepare(f, args, argnums, in_dims)
+    module, xin, values, slots, wrapper = _target(f, prep, tensor_output=False)
+    res = entry(module, xin, wrt=values, flatten=False, **kwargs)
+    if entry.__name__ == "plan":
+        return res
+    by_leaf = {j: res[slot] for slot, j in slots.items()}
+    batch, leaves = prep.batch, prep.leaves
+    out_spec = None if wrapper is None else wrapper.out_spec
     single = out_spec is None or (out_spec.num_leaves == 1 and out_spec.type is None)
-    per_out = []
-    lo = 0
+    if wrapper is None:  # the model's own output: blocks (B, *out, *leaf.shape)
+        j0 = prep.diff[0]
+        out_shapes = [tuple(by_leaf[j0].shape[1:by_leaf[j0].dim() - leaves[j0].dim()])]
+    else:
+        out_shapes = wrapper.out_shapes
+    per_out, lo = [], 0
     for s_y in out_shapes:
         n_y = math.prod(s_y)
-        per_arg = []
-        for a in nums:
-            mine = []
-            for j in range(starts[a], starts[a + 1]):
-                blk = blocks[f"p{diff.index(j)}"]
-                if not single:
-                    blk = blk.reshape(batch, -1, *leaves[j].shape)[:, lo:lo + n_y]
-                mine.append(blk.reshape(batch, *s_y, *leaves[j].shape))
-            per_arg.append(tree_unflatten(mine, tree_flatten(args[a])[1]))
-        per_out.append(per_arg[0] if as_int else tuple(per_arg))
+
+        def block(j: int, lo: int = lo, n_y: int = n_y, s_y: tuple[int, ...] = s_y) -> Tensor:
+            blk = by_leaf[j]
+            if not single:
+                blk = blk.reshape(batch, -1, *leaves[j].shape)[:, lo:lo + n_y]
+            return blk.reshape(batch, *s_y, *leaves[j].shape)
+
+        per_out.append(_per_argnum(prep, block))
         lo += n_y
     if single:
         return per_out[0]
     assert out_spec is not None
     return tree_unflatten(per_out, out_spec)
+
+
+def functional_per_sample_grads(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
+                                kwargs: dict[str, Any]) -> Any:
+    """``per_sample_grads(fn, (params, x), loss, argnums=0, in_dims=(None, 0))``: torch.func's
+    ``vmap(grad(lambda p, xb: loss(fn(p, xb))), in_dims=(None, 0))`` layout, (B, *leaf.shape) per leaf."""
+    kwargs = dict(kwargs)
+    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
+    _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)")
+    call_args, rest = args[0], args[1:]
+    prep = _prepare(f, tuple(call_args), argnums, in_dims)
+    module, xin, values, slots, _ = _target(f, prep, tensor_output=True)
+    res = entry(module, xin, *rest, wrt=values, flatten=False, **kwargs)
+    by_leaf = {j: res[slot] for slot, j in slots.items()}
+    return _per_argnum(prep, lambda j: by_leaf[j])
 
 
 def _one_slice(t: Tensor, dim: int) -> Tensor:
