@@ -103,7 +103,9 @@ def jacobian(
         f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out).
         x: the input, shape (B, *in); one point of any shape when ``batched=False``.
         wrt: "inputs" (d out / d x), "params" (d out / d every trainable parameter of the module
-            ``f``), or a list of parameter names (a subset; the others are held constant).
+            ``f``), or a list of parameter names (a subset; the others are held constant), or a
+            dict name -> tensor: the module evaluated at those values, as ``functional_call``
+            (docs/functional.md; ``fn(params, x)`` with ``argnums``/``in_dims=(None, 0)`` too).
         mode: "auto" (measured cost model, see :func:`plan`), "forward" (vmap over jvp),
             "reverse" (vmap over vjp), or "autotune" (time both once on these inputs, cache the
             winner; see :func:`autotune_cache`). "auto" falls back to a slower exact path, with

@@ -98,7 +98,8 @@ def per_sample_grads(
             batch loss, so the rows sum to its gradient (for reduction='mean' that includes
             torch's 1/N; reduction='none' is read as 'sum'; see docs/products.md).
         y: targets, one row per sample, passed to ``loss``.
-        wrt: "params" or a list of parameter names (a subset).
+        wrt: "params", a list of parameter names (a subset), or a dict name -> tensor (the
+            module at those values, as ``functional_call``; see docs/functional.md).
         flatten: False returns a dict name -> (B, *param.shape).
         chunk_size: samples per vectorised pass of the generic engine.
         max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
