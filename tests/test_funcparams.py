@@ -418,3 +418,39 @@ def test_functional_per_sample_grads(name: str) -> None:
     close(got2, want2)
     with pytest.raises(TypeError, match=r"f: per_sample_grads needs f to return one tensor"):
         jm.per_sample_grads(lambda p, v: (fn(p, v), 0), (params, x), loss, y=y, argnums=0, in_dims=(None, 0))
+
+
+def test_functional_style_under_inference_mode_and_no_grad() -> None:
+    x, params = torch.randn(4, 3, dtype=DT), other(NET)
+    want = oracle(NET, params, x)
+    for name in ("functional_call", "input depends on params"):
+        fn = FNS[name][0]
+        ref = vmap(jacrev(lambda p, xb: fn(p, xb[None])[0]), in_dims=(None, 0))(params, x)
+        with torch.no_grad():
+            close(jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0)), ref)
+        with torch.inference_mode():
+            close(jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0)), ref)
+    with torch.inference_mode():
+        close(jm.jacobian(NET, x, wrt=params, flatten=False), want)
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 4), width=st.integers(1, 4), data=st.data())
+def test_per_sample_grads_and_ggn_with_dict_subsets(batch: int, width: int, data: st.DataObject) -> None:
+    net = mlp(width=width, act=nn.Softplus)
+    names = list(dict(net.named_parameters()))
+    chosen = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names), unique=True))
+    params = {n: v for n, v in other(net).items() if n in chosen}
+    x, y = torch.randn(batch, 3, dtype=DT), torch.randn(batch, 2, dtype=DT)
+    before, slots = snapshot(net), objects(net)
+
+    def loss(out: Tensor, t: Tensor) -> Tensor:
+        return ((out - t) ** 2).sum(1)
+
+    g = vmap(grad(lambda p, xb, yb: loss(functional_call(net, p, (xb[None],)), yb[None]).sum()),
+             in_dims=(None, 0, 0))(params, x, y)
+    close(jm.per_sample_grads(net, x, loss, y=y, wrt=params, flatten=False), g)
+    J = flat(oracle(net, params, x), batch, 2)
+    close(jm.ggn(net, x, "mse", wrt=params, diagonal=True), (J ** 2).sum((0, 1)))
+    assert_unchanged(net, before)
+    assert objects(net) == slots

@@ -425,11 +425,12 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
     ``functional_call(model, params, x)`` in disguise (see the note), else None."""
     from torch.utils._pytree import tree_unflatten  # noqa: PLC0415
 
+    from ._cache import rng_kept  # noqa: PLC0415
     from ._state import preserved_state, used_modules  # noqa: PLC0415
 
     roots = [m for m in used_modules(f) if not isinstance(m, _Applied)]
-    if not roots or isinstance(f, nn.Module):
-        return None
+    if not roots or isinstance(f, nn.Module) or torch.is_inference_mode_enabled():
+        return None  # (inference mode records no graph: the dependence checks below would see nothing)
     fresh = list(leaves)
     for j in diff:
         fresh[j] = leaves[j].detach().requires_grad_(True)
@@ -452,8 +453,8 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
 
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in roots]
     try:
-        with preserved_state(f), torch.enable_grad():
-            out = f(*tree_unflatten(fresh, spec))
+        with preserved_state(f), torch.enable_grad(), rng_kept(leaves[batched[0]].device):
+            out = f(*tree_unflatten(fresh, spec))  # (random draws of this check leave the user's stream alone)
     except Exception:  # noqa: BLE001 -- fn fails here as it would anyway: the generic route says how
         return None
     finally:
@@ -472,7 +473,8 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
         return None
     probes = [t for t in (x_in, *others) if t.grad_fn is not None]
     if probes:
-        grads = torch.autograd.grad([t.sum() for t in probes], [fresh[j] for j in diff], allow_unused=True)
+        with torch.enable_grad():
+            grads = torch.autograd.grad([t.sum() for t in probes], [fresh[j] for j in diff], allow_unused=True)
         if any(g is not None for g in grads):
             return None  # the model's input or another of its tensors depends on the differentiated ones
     return model, x_in.detach() if not x_in.requires_grad else x_in, slots, tuple(out.shape[1:])
