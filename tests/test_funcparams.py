@@ -454,3 +454,16 @@ def test_per_sample_grads_and_ggn_with_dict_subsets(batch: int, width: int, data
     close(jm.ggn(net, x, "mse", wrt=params, diagonal=True), (J ** 2).sum((0, 1)))
     assert_unchanged(net, before)
     assert objects(net) == slots
+
+
+def test_a_layer_replaced_between_bound_calls() -> None:
+    net = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 2)).to(DT)
+    x = torch.randn(9, 5, dtype=DT)
+    p = other(net)
+    close(jm.jacobian(net, x, wrt=p), flat(oracle(net, p, x), 9, 2))
+    net[0] = nn.Linear(5, 6).to(DT)  # same names and shapes, another module
+    p = other(net)
+    close(jm.jacobian(net, x, wrt=p), flat(oracle(net, p, x), 9, 2))
+    close(jm.per_sample_grads(net, x, lambda o: o.sum(1), wrt=p),
+          torch.cat([t.reshape(9, -1) for t in vmap(grad(lambda q, xb: functional_call(net, q, (xb[None],)).sum()),
+                                                   in_dims=(None, 0))(p, x).values()], 1))

@@ -117,12 +117,20 @@ def accepts_params_dict(entry: F) -> F:
 
 def selection_key(model: nn.Module, named: Sequence[tuple[str, Tensor]]) -> tuple:
     """What a cached fact about the selected tensors depends on: their identity for a module's own,
-    and for a bound call the names, shapes, dtypes, flags and the module's own tensors at those names
-    (a new dict at every step of a functional optimiser is the same selection)."""
+    and for a bound call the names, the submodules holding them (a layer replaced between calls is
+    another selection), shapes, dtypes and flags: a new dict at every step of a functional optimiser
+    is the same selection. (A cached fact holds those submodules, so their ids are not reused.)"""
     values = bound_values(model)
     if values is None:
         return tuple((n, id(p)) for n, p in named)
-    return ("bound", tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in named))
+
+    def owner(name: str) -> int:
+        try:
+            return id(model.get_submodule(name.rpartition(".")[0]))
+        except AttributeError:
+            return -1
+
+    return ("bound", tuple((n, owner(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in named))
 
 
 def refreshed(cov: Any, named: Sequence[tuple[str, Tensor]]) -> Any:
