@@ -467,3 +467,13 @@ def test_a_layer_replaced_between_bound_calls() -> None:
     close(jm.per_sample_grads(net, x, lambda o: o.sum(1), wrt=p),
           torch.cat([t.reshape(9, -1) for t in vmap(grad(lambda q, xb: functional_call(net, q, (xb[None],)).sum()),
                                                    in_dims=(None, 0))(p, x).values()], 1))
+
+
+def test_meta_base_model_errors() -> None:
+    models, stacked, base = _ensemble()
+    x = torch.randn(4, 3, dtype=DT)
+    partial = {n: t for n, t in stacked.items() if n != "3.bias"}
+    with pytest.raises(ValueError, match=r"wrt: the module's '3\.bias' is on the meta device"):
+        vmap(lambda p: jm.jacobian(base, x, wrt=p))(partial)
+    with pytest.raises(ValueError, match=r"x: is on cpu but parameter '0\.weight' of the model is on meta"):
+        vmap(lambda p: jm.per_sample_grads(base, x, lambda o: o.sum(1)))(stacked)

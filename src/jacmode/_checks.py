@@ -359,6 +359,14 @@ def check_param_values(model: Any, values: Any) -> dict[str, Tensor]:
     for name, t in (*own.items(), *buffers.items()):
         if t is not None:
             by_id.setdefault(id(t), []).append(name)
+    empty = [n for names_ in by_id.values() if not any(n in values for n in names_)
+             for n in names_[:1] if (own[n] if n in own else buffers[n]).is_meta]
+    if empty and not all(t.is_meta for t in values.values()) and not getattr(model, "_jacmode_wrapper", False):
+        raise ValueError(
+            f"wrt: the module's {empty[0]!r} is on the meta device (no values; torch.func.stack_module_state's "
+            f"base model) and the dict does not give it. Give every parameter in the dict, and move the buffers "
+            f"to the data's device, e.g. base.{empty[0].rpartition('.')[0] or empty[0]}.to_empty(device=...) "
+            f"then load them, or keep a base model on the data's device.")
     for tied in by_id.values():
         given = [n for n in tied if n in values]
         if len(given) > 1 and len({id(values[n]) for n in given}) > 1:

@@ -154,6 +154,7 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
     opts = _checks.check_product_options(wrt=wrt, chunk_size=None, max_memory=None, flatten=flatten)
     _checks.check_not_arguments(x, "x")
     _checks.check_input(x, wrt="params", batched=True, name="x")
+    _checks.check_devices(f, x)
     _checks.check_loss(loss)
     _checks.check_torch_loss(loss, y, "per_sample_grads")
     _checks.check_target(y, x.shape[0])
@@ -228,6 +229,8 @@ def routes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 class _Applied(nn.Module):
     """fn as a module of its batched input: slots p0, p1, ... are the differentiated leaves (see the note)."""
+
+    _jacmode_wrapper = True  # its children are the modules fn refers to, which fn itself feeds
 
     def __init__(self, fn: Callable[..., Any], leaves: list[Any], spec: Any, diff: list[int], batched: list[int],
                  modules: list[nn.Module], tensor_output: bool = False) -> None:
