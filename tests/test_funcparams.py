@@ -20,7 +20,7 @@ from torch.func import functional_call, grad, jacfwd, jacrev, stack_module_state
 from torch.utils._pytree import tree_leaves
 
 import jacmode as jm
-from jacmode import _problem
+from jacmode import _calls, _problem
 from jacmode._engines import layerio
 from _zoo_models import one_intra_op_thread  # noqa: F401 -- tiny tensors: one thread
 from conftest import assert_unchanged, snapshot
@@ -396,8 +396,27 @@ def test_cache_entries_do_not_grow_with_new_dicts() -> None:
         p = other(net)
         jm.jacobian(net, x, wrt=p)
         jm.per_sample_grads(net, x, lambda o, t: ((o - t) ** 2).sum(1), y=y, wrt=p)
-        counts.append((sum(1 for _ in _problem._COVERAGE.items()), sum(1 for _ in layerio._COVERAGE.items())))
+        counts.append((sum(1 for _ in _problem._COVERAGE.items()), sum(1 for _ in layerio._COVERAGE.items()),
+                       sum(1 for _ in _calls._CALLS.items())))
     assert counts[0] == counts[-1]
+    # a repeated call with a new dict reuses the problem's facts (no describe), reading the new tensors
+    described: list[int] = []
+    orig = _problem.describe
+
+    def spy(*a: Any, **k: Any) -> Any:
+        described.append(1)
+        return orig(*a, **k)
+
+    import jacmode._jacobian as _jac
+    _jac.describe = spy  # type: ignore[assignment]
+    try:
+        p = other(net)
+        close(jm.jacobian(net, x, wrt=p), flat(oracle(net, p, x), 8, 2))
+    finally:
+        _jac.describe = orig  # type: ignore[assignment]
+    assert described == []
+    held = [t for _, _, (facts, _) in _calls._CALLS.items() for t in facts.tensors]
+    assert not any(t is q for t in held for q in p.values())  # the cache keeps no dict's tensors
 
 
 @pytest.mark.parametrize("name", ["functional_call", "by hand"])

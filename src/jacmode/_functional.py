@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, cast
 
@@ -133,14 +134,27 @@ def selection_key(model: nn.Module, named: Sequence[tuple[str, Tensor]]) -> tupl
     return ("bound", tuple((n, owner(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in named))
 
 
+def identities(model: nn.Module, params: Sequence[Tensor]) -> tuple:
+    """The parameter objects of a module, for the repeated-call cache (``_calls.py``): their ids, except
+    for a bound dict's tensors, new at every step of a functional optimiser, which count by their place,
+    shape, dtype and device (``_problem.again`` reads them again on a hit)."""
+    values = bound_values(model)
+    if values is None:
+        return tuple(map(id, params))
+    mine = {id(t) for t in values.values()}
+    return tuple(("bound", tuple(p.shape), p.dtype, p.device) if id(p) in mine else id(p) for p in params)
+
+
 def refreshed(cov: Any, named: Sequence[tuple[str, Tensor]]) -> Any:
     """A cached probe ``Coverage`` reading the tensors of this call (a bound call's are new each time)."""
-    if cov is None or all(cov.tensors.get(n, p) is p for n, p in named):
+    if cov is None:
         return cov
-    import dataclasses
-
     now = dict(named)
-    return dataclasses.replace(cov, tensors={n: now.get(n, t) for n, t in cov.tensors.items()})
+    if all(n in cov.tensors and cov.tensors[n] is now.get(n) for n in cov.covered):
+        return cov
+    import dataclasses  # noqa: PLC0415
+
+    return dataclasses.replace(cov, tensors={n: now[n] for n in cov.covered if n in now})
 
 
 def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y: Optional[Tensor], wrt: Any,
@@ -236,12 +250,21 @@ class _Applied(nn.Module):
                  modules: list[nn.Module], tensor_output: bool = False) -> None:
         super().__init__()
         self.tensor_output = tensor_output
-        self.fn, self.leaves, self.spec, self.diff, self.batched = fn, leaves, spec, diff, batched
-        for k, j in enumerate(diff):
-            self._parameters[f"p{k}"] = leaves[j].detach()  # a placeholder: the call binds the user's tensors
+        try:  # the cache of wrappers is keyed weakly by fn: no strong reference back to it
+            ref: Callable[[], Any] = weakref.ref(fn)
+        except TypeError:
+            ref = lambda: fn  # noqa: E731
+        self._fn, self.leaves, self.spec, self.diff, self.batched = ref, leaves, spec, diff, batched
+        for k, j in enumerate(diff):  # placeholders without storage: each call binds the user's tensors
+            t = leaves[j]
+            self._parameters[f"p{k}"] = torch.empty(t.shape, dtype=t.dtype, device="meta")  # type: ignore[assignment]
         self.used = nn.ModuleList(modules)
         self.out_spec: Any = None
         self.out_shapes: list[tuple[int, ...]] = []
+
+    @property
+    def fn(self) -> Callable[..., Any]:
+        return cast(Callable[..., Any], self._fn())
 
     def forward(self, xin: Tensor) -> Tensor:
         from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
@@ -261,8 +284,14 @@ class _Applied(nn.Module):
         outs, spec = tree_flatten(out)
         if not outs or not all(isinstance(t, Tensor) for t in outs):
             raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
+        shapes = [tuple(t.shape[1:]) for t in outs]
         if self.out_spec is None:
-            self.out_spec, self.out_shapes = spec, [tuple(t.shape[1:]) for t in outs]
+            self.out_spec, self.out_shapes = spec, shapes
+        elif spec != self.out_spec or shapes != self.out_shapes:
+            raise ValueError(
+                f"f: returned a different output structure on a later evaluation ({spec} with per-sample shapes "
+                f"{shapes}, first {self.out_spec} with {self.out_shapes}). jacmode evaluates f several times; "
+                "its outputs must keep their structure.")
         if len(outs) == 1 and isinstance(out, Tensor):
             return out
         return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
@@ -337,11 +366,41 @@ def _target(f: Any, prep: _Prepared, tensor_output: bool
     if hidden is not None:
         model, x_in, slots, _ = hidden
         return model, x_in, {slot: prep.leaves[j] for slot, j in slots.items()}, slots, None
-    wrapper = _Applied(f, prep.leaves, prep.spec, prep.diff, prep.batched, used_modules(f), tensor_output)
+    wrapper = _wrapper_for(f, prep, tensor_output, used_modules(f))
     first = prep.leaves[prep.batched[0]]
     xin = first if len(prep.batched) == 1 else torch.arange(prep.batch, device=first.device)
     slots = {f"p{k}": j for k, j in enumerate(prep.diff)}
     return wrapper, xin, {slot: prep.leaves[j] for slot, j in slots.items()}, slots, wrapper
+
+
+# fn (weakly) -> {structure of the call: its wrapper}: a repeated call finds the same module, so the
+# caches keyed by it (coupling verdict, footprint, probe coverage, repeated calls) hit
+_WRAPPERS: "weakref.WeakKeyDictionary[Any, dict[tuple, _Applied]]" = weakref.WeakKeyDictionary()
+
+
+def _wrapper_for(f: Any, prep: _Prepared, tensor_output: bool, modules: list[nn.Module]) -> _Applied:
+    """The :class:`_Applied` of ``f`` for a call of this structure, holding this call's arguments."""
+    def meta(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            return ("tensor", tuple(v.shape), v.dtype, v.device, v.requires_grad)
+        try:
+            hash(v)
+            return ("value", type(v), v)
+        except TypeError:
+            return ("id", id(v))
+
+    key = (str(prep.spec), tuple(prep.diff), tuple(prep.batched), tensor_output,
+           tuple(meta(v) for v in prep.leaves), tuple(id(m) for m in modules))
+    try:
+        table = _WRAPPERS.setdefault(f, {})
+    except TypeError:  # not weakly referenceable: a wrapper of its own
+        table = {}
+    wrapper = table.get(key)
+    if wrapper is None or wrapper.leaves:  # (in use by an enclosing call: another one)
+        wrapper = _Applied(f, prep.leaves, prep.spec, prep.diff, prep.batched, modules, tensor_output)
+        table.setdefault(key, wrapper)
+    wrapper.leaves = list(prep.leaves)
+    return wrapper
 
 
 def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layout: str) -> None:
@@ -372,7 +431,11 @@ def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any,
     _no_layout_options(kwargs, argnums, in_dims, "(B, *out, *leaf.shape)")
     prep = _prepare(f, args, argnums, in_dims)
     module, xin, values, slots, wrapper = _target(f, prep, tensor_output=False)
-    res = entry(module, xin, wrt=values, flatten=False, **kwargs)
+    try:
+        res = entry(module, xin, wrt=values, flatten=False, **kwargs)
+    finally:
+        if wrapper is not None:
+            wrapper.leaves = []  # the call's arguments are not kept
     if entry.__name__ == "plan":
         return res
     by_leaf = {j: res[slot] for slot, j in slots.items()}
@@ -411,8 +474,12 @@ def functional_per_sample_grads(entry: Callable[..., Any], f: Any, args: tuple[A
     _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)")
     call_args, rest = args[0], args[1:]
     prep = _prepare(f, tuple(call_args), argnums, in_dims)
-    module, xin, values, slots, _ = _target(f, prep, tensor_output=True)
-    res = entry(module, xin, *rest, wrt=values, flatten=False, **kwargs)
+    module, xin, values, slots, wrapper = _target(f, prep, tensor_output=True)
+    try:
+        res = entry(module, xin, *rest, wrt=values, flatten=False, **kwargs)
+    finally:
+        if wrapper is not None:
+            wrapper.leaves = []  # the call's arguments are not kept
     by_leaf = {j: res[slot] for slot, j in slots.items()}
     return _per_argnum(prep, lambda j: by_leaf[j])
 

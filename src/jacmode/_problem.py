@@ -26,7 +26,7 @@ from ._engines import capture as _capture
 from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
 from ._engines.probes import Coverage, coverage
-from ._functional import refreshed, selection_key
+from ._functional import bound_values, refreshed, selection_key
 from ._rules.local import LOCAL
 from ._transforms import in_transform
 
@@ -178,8 +178,14 @@ def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
 
 def facts(p: Problem) -> Problem:
     """``p`` without its model, input and functions: what a cache may keep (``_calls.py``)."""
+    bound = p.model is not None and bound_values(p.model) is not None  # a dict's tensors are not kept
     return dataclasses.replace(p, fn=_gone, z=p.z.new_empty(0), x=p.x.new_empty(0), sample_fn=None,
-                               subset_fn=None, model=None)
+                               subset_fn=None, model=None, tensors=[] if bound else p.tensors,
+                               probes=_without_tensors(p.probes) if bound else p.probes)
+
+
+def _without_tensors(cov: Optional[Coverage]) -> Optional[Coverage]:
+    return None if cov is None else dataclasses.replace(cov, tensors={})
 
 
 def _gone(z: Tensor) -> Tensor:
@@ -193,7 +199,12 @@ def again(p: Problem, model: nn.Module, x: Tensor, opts: Options) -> Problem:
     are those ``p`` was made for (see ``_calls.py``): what ``describe`` found still holds; only the
     values change.
     """
-    return _params_problem(model, x, list(zip([n for n, _ in p.params], p.tensors)), opts, p)
+    names = [n for n, _ in p.params]
+    if bound_values(model) is not None:  # a dict's tensors: this call's (see _functional.py)
+        selected = _checks.check_param_selection(model, names)
+        return _params_problem(model, x, selected, opts,
+                               dataclasses.replace(p, probes=refreshed(p.probes, selected)))
+    return _params_problem(model, x, list(zip(names, p.tensors)), opts, p)
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
