@@ -496,3 +496,42 @@ def test_meta_base_model_errors() -> None:
         vmap(lambda p: jm.jacobian(base, x, wrt=p))(partial)
     with pytest.raises(ValueError, match=r"x: is on cpu but parameter '0\.weight' of the model is on meta"):
         vmap(lambda p: jm.per_sample_grads(base, x, lambda o: o.sum(1)))(stacked)
+
+
+def test_functional_style_keeps_no_arguments_alive() -> None:
+    import gc
+    import weakref
+
+    from jacmode import _functional
+
+    def by_hand(p: Params, v: Tensor) -> Tensor:
+        return torch.tanh(v @ p["0.weight"].T + p["0.bias"]) @ p["2.weight"].T + p["2.bias"]
+
+    x, params = torch.randn(4, 3, dtype=DT), other(NET)
+    for _ in range(2):  # the second call reuses the first call's wrapper module
+        close(jm.jacobian(by_hand, params, x, argnums=0, in_dims=(None, 0)),
+              vmap(jacrev(lambda p, xb: by_hand(p, xb[None])[0]), in_dims=(None, 0))(params, x))
+    assert len(_functional._WRAPPERS[by_hand]) == 1
+    refs = [weakref.ref(x), *(weakref.ref(t) for t in params.values()), weakref.ref(by_hand)]
+    del x, params, by_hand
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_vmap_over_parameters_and_data() -> None:
+    models, stacked, base = _ensemble(3)
+    xs, ys = torch.randn(3, 5, 3, dtype=DT), torch.randn(3, 5, 2, dtype=DT)
+
+    def loss(out: Tensor, t: Tensor) -> Tensor:
+        return ((out - t) ** 2).sum(1)
+
+    got = vmap(lambda p, xb, yb: jm.per_sample_grads(base, xb, loss, y=yb, wrt=p))(stacked, xs, ys)
+    jac = vmap(lambda p, xb: jm.jacobian(base, xb, wrt=p, flatten=False))(stacked, xs)
+    fn = vmap(lambda p, xb: jm.jacobian(lambda q, v: functional_call(base, q, (v,)), p, xb, argnums=0,
+                                        in_dims=(None, 0)))(stacked, xs)
+    for i, model in enumerate(models):
+        close(got[i], jm.per_sample_grads(model, xs[i], loss, y=ys[i]))
+        own = {n: t[i] for n, t in stacked.items()}
+        want = oracle(model, own, xs[i])
+        close({n: t[i] for n, t in jac.items()}, want)
+        close({n: t[i] for n, t in fn.items()}, want)
