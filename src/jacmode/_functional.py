@@ -22,10 +22,11 @@ the module itself, run while the module *holds* the dict's tensors:
   Two dict entries that are one tensor object (for names that are not tied in the module) are
   bound as two views, so that each name gets its own columns, as ``jacrev`` over the dict gives;
 * caches that key facts by parameter identity would see new tensors at every step of a
-  functional optimiser and grow without bound: the repeated-call cache is off for a bound call
-  (``_calls.signature``) and the probe coverage is keyed by :func:`selection_key` (names, shapes,
-  dtypes, flags and the module's own tensors) with its tensors refreshed per call
-  (:func:`refreshed`).
+  functional optimiser, miss, and grow without bound. A bound dict's tensors count by their
+  place, shape, dtype, device and flag instead: in the repeated-call signature
+  (:func:`identities`; a hit reads this call's tensors, ``_problem.again``, and the cached facts
+  keep none of them) and in the probe coverage's key (:func:`selection_key`, which also names the
+  submodules holding them), whose cached coverage reads this call's tensors (:func:`refreshed`).
 
 Under ``torch.func.vmap`` over stacked parameters (ensembles) the dict's tensors are vmap's
 batched tensors; binding them is what ``functional_call`` does, and the generic engines (the only
