@@ -252,6 +252,8 @@ def test_functional_style_errors() -> None:
         jm.jacobian(lambda p, v: fn(p, v), params, x, argnums=(0, 1), in_dims=(None, 0))
     with pytest.raises(ValueError, match=r"flatten: not taken with broadcast differentiated arguments"):
         jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0), flatten=True)
+    with pytest.raises(ValueError, match=r"batched: not taken with broadcast differentiated arguments"):
+        jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0), batched=False)
     with pytest.raises(TypeError, match=r"argument 0: differentiating needs a floating dtype"):
         jm.jacobian(fn, {"0.weight": torch.ones(5, 3, dtype=torch.long)}, x, argnums=0, in_dims=(None, 0))
     with pytest.raises(TypeError, match=r"argument 0: expected a tensor to differentiate, got str"):

@@ -405,7 +405,7 @@ def _wrapper_for(f: Any, prep: _Prepared, tensor_output: bool, modules: list[nn.
 
 
 def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layout: str) -> None:
-    for bad in ("wrt", "flatten", "has_aux", "out"):
+    for bad in ("wrt", "flatten", "has_aux", "out", "batched"):
         if bad in kwargs:
             raise ValueError(
                 f"{bad}: not taken with broadcast differentiated arguments (argnums={argnums!r}, in_dims="
