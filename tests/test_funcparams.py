@@ -537,3 +537,12 @@ def test_vmap_over_parameters_and_data() -> None:
         want = oracle(model, own, xs[i])
         close({n: t[i] for n, t in jac.items()}, want)
         close({n: t[i] for n, t in fn.items()}, want)
+
+
+def test_in_dims_by_name() -> None:
+    x, params = torch.randn(4, 3, dtype=DT), other(NET)
+
+    def fn(params: Params, x: Tensor) -> Tensor:
+        return functional_call(NET, params, (x,))
+
+    close(jm.jacobian(fn, params, x, argnums=0, in_dims={"params": None}), oracle(NET, params, x))

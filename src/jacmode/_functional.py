@@ -102,9 +102,9 @@ def accepts_params_dict(entry: F) -> F:
     """Let ``entry(f, ..., wrt=...)`` take ``wrt`` as a dict name -> tensor (see the note)."""
     @functools.wraps(entry)
     def wrapper(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if entry.__name__ in _ROUTED and routes(args, kwargs):  # fn(params, x) with params broadcast
+        if entry.__name__ in _ROUTED and routes(f, args, kwargs):  # fn(params, x) with params broadcast
             return functional_call_jacobian(wrapper, f, args, kwargs)
-        if entry.__name__ == "per_sample_grads" and args and isinstance(args[0], tuple) and routes(args[0], kwargs):
+        if entry.__name__ == "per_sample_grads" and args and isinstance(args[0], tuple) and routes(f, args[0], kwargs):
             return functional_per_sample_grads(wrapper, f, args, kwargs)
         wrt = kwargs.get("wrt")
         if not isinstance(wrt, dict):
@@ -223,15 +223,16 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
 _ROUTED = ("jacobian", "plan")
 
 
-def routes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def routes(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a call is in the functional style with broadcast differentiated arguments."""
     if "in_dims" not in kwargs or len(args) < 2:
         return False
-    from ._args import _in_dim, check_argnums, check_in_dims  # noqa: PLC0415
+    from ._args import _in_dim, check_argnums, check_in_dims, parameter_names  # noqa: PLC0415
 
     nums, _ = check_argnums(kwargs.get("argnums", 0), len(args))
     check_in_dims(kwargs["in_dims"], len(args))
-    dims = [_in_dim(kwargs["in_dims"], a, None, ()) for a in nums]
+    names = parameter_names(f)
+    dims = [_in_dim(kwargs["in_dims"], a, None, names) for a in nums]
     if all(d is None for d in dims):
         return True
     if any(d is None for d in dims):
@@ -316,7 +317,7 @@ class _Prepared:
 def _prepare(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> _Prepared:
     from torch.utils._pytree import tree_flatten  # noqa: PLC0415
 
-    from ._args import _in_dim, check_argnums  # noqa: PLC0415
+    from ._args import _in_dim, check_argnums, parameter_names  # noqa: PLC0415
 
     if isinstance(f, nn.Module) or not callable(f):
         _checks.check_function(f)
@@ -342,7 +343,7 @@ def _prepare(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> _Prep
         if starts[a + 1] == starts[a]:
             raise ValueError(f"argnums: argument {a} holds no tensors to differentiate.")
     batched = [j for a in range(len(args)) if a not in nums for j in range(starts[a], starts[a + 1])
-               if isinstance(leaves[j], Tensor) and _in_dim(in_dims, a, None, ()) == 0]
+               if isinstance(leaves[j], Tensor) and _in_dim(in_dims, a, None, parameter_names(f)) == 0]
     if not batched:
         raise ValueError(
             f"in_dims: every argument is broadcast (in_dims={in_dims!r}), so there are no samples to give "
