@@ -546,3 +546,19 @@ def test_in_dims_by_name() -> None:
         return functional_call(NET, params, (x,))
 
     close(jm.jacobian(fn, params, x, argnums=0, in_dims={"params": None}), oracle(NET, params, x))
+
+
+@pytest.mark.parametrize("how", ["grad", "jacfwd"])
+def test_transforms_over_the_dict(how: str) -> None:
+    net = mlp()
+    x, params = torch.randn(4, 3, dtype=DT), other(net)
+    if how == "grad":
+        def T(f: Callable[[Params], Tensor]) -> Callable[[Params], Any]:
+            return grad(lambda p: f(p).pow(2).sum())
+    else:
+        def T(f: Callable[[Params], Tensor]) -> Callable[[Params], Any]:
+            return jacfwd(lambda p: f(p).sum((0, 1)))
+    want = T(lambda p: flat(oracle(net, p, x), 4, 2))(params)
+    close(T(lambda p: jm.jacobian(net, x, wrt=p))(params), want)
+    close(T(lambda p: flat(jm.jacobian(lambda q, v: functional_call(net, q, (v,)), p, x, argnums=0,
+                                       in_dims=(None, 0)), 4, 2))(params), want)
