@@ -135,7 +135,7 @@ def test_coupling_seen_in_one_vmap_slice_only() -> None:
 
 
 @pytest.mark.parametrize("how", ["grad", "jacfwd", "vmap"])
-@pytest.mark.parametrize("name", ["per_sample_grads", "ntk", "ggn", "sparse_jacobian", "sparse_hessian",
+@pytest.mark.parametrize("name", ["ntk", "ggn", "sparse_jacobian", "sparse_hessian",  # per_sample_grads: test_funcparams
                                   "hessian-sparse", "sparsity"])
 def test_products_and_sparse_inside_transforms_raise_clearly(name: str, how: str) -> None:
     y = torch.zeros(3, 2, dtype=DT)

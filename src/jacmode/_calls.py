@@ -27,6 +27,7 @@ from ._planning import memory as _memory
 from ._planning.decide import Decision
 from ._problem import Problem, again, facts
 from ._state import ModelView
+from ._functional import identities
 from ._transforms import in_transform
 
 _CALLS = WeakCache("repeated calls")
@@ -36,7 +37,7 @@ def signature(x: Tensor, opts: Options, view: Optional[ModelView], out_given: bo
     """What a call's problem and plan depend on, or None when it is not cached (see the note)."""
     if view is None or opts.wrt != "params" or opts.mode == "autotune":
         return None
-    return (x.shape, x.dtype, x.device, opts, out_given, view.training, tuple(map(id, view.params)),
+    return (x.shape, x.dtype, x.device, opts, out_given, view.training, identities(view.modules[0], view.params),
             view.flags, tuple(p.dtype for p in view.params), in_transform(), torch.is_inference_mode_enabled())
 
 

@@ -10,7 +10,7 @@ import difflib
 import math
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ MODES = ("auto", "forward", "reverse", "autotune")
 STRUCTURES = ("auto", "independent", "coupled", "diagonal", "sparse")
 WRT_KINDS = ("inputs", "params")
 
-Wrt = Union[str, Sequence[str]]
+Wrt = Union[str, Sequence[str], Mapping[str, Tensor]]  # a dict: functional parameters (_functional.py)
 
 
 @dataclass(frozen=True)
@@ -133,9 +133,14 @@ def check_options(
         if len(set(wrt)) != len(wrt):
             raise ValueError(f"wrt: parameter names must be unique, got {list(wrt)!r}.")
         kind, param_names = "params", tuple(wrt)
+    elif isinstance(wrt, dict):
+        raise TypeError(
+            "wrt: a dict of parameter tensors is not taken by this function (jacobian, plan, per_sample_grads, "
+            "ggn, ntk and ntk_plan take one). Pass the names, wrt=list(params), and evaluate the module at the "
+            "dict with torch.func.functional_call.")
     else:
         raise TypeError(
-            f"wrt: expected 'inputs', 'params' or a list of parameter names, got "
+            f"wrt: expected 'inputs', 'params' or a list of parameter names (for a module also a dict name -> tensor), got "
             f"{type(wrt).__name__} ({_fmt(wrt)})."
         )
     if not isinstance(mode, str) or mode not in MODES:
@@ -267,6 +272,9 @@ def check_param_selection(
             f"f: wrt='params' needs an nn.Module (its parameters are what is differentiated), got "
             f"{type(model).__name__}. Wrap the parameters in a module, or use wrt='inputs'."
         )
+    bound = _bound_selection(model, names)
+    if bound is not None:
+        return bound
     all_named = dict(model.named_parameters())
     if names is None:
         chosen = [(n, p) for n, p in all_named.items() if p.requires_grad]
@@ -288,6 +296,85 @@ def check_param_selection(
         )
     wanted = set(names)
     return [(n, p) for n, p in all_named.items() if n in wanted]
+
+
+def _bound_selection(model: Any, names: Optional[Sequence[str]]) -> Optional[list[tuple[str, nn.Parameter]]]:
+    """Inside a call with ``wrt`` a dict (``_functional.bind``): the dict's tensors, in its order."""
+    from ._functional import bound_values  # noqa: PLC0415 -- _functional imports this module
+
+    values = bound_values(model)
+    if values is None or names is None or not set(names) <= set(values):
+        return None
+    return [(n, values[n]) for n in names]  # type: ignore[misc]  # tensors in the parameters' slots
+
+
+def check_param_values(model: Any, values: Any) -> dict[str, Tensor]:
+    """``wrt`` as a dict name -> tensor, as for ``torch.func.functional_call(model, values, x)``.
+
+    The names must be the module's parameters (or floating buffers), each value a floating tensor of
+    that parameter's shape, all of one dtype and device; two names tied in the module must get the
+    same tensor. Returns the dict (the caller binds it, see ``_functional.py``).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"wrt: a dict of parameter tensors needs f to be an nn.Module (the dict replaces its parameters, as "
+            f"in torch.func.functional_call(f, params, x)), got {type(model).__name__}. For a function of "
+            "(params, x), pass the dict as an argument: jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0)).")
+    if not values:
+        raise ValueError("wrt: got an empty dict of parameters. Give at least one name -> tensor, or wrt='params'.")
+    own = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    names = [*own, *(n for n, b in buffers.items() if b is not None and b.is_floating_point())]
+    dtypes, devices = set(), set()
+    for name, t in values.items():
+        if not isinstance(name, str):
+            raise TypeError(f"wrt: dict keys must be parameter names (str), got {type(name).__name__} ({_fmt(name)}).")
+        if name not in own and name not in buffers:
+            close = difflib.get_close_matches(name, names, n=3)
+            hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+            raise ValueError(
+                f"wrt: {name!r} is not a parameter of {type(model).__name__}.{hint} The dict's names must be those "
+                f"of model.named_parameters() (or of floating buffers), e.g. {names[:4]!r}.")
+        mine = own[name] if name in own else buffers[name]
+        if not isinstance(t, Tensor):
+            raise TypeError(
+                f"wrt: the value of {name!r} must be a tensor (the parameter's value), got {type(t).__name__} "
+                f"({_fmt(t)}). Pass e.g. {{name: p.detach() for name, p in model.named_parameters()}}.")
+        if not t.is_floating_point():
+            raise TypeError(
+                f"wrt: the value of {name!r} has dtype {t.dtype}; differentiating needs a floating dtype. "
+                "Convert it with `.float()`.")
+        if mine is not None and tuple(t.shape) != tuple(mine.shape):
+            raise ValueError(
+                f"wrt: the value of {name!r} has shape {tuple(t.shape)}, but the module's {name!r} has shape "
+                f"{tuple(mine.shape)}. Give each name a tensor of its parameter's shape (for an ensemble from "
+                "torch.func.stack_module_state, vmap over the stacked dim 0 instead of passing the stack).")
+        dtypes.add(t.dtype)
+        devices.add(t.device)
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise TypeError(
+            f"wrt: the dict's tensors must share one dtype and device, got {sorted(map(str, dtypes))} on "
+            f"{sorted(map(str, devices))}. Convert them, e.g. {{n: t.double() for n, t in params.items()}}.")
+    by_id: dict[int, list[str]] = {}
+    for name, t in (*own.items(), *buffers.items()):
+        if t is not None:
+            by_id.setdefault(id(t), []).append(name)
+    empty = [n for names_ in by_id.values() if not any(n in values for n in names_)
+             for n in names_[:1] if (own[n] if n in own else buffers[n]).is_meta]
+    if empty and not all(t.is_meta for t in values.values()) and not getattr(model, "_jacmode_wrapper", False):
+        raise ValueError(
+            f"wrt: the module's {empty[0]!r} is on the meta device (no values; torch.func.stack_module_state's "
+            f"base model) and the dict does not give it. Give every parameter in the dict, and move the buffers "
+            f"to the data's device, e.g. base.{empty[0].rpartition('.')[0] or empty[0]}.to_empty(device=...) "
+            f"then load them, or keep a base model on the data's device.")
+    for tied in by_id.values():
+        given = [n for n in tied if n in values]
+        if len(given) > 1 and len({id(values[n]) for n in given}) > 1:
+            raise ValueError(
+                f"wrt: {given!r} are tied in the module (one tensor), but the dict gives them different tensors. "
+                "Give one of the names (the others follow it, as functional_call's tie_weights=True does), or the "
+                "same tensor for all.")
+    return dict(values)
 
 
 def check_out_buffer(out: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:

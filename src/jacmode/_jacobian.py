@@ -9,6 +9,7 @@ from torch import Tensor
 
 from . import _calls, _checks
 from ._checks import Options, Wrt
+from ._functional import accepts_params_dict
 from ._planning.decide import decide, execute
 from ._planning.plan import Plan
 from ._problem import Problem, connected, describe
@@ -27,6 +28,7 @@ def _options(f: Any, x: Any, **kw: Any) -> Options:
     return opts
 
 
+@accepts_params_dict
 def plan(
     f: Callable[[Tensor], Tensor],
     x: Tensor,
@@ -76,6 +78,7 @@ def plan(
         return decide(f, problem, opts, out_given=False, timing=False).plan
 
 
+@accepts_params_dict
 def jacobian(
     f: Callable[[Tensor], Tensor],
     x: Tensor,
@@ -100,7 +103,9 @@ def jacobian(
         f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out).
         x: the input, shape (B, *in); one point of any shape when ``batched=False``.
         wrt: "inputs" (d out / d x), "params" (d out / d every trainable parameter of the module
-            ``f``), or a list of parameter names (a subset; the others are held constant).
+            ``f``), or a list of parameter names (a subset; the others are held constant), or a
+            dict name -> tensor: the module evaluated at those values, as ``functional_call``
+            (docs/functional.md; ``fn(params, x)`` with ``argnums``/``in_dims=(None, 0)`` too).
         mode: "auto" (measured cost model, see :func:`plan`), "forward" (vmap over jvp),
             "reverse" (vmap over vjp), or "autotune" (time both once on these inputs, cache the
             winner; see :func:`autotune_cache`). "auto" falls back to a slower exact path, with

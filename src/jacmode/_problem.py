@@ -26,6 +26,7 @@ from ._engines import capture as _capture
 from ._engines import layerwise as _layerwise
 from ._engines import taylor as _taylor
 from ._engines.probes import Coverage, coverage
+from ._functional import bound_values, refreshed, selection_key
 from ._rules.local import LOCAL
 from ._transforms import in_transform
 
@@ -158,7 +159,8 @@ def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
     items = result.values() if isinstance(result, dict) else result if isinstance(result, tuple) else (result,)
     if all(r.requires_grad or not r.is_floating_point() for r in items):  # the usual case: nothing to tie
         return result
-    params = [p for p in f.parameters() if p.requires_grad] if isinstance(f, nn.Module) else []
+    params = [p for p in f.parameters() if p.requires_grad and p.device == x.device] if isinstance(f, nn.Module) else []
+    # (a model on the meta device whose tensors a dict replaces, torch.func.stack_module_state's idiom, has no values)
     sources = [s for s in (x, *params) if s.requires_grad]
     if not sources:
         return result
@@ -176,8 +178,14 @@ def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
 
 def facts(p: Problem) -> Problem:
     """``p`` without its model, input and functions: what a cache may keep (``_calls.py``)."""
+    bound = p.model is not None and bound_values(p.model) is not None  # a dict's tensors are not kept
     return dataclasses.replace(p, fn=_gone, z=p.z.new_empty(0), x=p.x.new_empty(0), sample_fn=None,
-                               subset_fn=None, model=None)
+                               subset_fn=None, model=None, tensors=[] if bound else p.tensors,
+                               probes=_without_tensors(p.probes) if bound else p.probes)
+
+
+def _without_tensors(cov: Optional[Coverage]) -> Optional[Coverage]:
+    return None if cov is None else dataclasses.replace(cov, tensors={})
 
 
 def _gone(z: Tensor) -> Tensor:
@@ -191,7 +199,12 @@ def again(p: Problem, model: nn.Module, x: Tensor, opts: Options) -> Problem:
     are those ``p`` was made for (see ``_calls.py``): what ``describe`` found still holds; only the
     values change.
     """
-    return _params_problem(model, x, list(zip([n for n, _ in p.params], p.tensors)), opts, p)
+    names = [n for n, _ in p.params]
+    if bound_values(model) is not None:  # a dict's tensors: this call's (see _functional.py)
+        selected = _checks.check_param_selection(model, names)
+        return _params_problem(model, x, selected, opts,
+                               dataclasses.replace(p, probes=refreshed(p.probes, selected)))
+    return _params_problem(model, x, list(zip(names, p.tensors)), opts, p)
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
@@ -240,10 +253,10 @@ def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
     walks the model's modules once, in the first call only.
     """
     key = (*problem_key(model, x, True, "params", "independent", True), opts.create_graph,
-           tuple((n, id(p)) for n, p in selected))
+           selection_key(model, selected))
     hit = _COVERAGE.get(model, key)
     if hit is not None:
-        return hit[0]
+        return refreshed(hit[0], selected)  # a bound dict's tensors are new in each call
     found: Optional[Coverage] = None
     # the module-local vmap rule re-runs a module: not with random layers (new masks) nor with
     # create_graph (its blocks are not differentiable); without it too if it fails the check

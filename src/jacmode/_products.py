@@ -24,6 +24,7 @@ from ._engines import ntk as _ntk
 from ._engines import products as _engine
 from ._engines.fallback import classify
 from ._engines.layerwise import columns
+from ._functional import accepts_params_dict, per_sample_grads_transformed
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
 from ._planning.memory import DEFAULT_FRACTION, available_bytes
@@ -31,6 +32,7 @@ from ._problem import _has_random_layers
 from ._rules.base import NotCovered
 from ._rules.embedding import forward_gap
 from ._state import preserved_state
+from ._transforms import in_transform
 
 Memory = Optional[Union[int, float, str]]
 
@@ -69,6 +71,7 @@ def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.devic
     return max(1, min(batch, _budget(opts, device) // max(1, 4 * per_sample_bytes)))
 
 
+@accepts_params_dict
 def per_sample_grads(
     f: nn.Module, x: Tensor, loss: Callable[..., Tensor], *, y: Optional[Tensor] = None,
     wrt: Wrt = "params", flatten: bool = True, chunk_size: Optional[int] = None, max_memory: Memory = None,
@@ -95,7 +98,8 @@ def per_sample_grads(
             batch loss, so the rows sum to its gradient (for reduction='mean' that includes
             torch's 1/N; reduction='none' is read as 'sum'; see docs/products.md).
         y: targets, one row per sample, passed to ``loss``.
-        wrt: "params" or a list of parameter names (a subset).
+        wrt: "params", a list of parameter names (a subset), or a dict name -> tensor (the
+            module at those values, as ``functional_call``; see docs/functional.md).
         flatten: False returns a dict name -> (B, *param.shape).
         chunk_size: samples per vectorised pass of the generic engine.
         max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
@@ -119,6 +123,8 @@ def per_sample_grads(
     if _data.is_batches(x):  # a data set: batch by batch, rows in order (docs/datasets.md)
         return _data.per_sample_grads_over(per_sample_grads, f, x, loss, y=y, flatten=flatten, progress=progress,
                                            wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
+    if in_transform():  # vmap over an ensemble's parameters, grad of a meta-objective: torch.func's idiom
+        return per_sample_grads_transformed(f, x, loss, y, wrt, flatten)
     opts, selected = _setup(f, x, wrt, chunk_size, max_memory, flatten)
     _checks.check_loss(loss)
     _checks.check_torch_loss(loss, y, "per_sample_grads")
@@ -200,6 +206,7 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     return opts, selected, n_out, cov, dataclasses.replace(plan, sample_chunk=chunk)
 
 
+@accepts_params_dict
 def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params",
              method: str = "auto", trace: bool = False, chunk_size: Optional[int] = None,
              max_memory: Memory = None) -> _ntk_plan.NtkPlan:
@@ -220,6 +227,7 @@ def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt 
         return _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)[-1]
 
 
+@accepts_params_dict
 def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params", method: str = "auto",
         trace: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
         progress: Optional[bool] = None) -> Tensor:
@@ -282,6 +290,7 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
                                 _engine.result_dtype(params))
 
 
+@accepts_params_dict
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *,
         y: Optional[Tensor] = None, wrt: Wrt = "params", diagonal: bool = False,
         chunk_size: Optional[int] = None, max_memory: Memory = None, progress: Optional[bool] = None) -> Tensor:

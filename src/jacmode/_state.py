@@ -161,7 +161,7 @@ def _module_state(modules: list[nn.Module]) -> Iterator[ModelView]:
     slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
     params = list({id(p): p for _, _, p in slots if p is not None}.values())  # f.parameters(), in order
     flags = tuple(p.requires_grad for p in params)
-    grads = [p.grad for p in params]
+    grads = [p.grad if p.is_leaf else None for p in params]  # non-leaf: a dict's tensor bound in (_functional.py)
     buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
     copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
     versions = [b._version for _, _, b in buffers]
@@ -187,7 +187,7 @@ def _module_state(modules: list[nn.Module]) -> Iterator[ModelView]:
         for p, flag, g in zip(params, flags, grads):
             if p.requires_grad != flag:
                 p.requires_grad_(flag)
-            if p.grad is not g:
+            if p.is_leaf and p.grad is not g:
                 p.grad = g
         with torch.no_grad():
             for (m, name, b), copy, version in zip(buffers, copies, versions):

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from .._cache import WeakCache, problem_key
+from .._functional import refreshed, selection_key
 from .._rules.base import has
 from . import layerwise, probes
 
@@ -38,7 +39,7 @@ def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverag
     """
     if x.shape[0] == 0:
         return None
-    key = (*problem_key(model, x, True, "params", "products", False), tuple((n, id(p)) for n, p in named))
+    key = (*problem_key(model, x, True, "params", "products", False), selection_key(model, named))
     hit = _COVERAGE.get(model, key)
     if hit is None:
         # closed-form rules only: the module-local vmap rule records (args, kwargs), which the
@@ -48,7 +49,7 @@ def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverag
             cov = None
         hit = (cov,)
         _COVERAGE.put(model, key, hit)
-    return hit[0]
+    return refreshed(hit[0], named)  # a bound dict's tensors are new in each call (_functional.py)
 
 
 def _once(rec: probes.Recording) -> bool:
