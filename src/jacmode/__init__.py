@@ -22,6 +22,7 @@ from ._planning.autotune import autotune_cache
 from ._planning.ntk import NtkPlan
 from ._planning.plan import Plan
 from ._products import ggn, ntk, ntk_plan, per_sample_grads
+from ._vector import Linearized, hvp, jvp, linearize, vjp
 from ._sparse import (
     Coloring,
     SparsityPattern,
@@ -38,6 +39,7 @@ __all__ = [
     "Coloring",
     "CoupledBatchError",
     "JacmodeWarning",
+    "Linearized",
     "NtkPlan",
     "OperatorPlan",
     "Plan",
@@ -50,9 +52,12 @@ __all__ = [
     "divergence",
     "ggn",
     "hessian",
+    "hvp",
     "jacobian",
     "jacobians",
+    "jvp",
     "laplacian",
+    "linearize",
     "ntk",
     "ntk_plan",
     "operator",
@@ -64,4 +69,5 @@ __all__ = [
     "sparse_hessian",
     "sparse_jacobian",
     "sparsity",
+    "vjp",
 ]
