@@ -497,17 +497,20 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
             return f(z, **kw)
 
         if batched:
-            def validate(out: Any, n: int) -> Tensor:
-                if not isinstance(out, Tensor) or not out.is_floating_point() or tuple(out.shape) not in ((n,), (n, 1)):
-                    got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            def scalars(shape: Any) -> None:
+                if shape not in ((), (1,)):
                     raise ValueError(f"f: hvp with respect to the inputs needs one scalar per sample, f(x) of shape "
-                                     f"(B,) or (B, 1), got {got}. Reduce the output per sample (e.g. `.sum(1)`), or "
-                                     "pass batched=False for one scalar of the whole batch.")
+                                     f"(B,) or (B, 1), got (B, {', '.join(map(str, shape))}). Reduce the output per "
+                                     "sample (e.g. `.sum(1)`), or pass batched=False for one scalar of the whole batch.")
+
+            def validate(out: Any, n: int) -> Tensor:
+                out = _checks.check_output(out, batched=True, n_in=n)
+                scalars(tuple(out.shape[1:]))
                 return out
 
             with preserved_state(f):
-                probe(one, x, check=structure == "auto" and x.shape[0] > 1, validate=validate, ident=f,
-                      ways_out=HVP_WAYS_OUT)
+                scalars(probe(one, x, check=structure == "auto" and x.shape[0] > 1, validate=validate, ident=f,
+                              ways_out=HVP_WAYS_OUT))
 
         def scalar(ls: list[Tensor]) -> Tensor:
             out = one(ls[0])
