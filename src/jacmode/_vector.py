@@ -390,7 +390,7 @@ def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool
         raise ValueError(f"{'has_aux' if has_aux else 'create_graph'}: per-sample products (per_sample=True) return "
                          "plain (B, P) rows of a model with one tensor output; pass per_sample=False for torch.func's "
                          "whole-batch vjp, which takes it.")
-    engine, _ = _per_sample_engine(f, args, kw, in_dims, sel, chunk_size)
+    engine, _ = _per_sample_engine(sel.model, args, kw, in_dims, sel, chunk_size)
     out = engine.output
 
     def per_sample_fn(u: Any) -> Vector:
@@ -520,7 +520,9 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
             return out.sum()
 
         if in_transform():
-            return torch.func.jvp(torch.func.grad(lambda z: scalar([z])), (x,), (v,))[1]
+            def scalar_x(z: Tensor) -> Tensor:
+                return scalar([z])
+            return torch.func.jvp(torch.func.grad(scalar_x), (x,), (v,))[1]
         route = "forward" if mode == "auto" else mode
         with preserved_state(f):
             return _eng.hvp(scalar, [x], [v], route, create_graph)[0]
@@ -540,7 +542,9 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
             return out.reshape(())
 
         if in_transform():
-            return torch.func.jvp(torch.func.grad(lambda p: scalar_p(tree_flatten(p)[0])), (primals,), (tangents,))[1]
+            def scalar_tree(p: Any) -> Tensor:
+                return scalar_p(tree_flatten(p)[0])
+            return torch.func.jvp(torch.func.grad(scalar_tree), (primals,), (tangents,))[1]
         return tree_unflatten(_eng.hvp(scalar_p, leaves, tans, "reverse" if mode == "auto" else mode, create_graph),
                               spec)
     sel = params_of(f, wrt, tangents)
@@ -651,7 +655,8 @@ class Linearized:
     def __init__(self, rec: _eng.Recorded, in_spec: Optional[TreeSpec], out_spec: TreeSpec,
                  sel: Optional[Params] = None, per_sample: Optional[Callable[[], _eng.PerSampleVjp]] = None) -> None:
         self._rec, self._in, self._outspec, self._sel = rec, in_spec, out_spec, sel
-        self._make_rows, self._rows = per_sample, None
+        self._make_rows = per_sample
+        self._rows: Optional[_eng.PerSampleVjp] = None
         self.out = tree_unflatten(rec.values(), out_spec)
 
     def jvp(self, *tangents: Any) -> Any:
@@ -730,9 +735,7 @@ def linearize(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", kwargs:
         rec = _eng.Recorded(flat, sel.primals(create_graph), create_graph)
     assert flat.spec is not None
     per = True if per_sample is None else _check_flag(per_sample, "per_sample")
-    model = f
-
     def rows() -> _eng.PerSampleVjp:
-        return _per_sample_engine(model, args, kw, in_dims, sel, None)[0]
+        return _per_sample_engine(sel.model, args, kw, in_dims, sel, None)[0]
 
     return Linearized(rec, None, flat.spec, sel, rows if per else None)

@@ -35,7 +35,7 @@ from .._rules.base import NotCovered
 from . import layerio, layerwise, probes
 from . import products as _products
 
-Fn = Callable[[list[Tensor]], list[Tensor]]  # leaves -> output leaves
+Fn = Callable[[list[Tensor]], tuple[list[Tensor], Any]]  # leaves -> (output leaves, extra)
 
 
 def _zeros_for(grads: Sequence[Optional[Tensor]], like: Sequence[Tensor]) -> list[Tensor]:
@@ -55,7 +55,7 @@ def jvp_forward(fn: Fn, primals: Sequence[Tensor], tangents: Sequence[Tensor],
     ctx = torch.enable_grad() if create_graph else torch.no_grad()
     with ctx, fwAD.dual_level():
         duals = [fwAD.make_dual(p, t) for p, t in zip(primals, tangents)]
-        outs, extra = fn(duals)  # type: ignore[misc]
+        outs, extra = fn(list(duals))
         pairs = [fwAD.unpack_dual(o) for o in outs]
         extra = _unpack_tree(extra)
     values = [p.primal for p in pairs]
@@ -72,7 +72,7 @@ def jvp_reverse(fn: Fn, primals: Sequence[Tensor], tangents: Sequence[Tensor],
     """(outputs, J v, extra) as the vjp of the linear map u -> J^T u (no forward mode needed)."""
     with torch.enable_grad():
         leaves = [p if (create_graph and p.requires_grad) else p.detach().requires_grad_(True) for p in primals]
-        outs, extra = fn(leaves)  # type: ignore[misc]
+        outs, extra = fn(leaves)
         diff = [o for o in outs if o.requires_grad]
         us = [torch.zeros_like(o, requires_grad=True) for o in diff]
         g = torch.autograd.grad(diff, leaves, us, create_graph=True, allow_unused=True) if diff else [None] * len(leaves)
@@ -82,7 +82,7 @@ def jvp_reverse(fn: Fn, primals: Sequence[Tensor], tangents: Sequence[Tensor],
     jv_d = iter(_zeros_for(jv, diff))
     full = [next(jv_d) if o.requires_grad else torch.zeros_like(o) for o in outs]
     if not create_graph:
-        outs, full = [o.detach() for o in outs], [t.detach() for t in full]
+        return [o.detach() for o in outs], [t.detach() for t in full], extra
     return list(outs), full, extra
 
 
@@ -105,7 +105,7 @@ class Recorded:
         with torch.enable_grad():
             self.leaves = [p if (create_graph and p.requires_grad) else p.detach().requires_grad_(True)
                            for p in primals]
-            self.outs, self.extra = fn(self.leaves)  # type: ignore[misc]
+            self.outs, self.extra = fn(self.leaves)
         self.diff = [i for i, o in enumerate(self.outs) if isinstance(o, Tensor) and o.requires_grad]
         self._g: Optional[list[Optional[Tensor]]] = None
         self._us: list[Tensor] = []
