@@ -92,10 +92,13 @@ class NoForward(torch.autograd.Function):
 
 
 # ---- jvp ----------------------------------------------------------------------------------------
+ACTS = [nn.Tanh, nn.ReLU, nn.Sigmoid, nn.GELU, nn.Softplus]
+
+
 @settings(max_examples=10, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 7), st.integers(1, 3))
-def test_jvp_inputs_matches_torch_func(b: int, d: int, h: int, y: int) -> None:
-    net = mlp(d, h, y)
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 7), st.integers(1, 3), st.sampled_from(ACTS))
+def test_jvp_inputs_matches_torch_func(b: int, d: int, h: int, y: int, act: type[nn.Module]) -> None:
+    net = mlp(d, h, y, act)
     x, v = torch.randn(b, d, dtype=DT), torch.randn(b, d, dtype=DT)
     out, jv = jm.jvp(net, x, v)
     ref_out, ref = jvp(net, (x,), (v,))
@@ -252,9 +255,9 @@ def test_vjp_params_coupled_samples_refused() -> None:
 
 # ---- hvp ----------------------------------------------------------------------------------------
 @settings(max_examples=8, deadline=None)
-@given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 6))
-def test_hvp_inputs_per_sample(b: int, d: int, h: int) -> None:
-    net = mlp(d, h, 1)
+@given(st.integers(1, 6), st.integers(1, 5), st.integers(1, 6), st.sampled_from([nn.Tanh, nn.Sigmoid, nn.GELU]))
+def test_hvp_inputs_per_sample(b: int, d: int, h: int, act: type[nn.Module]) -> None:
+    net = mlp(d, h, 1, act)
     x, v = torch.randn(b, d, dtype=DT), torch.randn(b, d, dtype=DT)
 
     def f(z: Tensor) -> Tensor:
@@ -429,6 +432,28 @@ def test_ntk_and_ggn_several_arguments() -> None:
     torch.testing.assert_close(fn(u), torch.einsum("by,byp->bp", u, jac))
     _, jv = jm.jvp(model, (x, mask), v, wrt="params")
     torch.testing.assert_close(jv, torch.einsum("byp,p->by", jac, v))
+
+
+class TopLevel(nn.Module):
+    """A parameter held by the model itself (the Bound module shares the model's dictionaries)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.w = nn.Parameter(torch.randn(3, 2, dtype=DT))
+
+    def forward(self, x: Tensor, m: Tensor) -> Tensor:
+        return torch.tanh(x @ self.w) * m
+
+
+def test_several_arguments_top_level_parameter() -> None:
+    model = TopLevel()
+    x, m = torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT)
+    g = jm.per_sample_grads(model, (x, m), lambda o: (o ** 2).sum(1))
+    ref = torch.stack([torch.autograd.grad((model(x[b:b + 1], m[b:b + 1]) ** 2).sum(), model.w)[0].reshape(-1)
+                       for b in range(5)])
+    torch.testing.assert_close(g, ref)
+    assert isinstance(model.w, nn.Parameter) and list(dict(model.named_parameters())) == ["w"]
 
 
 def test_several_arguments_errors() -> None:
