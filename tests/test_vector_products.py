@@ -515,6 +515,10 @@ def test_errors_name_the_argument() -> None:
         jm.ggn(net, x, "mse", v=flat(detached(net)), diagonal=True)
     with pytest.raises(ValueError, match="v: expected a dict name -> tensor or one flat tensor"):
         jm.ggn(net, x, "mse", v=torch.randn(2, dtype=DT))
+    with pytest.raises(ValueError, match="v: ggn.*takes one batch x; for a data set"):
+        jm.ggn(net, iter([x]), "mse", v=flat(detached(net)))
+    with pytest.raises(ValueError, match="y: a Hessian callable gets f"):
+        jm.ggn(net, x, lambda out: torch.diag_embed(out), y=x, v=flat(detached(net)))
 
 
 def test_model_left_as_found_when_a_call_raises() -> None:

@@ -452,6 +452,9 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         if diagonal:
             raise ValueError("diagonal: ggn(..., v=...) returns the product G v; pass one of diagonal=True or v=.")
         _checks.check_torch_loss(loss, y, "ggn")
+        if not several(x) and _data.is_batches(x):
+            raise ValueError("v: ggn(..., v=) takes one batch x; for a data set, sum the products of its batches: "
+                             "`sum(jm.ggn(model, xb, loss, y=yb, v=v) for xb, yb in loader)`.")
         return ggn_vector(f, x, loss, y, v, wrt, kwargs, in_dims)
     if several(x) or kwargs:  # see the note [Several arguments of a model]
         g, idx = bind(f, x, kwargs, in_dims)

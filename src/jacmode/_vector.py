@@ -627,6 +627,8 @@ def ggn_vector(f: nn.Module, x: Any, loss: Any, y: Optional[Tensor], v: Any, wrt
     vs = sel.vector(v, "v")
     args = _as_args(x, "x")
     g, xx = bind(f, x, kw or None, in_dims)
+    _checks.check_input(xx, wrt="params", batched=True)
+    _checks.check_ggn_target(loss, y, xx.shape[0])
     with preserved_state(f), preserved_state(g):
         with torch.no_grad():
             probe(g, xx, check=xx.shape[0] > 1, ways_out=PRODUCT_WAYS_OUT,
