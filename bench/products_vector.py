@@ -95,7 +95,7 @@ def hvp_inputs(repeats: int) -> None:
     }, 3)
     med.update(race({
         "jm.hvp(f, x, v)": lambda: jm.hvp(f, x, v),
-        "jm.hvp(f, x, v, mode='reverse')": lambda: jm.hvp(f, x, v, mode="reverse"),
+        "jm.hvp(f, x, v, mode='forward')": lambda: jm.hvp(f, x, v, mode="forward"),
         "torch.func vmap(jvp(grad))": lambda: per_sample(x, v),
     }, repeats))
     show(f"hvp wrt inputs, tanh MLP D={d}, B={b}, float64 (max |diff| vs Hessian {err:.1e}, vs torch.func {err2:.1e})",

@@ -22,7 +22,6 @@ from ._planning.autotune import autotune_cache
 from ._planning.ntk import NtkPlan
 from ._planning.plan import Plan
 from ._products import ggn, ntk, ntk_plan, per_sample_grads
-from ._vector import Linearized, hvp, jvp, linearize, vjp
 from ._sparse import (
     Coloring,
     SparsityPattern,
@@ -31,6 +30,7 @@ from ._sparse import (
     sparse_jacobian,
     sparsity,
 )
+from ._vector import Linearized, hvp, jvp, linearize, vjp
 
 __version__ = "0.1.0"
 

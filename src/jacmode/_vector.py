@@ -439,12 +439,12 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
     """Hessian-vector product H v without the Hessian.
 
     wrt="inputs": f maps x (B, *in) to one scalar per sample, (B,) or (B, 1); the result's row b
-    is H_b v_b, the Hessian of sample b's output at x_b times v_b, from one forward-over-reverse
+    is H_b v_b, the Hessian of sample b's output at x_b times v_b, from one reverse-over-reverse
     pass over the whole batch (samples must be independent: checked once, cached). With
     ``batched=False``, f(x) is one scalar and the result is its Hessian (over all of x) times v.
 
-    wrt="params": the Hessian of a scalar loss in the parameters times v, forward over reverse or
-    reverse over reverse (``torch.func.jvp(grad(L), ...)``'s numbers to rounding). Either f is a
+    wrt="params": the Hessian of a scalar loss in the parameters times v, reverse over reverse
+    (``torch.func.jvp(grad(L), ...)``'s numbers to rounding). Either f is a
     module, ``primals`` its input(s) and ``loss`` one of torch's loss modules (its reduction) or a
     callable ``loss(out[, y])`` returning per-sample losses (B,) (summed) or a scalar; or f maps
     a parameter pytree to a scalar (``primals`` the parameters, ``tangents`` shaped like them).
@@ -458,7 +458,9 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         loss: the loss (wrt="params" with a module). y: its targets.
         kwargs: keyword arguments of f. batched: wrt="inputs": see above.
         structure: "auto" checks that samples are independent; "independent" skips the check.
-        mode: "auto", "forward" (forward over reverse) or "reverse" (reverse over reverse).
+        mode: "auto" (reverse over reverse, the faster on every size measured here), "forward"
+            (forward over reverse: dual tensors through one reverse pass) or "reverse" (the gradient
+            of g . v).
         create_graph: keep the result differentiable.
 
     Returns:
@@ -523,7 +525,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
             def scalar_x(z: Tensor) -> Tensor:
                 return scalar([z])
             return torch.func.jvp(torch.func.grad(scalar_x), (x,), (v,))[1]
-        route = "forward" if mode == "auto" else mode
+        route = "reverse" if mode == "auto" else mode  # measured 1.5-1.9x faster here (docs/products.md)
         with preserved_state(f):
             return _eng.hvp(scalar, [x], [v], route, create_graph)[0]
     # with respect to parameters

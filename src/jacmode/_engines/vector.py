@@ -13,9 +13,10 @@ function of those lists; the fronts (``_vector.py``) validate and restore the la
   loss u . f(x): the probe engine's rows (``_engines/layerio.py``: one reverse pass of u gives
   each covered layer's cotangents, sample b's weight row is G_b (x) a_b), the others by
   ``vmap(grad)``, as ``per_sample_grads`` does.
-* hvp: forward over reverse (dual tensors through a recorded reverse pass: the tangent of the
-  gradient is H v) or reverse over reverse (the gradient of g . v); for a sum of independent
-  per-sample scalars the gradient's row b depends on x_b alone, so one pass gives every H_b v_b.
+* hvp: reverse over reverse (the gradient of g . v, g the gradient recorded with its graph; the
+  faster route on every size measured) or forward over reverse (dual tensors through a recorded
+  reverse pass: the tangent of the gradient is H v); for a sum of independent per-sample scalars
+  the gradient's row b depends on x_b alone, so one pass gives every H_b v_b.
 * G v = J^T H J v: a jvp (J v, B rows), the output Hessian of each sample's loss applied to its
   row, and one vjp; never J.
 * linearize: one recorded forward and the reverse pass g(u0) = J^T u0 built once with its graph;
