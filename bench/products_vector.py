@@ -63,8 +63,13 @@ def race(methods: dict[str, Callable[[], object]], repeats: int) -> dict[str, fl
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+ROWS: list[str] = []  # the markdown table of --out
+
+
 def show(title: str, med: dict[str, float], base: str, target: str = "") -> None:
     ref = med[base]
+    ROWS.append(f"| **{title}** | | {'target: ' + target if target else ''} |")
+    ROWS.extend(f"| {k} | {t * 1e3:.3f} ms | {t / ref:.2f}x |" for k, t in med.items())
     print(f"\n{title}")
     for k, t in med.items():
         print(f"  {k:<48s} {t * 1e3:9.3f} ms   {t / ref:6.2f}x {base}")
@@ -223,6 +228,7 @@ def linearize_rows(repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=31)
+    parser.add_argument("--out", default=None, help="also write the rows as a markdown table to this file")
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"torch {torch.__version__}, 1 thread, medians of {args.repeats} interleaved runs (CPU time)")
@@ -234,6 +240,11 @@ def main() -> None:
         jvp_vjp_params(args.repeats, b)
     fixed_cost(args.repeats)
     linearize_rows(args.repeats)
+    if args.out:
+        head = (f"torch {torch.__version__}, 1 thread, medians of {args.repeats} interleaved runs (CPU time); "
+                "ratios against the first row of each block.\n\n| method | median | ratio |\n|---|---|---|\n")
+        with open(args.out, "w") as fh:
+            fh.write(head + "\n".join(ROWS) + "\n")
 
 
 if __name__ == "__main__":

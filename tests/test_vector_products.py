@@ -335,6 +335,22 @@ def test_hvp_create_graph_and_inside_grad() -> None:
     torch.testing.assert_close(g, ref)
     inside = grad(lambda t: jm.hvp(f, x, t).sum())(v.detach())
     torch.testing.assert_close(inside, ref)
+    # with respect to the parameters: differentiable in the model's parameters too
+    net = mlp()
+    xs = torch.randn(5, 3, dtype=DT)
+    p = flat(detached(net))
+    hv = jm.hvp(net, xs, p, wrt="params", loss=lambda out: (out ** 3).sum(1), create_graph=True)
+    (g_w,) = torch.autograd.grad(hv.sum(), [net[2].bias])
+    params = detached(net)
+    tangent = {k: t.view(q.shape) for (k, q), t in zip(params.items(), p.split([q.numel() for q in params.values()]))}
+
+    def total(q: dict[str, Tensor]) -> Tensor:
+        return (functional_call(net, q, (xs,)) ** 3).sum()
+
+    def summed(q: dict[str, Tensor]) -> Tensor:
+        return flat(jvp(grad(total), (q,), (tangent,))[1]).sum()
+
+    torch.testing.assert_close(g_w, grad(summed)(params)["2.bias"])
 
 
 # ---- Gauss-Newton-vector product ------------------------------------------------------------------

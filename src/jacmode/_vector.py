@@ -561,7 +561,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         if in_transform():
             hv = torch.func.jvp(torch.func.grad(lambda *p: scalar_m(list(p))), tuple(sel.values), tuple(vs))[1]
         else:
-            hv = _eng.hvp(scalar_m, sel.primals(False), vs, "reverse" if mode == "auto" else mode, create_graph)
+            hv = _eng.hvp(scalar_m, sel.primals(create_graph), vs, "reverse" if mode == "auto" else mode, create_graph)
     return sel.join(list(hv))
 
 
