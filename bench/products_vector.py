@@ -69,7 +69,7 @@ ROWS: list[str] = []  # the markdown table of --out
 def show(title: str, med: dict[str, float], base: str, target: str = "") -> None:
     ref = med[base]
     ROWS.append(f"| **{title}** | | {'target: ' + target if target else ''} |")
-    ROWS.extend(f"| {k} | {t * 1e3:.3f} ms | {t / ref:.2f}x |" for k, t in med.items())
+    ROWS.extend(f"| {k} | {t * 1e3:.3f} ms | {t / ref:.3g}x |" for k, t in med.items())
     print(f"\n{title}")
     for k, t in med.items():
         print(f"  {k:<48s} {t * 1e3:9.3f} ms   {t / ref:6.2f}x {base}")
@@ -103,7 +103,7 @@ def hvp_inputs(repeats: int) -> None:
         "jm.hvp(f, x, v, mode='forward')": lambda: jm.hvp(f, x, v, mode="forward"),
         "torch.func vmap(jvp(grad))": lambda: per_sample(x, v),
     }, repeats))
-    show(f"hvp wrt inputs, tanh MLP D={d}, B={b}, float64 (max |diff| vs Hessian {err:.1e}, vs torch.func {err2:.1e})",
+    show(f"hvp wrt inputs, tanh MLP D={d}, B={b}, float64 (max abs diff vs Hessian {err:.1e}, vs torch.func {err2:.1e})",
          med, "jm.hessian(f, x) + einsum", "jm.hvp <= 0.5x forming the Hessian and contracting")
 
 
@@ -161,7 +161,7 @@ def jvp_vjp_params(repeats: int, b: int) -> None:
         "jm.vjp(net, x, wrt='params')[1](u)": lambda: jm.vjp(net, x, wrt="params")[1](u),
         "torch.func.vjp (summed, reference)": lambda: vjp(fwd, params)[1](u),
     }, repeats)
-    show(f"vjp wrt params per sample (u_b^T J_b, (B, P)), problem 1's MLP, B={b}, whole call (max |diff| {err:.1e})",
+    show(f"vjp wrt params per sample (u_b^T J_b, (B, P)), problem 1's MLP, B={b}, whole call (max abs diff {err:.1e})",
          med, "torch.func vmap(vjp) per sample", "within 1.2x of the hand-written torch.func call")
     _, ours = jm.vjp(net, x, wrt="params")
     med = race({
@@ -220,7 +220,7 @@ def linearize_rows(repeats: int) -> None:
     t1 = time.process_time()
     linearize(net, x)[1](v)
     t2 = time.process_time()
-    show(f"linearize, tanh MLP {d} -> {d}, B={b}, float32: one application (max |diff| {err:.1e}); "
+    show(f"linearize, tanh MLP {d} -> {d}, B={b}, float32: one application (max abs diff {err:.1e}); "
          f"build + first application: jm {1e3 * (t1 - t0):.1f} ms, torch.func {1e3 * (t2 - t1):.1f} ms",
          med, "torch.func.jvp (fresh each time)")
 
