@@ -268,6 +268,7 @@ def test_hvp_inputs_per_sample(b: int, d: int, h: int, act: type[nn.Module]) -> 
     for mode in ("auto", "forward", "reverse"):
         torch.testing.assert_close(jm.hvp(f, x, v, mode=mode), ref, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(jm.hvp(net, x, v), ref, rtol=1e-10, atol=1e-12)  # (B, 1) outputs
+    torch.testing.assert_close(jm.hvp(f, x, v, chunk_size=2), ref, rtol=1e-10, atol=1e-12)
 
 
 def test_hvp_inputs_whole_scalar() -> None:
@@ -495,6 +496,9 @@ def test_errors_name_the_argument() -> None:
         jm.jvp(lambda a, b: a + b, (x, x), (x,))
     with pytest.raises(ValueError, match=r"tangents: expected a dict name -> tensor or one flat tensor of shape \(P,\)"):
         jm.jvp(net, x, torch.randn(3, dtype=DT), wrt="params")
+    bad = {k: torch.randn(1, dtype=DT) if k == "0.bias" else p for k, p in detached(net).items()}
+    with pytest.raises(ValueError, match=r"tangents: entry '0.bias' must be a tensor of shape \(8,\)"):
+        jm.jvp(net, x, bad, wrt="params")
     with pytest.raises(ValueError, match="wrt: 'nope' is not a parameter"):
         jm.jvp(net, x, {"nope": torch.randn(3)}, wrt="params")
     with pytest.raises(ValueError, match="wrt: expected 'inputs', 'params'"):
@@ -513,6 +517,8 @@ def test_errors_name_the_argument() -> None:
         jm.hvp(net, x, x)
     with pytest.raises(ValueError, match="f: with batched=False, hvp needs f"):
         jm.hvp(net, x, x, batched=False)
+    with pytest.raises(ValueError, match="chunk_size: expected a positive int"):
+        jm.hvp(lambda z: z.sum(1), x, x, chunk_size=0)
     with pytest.raises(ValueError, match="mode: expected one of"):
         jm.hvp(lambda z: z.sum(1), x, x, mode="sideways")
     with pytest.raises(ValueError, match="loss: applies to wrt='params'"):
