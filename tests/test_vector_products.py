@@ -565,3 +565,24 @@ def test_copy_of_model_unchanged_numbers() -> None:
     jm.ggn(net, x, "cross_entropy", v=flat(detached(net)))
     for a, b in zip(net.parameters(), before.parameters()):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["conv", "embedding", "layernorm"])
+def test_vjp_params_per_sample_other_layers(kind: str) -> None:
+    torch.manual_seed(4)
+    if kind == "conv":
+        net = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 4 * 4, 2)).to(DT)
+        x = torch.randn(4, 2, 6, 6, dtype=DT)
+    elif kind == "embedding":
+        net = nn.Sequential(nn.Embedding(7, 3), nn.Flatten(), nn.Linear(9, 2)).to(DT)
+        x = torch.randint(0, 7, (4, 3))
+    else:
+        net = nn.Sequential(nn.Linear(3, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 2)).to(DT)
+        x = torch.randn(4, 3, dtype=DT)
+    u = torch.randn(4, 2, dtype=DT)
+    jac = jm.jacobian(net, x, wrt="params")
+    _, fn = jm.vjp(net, x, wrt="params")
+    torch.testing.assert_close(fn(u), torch.einsum("by,byp->bp", u, jac))
+    lin = jm.linearize(net, x, wrt="params")
+    v = torch.randn(jac.shape[-1], dtype=DT)
+    torch.testing.assert_close(lin(v), torch.einsum("byp,p->by", jac, v))
