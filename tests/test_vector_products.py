@@ -245,6 +245,40 @@ def test_vjp_params_uncovered_parameter() -> None:
     torch.testing.assert_close(fn(u), torch.einsum("by,byp->bp", u, param_jacobian(net, x)))
 
 
+def test_vjp_params_functional_and_two_live_calls_of_one_form() -> None:
+    net = mlp()
+    x, u = torch.randn(5, 3, dtype=DT), torch.randn(5, 2, dtype=DT)
+    other = {k: p + 0.2 for k, p in detached(net).items()}
+    out, fn = jm.vjp(net, x, wrt=other)
+    ref_out, ref_fn = vjp(lambda p: functional_call(net, p, (x,)), other)
+    torch.testing.assert_close(out, ref_out)
+    rows = fn(u)
+    assert rows["0.weight"].shape == (5, 8, 3)
+    summed = ref_fn(u)[0]
+    for k in other:
+        torch.testing.assert_close(rows[k].sum(0), summed[k])
+    # two per-sample vjps of the same call form (model(x, mask)) alive at once, generic engine included
+    model = Scaled().to(DT)
+    x1, x2 = torch.randn(4, 3, dtype=DT), torch.randn(4, 3, dtype=DT)
+    m1, m2 = torch.rand(4, 2, dtype=DT), torch.rand(4, 2, dtype=DT)
+
+    class WithMask(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = model
+
+        def forward(self, z: Tensor, m: Tensor) -> Tensor:
+            return self.inner(z) * m
+
+    wm = WithMask()
+    _, fn1 = jm.vjp(wm, x1, m1, wrt="params")
+    _, fn2 = jm.vjp(wm, x2, m2, wrt="params")
+    u4 = torch.randn(4, 2, dtype=DT)
+    torch.testing.assert_close(fn1(u4), torch.einsum("by,byp->bp", u4, param_jacobian(wm, x1, m1)))
+    torch.testing.assert_close(fn2(u4), torch.einsum("by,byp->bp", u4, param_jacobian(wm, x2, m2)))
+    torch.testing.assert_close(fn1(u4), torch.einsum("by,byp->bp", u4, param_jacobian(wm, x1, m1)))
+
+
 def test_vjp_params_coupled_samples_refused() -> None:
     net = Centered().to(DT)
     with pytest.raises(jm.CoupledBatchError, match="per_sample=False"):

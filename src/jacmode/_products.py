@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from typing import Any, Callable, Optional, Union, cast
 
 import torch
@@ -60,9 +61,22 @@ class Bound(nn.Module):
         for slot in ("_parameters", "_buffers", "_modules"):
             self.__dict__[slot] = model.__dict__[slot]
         self.training = model.training
-        self.__dict__["_jm_model"] = model  # not a submodule: names stay the model's
+        # not a submodule (names stay the model's), and weak: the cache of Bounds is keyed by the model
+        self.__dict__["_jm_model"] = weakref.ref(model)
+        self.use(call)
+
+    def use(self, call: _args.Call) -> None:
+        """Serve the call ``call`` (same structure as the one this Bound was made for)."""
         self.__dict__["_jm_call"] = call
         self.__dict__["_jm_rows"] = [d.index for d in call.diff] + [j for j, r in call.riders.items() if r.batched]
+
+    def release(self) -> None:
+        """Drop the call's tensors (the Bound outlives the call in the cache); :meth:`use` serves again."""
+        self.__dict__["_jm_call"] = None
+
+    def serves(self, model: nn.Module) -> bool:
+        """Whether this Bound still shares ``model``'s dictionaries (a model may replace them)."""
+        return all(self.__dict__[s] is model.__dict__[s] for s in ("_parameters", "_buffers", "_modules"))
 
     def forward(self, idx: Tensor) -> Any:  # noqa: D102
         call: _args.Call = self.__dict__["_jm_call"]
@@ -70,7 +84,14 @@ class Bound(nn.Module):
         for j in self.__dict__["_jm_rows"]:
             leaves[j] = leaves[j][idx]
         pos, kw = tree_unflatten(leaves, call.args_spec)
-        return self.__dict__["_jm_model"](*pos, **kw)
+        model = self.__dict__["_jm_model"]()
+        assert model is not None  # the caller holds it
+        return model(*pos, **kw)
+
+
+# model -> {call signature: Bound}: one Bound per call form, so the caches keyed by the module
+# (coupling verdict, probe coverage and its completeness check) hit on the next call
+_BOUNDS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, Bound]]" = weakref.WeakKeyDictionary()
 
 
 def several(x: Any) -> bool:
@@ -91,7 +112,24 @@ def bind(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any, name: s
     args = x if isinstance(x, tuple) else (x,)
     call = _args.describe_call(f, args, kwargs, argnums=0, in_dims=in_dims, floating=False)
     dev = call.leaves[call.diff[0].index].device
-    return Bound(f, call), torch.arange(call.batch, device=dev)
+    forms = _BOUNDS.setdefault(f, {})
+    key = call.signature()
+    g = forms.get(key)
+    if g is None or not g.serves(f):
+        if len(forms) >= 8:
+            forms.clear()
+        g = forms[key] = Bound(f, call)
+    else:
+        g.use(call)
+        if g.training != f.training:
+            g.training = f.training
+    return g, torch.arange(call.batch, device=dev)
+
+
+def release(g: Any) -> None:
+    """Let a cached :class:`Bound` drop the tensors of the call it served (anything else: nothing)."""
+    if isinstance(g, Bound):
+        g.release()
 
 
 def bind_pair(f: Any, x1: Any, x2: Any, kwargs: Optional[dict[str, Any]],
@@ -215,9 +253,12 @@ def per_sample_grads(
     """
     if several(x) or kwargs:  # model(*x, **kwargs): see the note [Several arguments of a model]
         g, idx = bind(f, x, kwargs, in_dims)
-        with preserved_state(f):
-            return per_sample_grads(g, idx, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
-                                    max_memory=max_memory)
+        try:
+            with preserved_state(f):
+                return per_sample_grads(g, idx, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
+                                        max_memory=max_memory)
+        finally:
+            release(g)
     if _data.is_batches(x):  # a data set: batch by batch, rows in order (docs/datasets.md)
         return _data.per_sample_grads_over(per_sample_grads, f, x, loss, y=y, flatten=flatten, progress=progress,
                                            wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
@@ -322,8 +363,11 @@ def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt 
     model = f
     if several(x1) or several(x2) or kwargs:
         f, x1, x2 = bind_pair(f, x1, x2, kwargs, in_dims)
-    with preserved_state(model), preserved_state(f), torch.no_grad():
-        return _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)[-1]
+    try:
+        with preserved_state(model), preserved_state(f), torch.no_grad():
+            return _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)[-1]
+    finally:
+        release(f)
 
 
 def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params", method: str = "auto",
@@ -367,8 +411,12 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
     """
     if several(x1) or several(x2) or kwargs:  # see the note [Several arguments of a model]
         g, i1, i2 = bind_pair(f, x1, x2, kwargs, in_dims)
-        with preserved_state(f):
-            return ntk(g, i1, i2, wrt=wrt, method=method, trace=trace, chunk_size=chunk_size, max_memory=max_memory)
+        try:
+            with preserved_state(f):
+                return ntk(g, i1, i2, wrt=wrt, method=method, trace=trace, chunk_size=chunk_size,
+                           max_memory=max_memory)
+        finally:
+            release(g)
     if _data.is_batches(x1, "x1") or _data.is_batches(x2, "x2"):  # data sets: Gram blocks (docs/datasets.md)
         return _data.ntk_over(ntk, f, x1, x2, method=method, trace=trace, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
@@ -458,8 +506,12 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         return ggn_vector(f, x, loss, y, v, wrt, kwargs, in_dims)
     if several(x) or kwargs:  # see the note [Several arguments of a model]
         g, idx = bind(f, x, kwargs, in_dims)
-        with preserved_state(f):
-            return ggn(g, idx, loss, y=y, wrt=wrt, diagonal=diagonal, chunk_size=chunk_size, max_memory=max_memory)
+        try:
+            with preserved_state(f):
+                return ggn(g, idx, loss, y=y, wrt=wrt, diagonal=diagonal, chunk_size=chunk_size,
+                           max_memory=max_memory)
+        finally:
+            release(g)
     if _data.is_batches(x):  # a data set: summed batch by batch (docs/datasets.md)
         return _data.ggn_over(ggn, f, x, loss, y=y, diagonal=diagonal, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)

@@ -419,20 +419,26 @@ def _split_rows(sel: Params, rows: Tensor) -> Vector:
 
 def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], in_dims: Any, sel: Params,
                        chunk_size: Optional[int]) -> tuple[_eng.PerSampleVjp, Any]:
-    from ._products import bind
+    from ._products import bind, release
 
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
         raise ValueError(f"chunk_size: expected a positive int or None, got {_fmt(chunk_size)}.")
     g, x = bind(f, args if len(args) > 1 else args[0], kw or None, in_dims)
     _checks.check_input(x, wrt="params", batched=True)
+    # a cached Bound serves the next call of the same form too: the engine points it back at its
+    # own call before every pass that runs the model again
+    call = getattr(g, "_jm_call", None)
+    rebind = (lambda: g.use(call)) if call is not None else None
     with preserved_state(f), preserved_state(g), torch.no_grad():
         probe(g, x, check=x.shape[0] > 1, ways_out=VJP_WAYS_OUT,
               validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
         named = list(zip(sel.names, sel.values))
         chunk = chunk_size or max(1, min(x.shape[0], 256))
-        engine = _eng.PerSampleVjp(g, x, named, chunk, _has_random_layers(g) or sel.functional)
-        if sel.functional:
-            engine.rec, engine.cov, engine.rest = None, None, named
+        try:
+            engine = _eng.PerSampleVjp(g, x, named, chunk, _has_random_layers(g) or sel.functional,
+                                       probes_ok=not sel.functional, rebind=rebind)
+        finally:
+            release(g)
     return engine, x
 
 
@@ -636,14 +642,23 @@ def output_hessian_times(loss: Any, out: Tensor, u: Tensor, y: Optional[Tensor])
 def ggn_vector(f: nn.Module, x: Any, loss: Any, y: Optional[Tensor], v: Any, wrt: Any,
                kwargs: Optional[dict[str, Any]], in_dims: Any) -> Vector:
     """G v = sum_b J_b^T H_b J_b v: one jvp, the loss Hessians, one vjp (see :func:`jacmode.ggn`)."""
-    from ._coupling import PRODUCT_WAYS_OUT
-    from ._products import bind
+    from ._products import bind, release
 
     kw = _kwargs(kwargs)
     sel = params_of(f, wrt, v)
     vs = sel.vector(v, "v")
     args = _as_args(x, "x")
     g, xx = bind(f, x, kw or None, in_dims)
+    try:
+        return _ggn_vector(f, g, xx, loss, y, sel, vs, args, kw)
+    finally:
+        release(g)
+
+
+def _ggn_vector(f: nn.Module, g: Any, xx: Tensor, loss: Any, y: Optional[Tensor], sel: Params, vs: list[Tensor],
+                args: tuple[Any, ...], kw: dict[str, Any]) -> Vector:
+    from ._coupling import PRODUCT_WAYS_OUT
+
     _checks.check_input(xx, wrt="params", batched=True)
     _checks.check_ggn_target(loss, y, xx.shape[0])
     with preserved_state(f), preserved_state(g):

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
+from torch.func import functional_call
 
 from .._rules.base import NotCovered
 from . import layerio, layerwise, probes
@@ -177,12 +178,12 @@ class PerSampleVjp:
     """
 
     def __init__(self, model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], chunk: int,
-                 random_layers: bool) -> None:
-        self.model, self.x, self.named, self.chunk = model, x, list(named), chunk
+                 random_layers: bool, probes_ok: bool = True, rebind: Optional[Callable[[], None]] = None) -> None:
+        self.model, self.x, self.named, self.chunk, self.rebind = model, x, list(named), chunk, rebind
         self.cols = layerwise.columns(self.named)
         self.n_params = sum(p.numel() for _, p in self.named)
         self.dtype = _products.result_dtype([p for _, p in self.named])
-        cov = layerio.usable(model, x, self.named)
+        cov = layerio.usable(model, x, self.named) if probes_ok else None  # probes read the module's own tensors
         if cov is not None and cov.uncovered and random_layers:
             cov = None  # two passes would draw two dropout masks
         self.cov = cov
@@ -195,9 +196,9 @@ class PerSampleVjp:
         self.rest = self.named if self.cov is None else [(n, p) for n, p in self.named if n not in self.cov.covered]
         if self.rec is not None:
             self.output = self.rec.output.detach()
-        else:
+        else:  # at the parameters given (functional ones are not the module's own)
             with torch.no_grad():
-                self.output = model(x)
+                self.output = functional_call(model, {n: p.detach() for n, p in self.named}, (x,))
 
     def __call__(self, u: Tensor) -> Tensor:
         batch = u.shape[0]
@@ -210,6 +211,9 @@ class PerSampleVjp:
             except NotCovered:
                 self.rec, self.cov, self.rest = None, None, self.named
         if self.rest:
+            if self.rebind is not None:
+                self.rebind()
+
             def linear(out: Tensor, ub: Tensor) -> Tensor:
                 return (out * ub).reshape(out.shape[0], -1).sum(1)
 
