@@ -200,6 +200,45 @@ def fixed_cost(repeats: int) -> None:
          "torch.func.jvp(functional_call)")
 
 
+class Masked(nn.Module):
+    """Problem 1's class with a per-sample mask on the hidden layer: model(x, mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(784, 20), nn.Linear(20, 10)
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.fc2(torch.relu(self.fc1(x)) * mask)
+
+
+class Concatenated(nn.Module):
+    """The work-around of old: one input z = [x, mask], split in forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, z: Tensor) -> Tensor:
+        return self.model(z[:, :784], z[:, 784:])
+
+
+def several_arguments(repeats: int, b: int) -> None:
+    torch.manual_seed(0)
+    model = Masked()
+    x, mask, y = torch.randn(b, 784), (torch.rand(b, 20) > 0.2).float(), torch.randn(b, 10)
+    z, wrapped = torch.cat([x, mask], 1), Concatenated(model)
+
+    def loss(out: Tensor, t: Tensor) -> Tensor:
+        return ((out - t) ** 2).sum(1)
+
+    med = race({
+        "per_sample_grads(Concatenated, z)": lambda: jm.per_sample_grads(wrapped, z, loss, y=y),
+        "per_sample_grads(model, (x, mask))": lambda: jm.per_sample_grads(model, (x, mask), loss, y=y),
+    }, repeats)
+    show(f"several arguments: per_sample_grads of model(x, mask), B={b}, against one concatenated input", med,
+         "per_sample_grads(Concatenated, z)")
+
+
 def linearize_rows(repeats: int) -> None:
     torch.manual_seed(0)
     d, b = 100, 1024
@@ -240,6 +279,8 @@ def main() -> None:
         jvp_vjp_params(args.repeats, b)
     fixed_cost(args.repeats)
     linearize_rows(args.repeats)
+    for b in (32, 512):
+        several_arguments(args.repeats, b)
     if args.out:
         head = (f"torch {torch.__version__}, 1 thread, medians of {args.repeats} interleaved runs (CPU time); "
                 "ratios against the first row of each block.\n\n| method | median | ratio |\n|---|---|---|\n")
