@@ -425,30 +425,37 @@ class WithMask(nn.Module):
 TUPLE = r"got a (tuple|list) of 2 entries holding tensors, which jacmode reads neither as one input nor as a data set"
 
 
-def test_a_tuple_of_tensors_is_refused_everywhere_with_the_fix() -> None:
+def test_a_list_of_tensors_is_refused_and_a_tuple_is_the_models_arguments() -> None:
     model = _seeded(Masked())
     x = torch.randn(5, 3, dtype=torch.float64)
     mask = (torch.rand(3) > 0.3).to(torch.float64)
     mse = lambda out: (out ** 2).sum(1)  # noqa: E731
     with pytest.raises(TypeError, match="x: " + TUPLE + r".*lambda x: model\(x, mask\).*iter\(\[x1, x2\]\)"):
-        jm.per_sample_grads(model, (x, mask), mse)
+        jm.per_sample_grads(model, [x, mask], mse)
     with pytest.raises(TypeError, match="x1: " + TUPLE):
-        jm.ntk(model, (x, mask))
+        jm.ntk(model, [x, mask])
     with pytest.raises(TypeError, match="x2: " + TUPLE):
         jm.ntk(model, x, [x, mask])
     with pytest.raises(TypeError, match="x: " + TUPLE):
-        jm.ggn(model, (x, mask))
+        jm.ggn(model, [x, mask])
     with pytest.raises(TypeError, match="batches: " + TUPLE):
         jm.jacobians(model, (x, mask))
-    with pytest.raises(TypeError, match="x1: " + TUPLE):
-        jm.ntk_plan(model, (x, mask))
     with pytest.raises(TypeError, match="x2: " + TUPLE):
-        jm.ntk_plan(model, x, (x, mask))
-    fixed = WithMask(model, mask)  # the fix: the same numbers as the users' loop, B rows not 2B
+        jm.ntk_plan(model, x, [x, mask])
+    # a tuple is model(x, mask): the mask (3,) has no sample dimension, so in_dims must say broadcast
+    with pytest.raises(ValueError, match=r"in_dims: argument 1 is batched along dim 0.*in_dims=\(0, None\)"):
+        jm.per_sample_grads(model, (x, mask), mse)
+    fixed = WithMask(model, mask)  # the wrapper of old: the same numbers as the users' loop, B rows not 2B
     before = snapshot(model)
-    torch.testing.assert_close(jm.per_sample_grads(fixed, x, mse), ref_grads(fixed, x, lambda o, b: (o ** 2).sum()), **CLOSE)
+    ref = ref_grads(fixed, x, lambda o, b: (o ** 2).sum())
+    torch.testing.assert_close(jm.per_sample_grads(fixed, x, mse), ref, **CLOSE)
+    torch.testing.assert_close(jm.per_sample_grads(model, (x, mask), mse, in_dims=(0, None)), ref, **CLOSE)
     J = ref_jacobian(fixed, x)
     torch.testing.assert_close(jm.ntk(fixed, x), torch.einsum("byp,czp->bcyz", J, J), **CLOSE)
+    torch.testing.assert_close(jm.ntk(model, (x, mask), in_dims=(0, None)), torch.einsum("byp,czp->bcyz", J, J),
+                               **CLOSE)
+    torch.testing.assert_close(jm.ggn(model, (x, mask), in_dims=(0, None)), torch.einsum("byp,byq->pq", J, J), **CLOSE)
+    assert jm.ntk_plan(model, (x, mask), in_dims=(0, None)).method
     assert_unchanged(model, before)
 
 

@@ -30,6 +30,7 @@ from ._sparse import (
     sparse_jacobian,
     sparsity,
 )
+from ._vector import Linearized, hvp, jvp, linearize, vjp
 
 __version__ = "0.1.0"
 
@@ -38,6 +39,7 @@ __all__ = [
     "Coloring",
     "CoupledBatchError",
     "JacmodeWarning",
+    "Linearized",
     "NtkPlan",
     "OperatorPlan",
     "Plan",
@@ -50,9 +52,12 @@ __all__ = [
     "divergence",
     "ggn",
     "hessian",
+    "hvp",
     "jacobian",
     "jacobians",
+    "jvp",
     "laplacian",
+    "linearize",
     "ntk",
     "ntk_plan",
     "operator",
@@ -64,4 +69,5 @@ __all__ = [
     "sparse_hessian",
     "sparse_jacobian",
     "sparsity",
+    "vjp",
 ]

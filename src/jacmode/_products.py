@@ -4,6 +4,18 @@ Each validates, checks that samples are independent (``_coupling``), keeps the m
 (``_state``), then runs a per-layer engine where the selected parameters live in covered layers
 (``_engines/layerio.py``) or the generic one otherwise (see ``_engines/products.py`` and
 ``_engines/ntk.py``).
+
+NOTE: [Several arguments of a model]
+``x`` may be a tuple of the model's positional arguments (``model(x, mask)``), with ``kwargs=``
+passed through and ``in_dims=`` saying which tensors are batched with the samples (0, vmap's
+default) or broadcast (None), as ``_args.describe_call`` reads them. The products then run on
+:class:`Bound`, a module over the same submodules and parameters (same names, same objects) whose
+only input is the row index of each sample: ``Bound(idx)`` calls ``model(*args, **kwargs)`` with
+every batched tensor indexed by ``idx``. Every engine already takes integer inputs (token ids), so
+riders follow the samples everywhere without the engines knowing: through the coupling probe
+(which changes a sample's index to another sample's, i.e. its inputs to another sample's), the
+per-sample ``vmap(grad)`` (an index under vmap gathers that sample's rows), chunks of samples and
+the probes (their hooks read the per-layer inputs of the whole-batch forward).
 """
 
 from __future__ import annotations
@@ -11,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import weakref
 from typing import Any, Callable, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _checks, _data, _losses
+from . import _args, _checks, _data, _losses
 from ._checks import Options, Wrt
 from ._coupling import PRODUCT_WAYS_OUT, probe
 from ._engines import layerio, probes
@@ -35,6 +49,123 @@ from ._state import preserved_state
 from ._transforms import in_transform
 
 Memory = Optional[Union[int, float, str]]
+
+
+class Bound(nn.Module):
+    """``model(*args, **kwargs)`` as a module of one input, the row indices (b,) of the samples.
+
+    Shares the model's parameters, buffers and submodules (the same dictionaries: same names, same
+    objects, functional_call swaps reach the model); see the note [Several arguments of a model].
+    """
+
+    def __init__(self, model: nn.Module, call: _args.Call) -> None:
+        super().__init__()
+        for slot in ("_parameters", "_buffers", "_modules"):
+            self.__dict__[slot] = model.__dict__[slot]
+        self.training = model.training
+        # not a submodule (names stay the model's), and weak: the cache of Bounds is keyed by the model
+        self.__dict__["_jm_model"] = weakref.ref(model)
+        self.use(call)
+
+    def use(self, call: _args.Call) -> None:
+        """Serve the call ``call`` (same structure as the one this Bound was made for)."""
+        self.__dict__["_jm_call"] = call
+        self.__dict__["_jm_rows"] = [d.index for d in call.diff] + [j for j, r in call.riders.items() if r.batched]
+
+    def release(self) -> None:
+        """Drop the call's tensors (the Bound outlives the call in the cache); :meth:`use` serves again."""
+        self.__dict__["_jm_call"] = None
+
+    def serves(self, model: nn.Module) -> bool:
+        """Whether this Bound still shares ``model``'s dictionaries (a model may replace them)."""
+        return all(self.__dict__[s] is model.__dict__[s] for s in ("_parameters", "_buffers", "_modules"))
+
+    def forward(self, idx: Tensor) -> Any:  # noqa: D102
+        call: _args.Call = self.__dict__["_jm_call"]
+        leaves = list(call.leaves)
+        for j in self.__dict__["_jm_rows"]:
+            leaves[j] = leaves[j][idx]
+        pos, kw = tree_unflatten(leaves, call.args_spec)
+        model = self.__dict__["_jm_model"]()
+        assert model is not None  # the caller holds it
+        return model(*pos, **kw)
+
+
+# model -> {call signature: Bound}: one Bound per call form, so the caches keyed by the module
+# (coupling verdict, probe coverage and its completeness check) hit on the next call
+_BOUNDS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, Bound]]" = weakref.WeakKeyDictionary()
+
+
+def several(x: Any) -> bool:
+    """Whether ``x`` is a tuple of a model's positional arguments (not one tensor, not a data set)."""
+    return isinstance(x, tuple) and any(isinstance(t, Tensor) for t in tree_flatten(x)[0])
+
+
+def bind(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any, name: str = "x") -> tuple[Any, Any]:
+    """(module, input) for the engines: ``(f, x)`` for one tensor, else ``(Bound, row indices)``."""
+    if not several(x) and not kwargs:
+        return f, x
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"kwargs: expected a dict of keyword arguments for the model, got {type(kwargs).__name__}.")
+    if not isinstance(f, nn.Module):
+        raise TypeError(
+            f"f: several arguments ({name} a tuple, or kwargs) need an nn.Module whose parameters are "
+            f"differentiated, got {type(f).__name__}.")
+    args = x if isinstance(x, tuple) else (x,)
+    call = _args.describe_call(f, args, kwargs, argnums=0, in_dims=in_dims, floating=False)
+    dev = call.leaves[call.diff[0].index].device
+    forms = _BOUNDS.setdefault(f, {})
+    key = call.signature()
+    g = forms.get(key)
+    if g is None or not g.serves(f):
+        if len(forms) >= 8:
+            forms.clear()
+        g = forms[key] = Bound(f, call)
+    else:
+        g.use(call)
+        if g.training != f.training:
+            g.training = f.training
+    return g, torch.arange(call.batch, device=dev)
+
+
+def release(g: Any) -> None:
+    """Let a cached :class:`Bound` drop the tensors of the call it served (anything else: nothing)."""
+    if isinstance(g, Bound):
+        g.release()
+
+
+def bind_pair(f: Any, x1: Any, x2: Any, kwargs: Optional[dict[str, Any]],
+              in_dims: Any) -> tuple[Any, Any, Any]:
+    """:func:`bind` of two batches of the same call form: one Bound over their rows, two index sets."""
+    if x2 is None or (not several(x1) and not several(x2) and not kwargs):
+        g, i1 = bind(f, x1, kwargs, in_dims, "x1")
+        return g, i1, None
+    if several(x1) != several(x2):
+        raise TypeError("x2: give x1 and x2 in the same form (both a tensor, or both a tuple of the model's arguments).")
+    a1, s1 = tree_flatten(x1 if isinstance(x1, tuple) else (x1,))
+    a2, s2 = tree_flatten(x2 if isinstance(x2, tuple) else (x2,))
+    if s1 != s2:
+        raise ValueError(f"x2: expected the structure of x1 ({s1}), got {s2}.")
+    g1, i1 = bind(f, x1, kwargs, in_dims, "x1")
+    assert isinstance(g1, Bound)
+    call = g1.__dict__["_jm_call"]
+    b1 = call.batch
+    rows = set(g1.__dict__["_jm_rows"])
+    merged = []
+    for j, (t1, t2) in enumerate(zip(a1, a2)):
+        if j in rows:
+            if not isinstance(t2, Tensor) or t2.shape[1:] != t1.shape[1:]:
+                raise ValueError(f"x2: argument leaf {j} must be a tensor of per-sample shape {tuple(t1.shape[1:])}.")
+            merged.append(torch.cat([t1, t2]))
+        else:
+            same = t1 is t2 or (isinstance(t1, Tensor) and isinstance(t2, Tensor) and t1.shape == t2.shape
+                                and bool(torch.equal(t1, t2))) or (not isinstance(t1, Tensor) and t1 == t2)
+            if not same:
+                raise ValueError(f"x2: broadcast argument leaf {j} (in_dims=None) must be the same in x1 and x2.")
+            merged.append(t1)
+    both = tree_unflatten(merged, s1)
+    g, idx = bind(f, both, kwargs, in_dims, "x1")
+    return g, idx[:b1], idx[b1:]
 
 
 PRODUCT_WHY = "its engines record layer inputs with forward hooks and build the product outside autograd"
@@ -75,7 +206,7 @@ def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.devic
 def per_sample_grads(
     f: nn.Module, x: Tensor, loss: Callable[..., Tensor], *, y: Optional[Tensor] = None,
     wrt: Wrt = "params", flatten: bool = True, chunk_size: Optional[int] = None, max_memory: Memory = None,
-    progress: Optional[bool] = None,
+    progress: Optional[bool] = None, kwargs: Optional[dict[str, Any]] = None, in_dims: Any = 0,
 ) -> Union[Tensor, dict[str, Tensor]]:
     """Gradient of each sample's loss with respect to the parameters, without the (B, Y, P) Jacobian.
 
@@ -104,6 +235,10 @@ def per_sample_grads(
         chunk_size: samples per vectorised pass of the generic engine.
         max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
         progress: for a data set, None shows a progress bar on a terminal, True always, False never.
+        kwargs: keyword arguments of the model, passed through (not differentiated).
+        in_dims: with x a tuple of the model's positional arguments (``model(x, mask)``), how each
+            tensor is treated: 0 batched with the samples (default), None broadcast; for all, per
+            argument (a tuple) or by name (a dict), as ``torch.func.vmap``'s ``in_dims``.
 
     Returns:
         (B, P), the parameters flattened and concatenated in ``named_parameters()`` order, in
@@ -120,6 +255,14 @@ def per_sample_grads(
         >>> torch.allclose(g.sum(0), torch.cat([t.reshape(-1) for t in total]), atol=1e-5)
         True
     """
+    if several(x) or kwargs:  # model(*x, **kwargs): see the note [Several arguments of a model]
+        g, idx = bind(f, x, kwargs, in_dims)
+        try:
+            with preserved_state(f):
+                return per_sample_grads(g, idx, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
+                                        max_memory=max_memory)
+        finally:
+            release(g)
     if _data.is_batches(x):  # a data set: batch by batch, rows in order (docs/datasets.md)
         return _data.per_sample_grads_over(per_sample_grads, f, x, loss, y=y, flatten=flatten, progress=progress,
                                            wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
@@ -209,7 +352,8 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
 @accepts_params_dict
 def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params",
              method: str = "auto", trace: bool = False, chunk_size: Optional[int] = None,
-             max_memory: Memory = None) -> _ntk_plan.NtkPlan:
+             max_memory: Memory = None, kwargs: Optional[dict[str, Any]] = None,
+             in_dims: Any = 0) -> _ntk_plan.NtkPlan:
     """Say which method :func:`ntk` would use for these arguments, and why, without running it.
 
     Returns:
@@ -223,14 +367,20 @@ def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt 
         >>> p.method, sorted(p.costs)
         ('structured', ['contraction', 'products', 'structured'])
     """
-    with preserved_state(f), torch.no_grad():
-        return _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)[-1]
+    model = f
+    if several(x1) or several(x2) or kwargs:
+        f, x1, x2 = bind_pair(f, x1, x2, kwargs, in_dims)
+    try:
+        with preserved_state(model), preserved_state(f), torch.no_grad():
+            return _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)[-1]
+    finally:
+        release(f)
 
 
 @accepts_params_dict
 def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params", method: str = "auto",
         trace: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
-        progress: Optional[bool] = None) -> Tensor:
+        progress: Optional[bool] = None, kwargs: Optional[dict[str, Any]] = None, in_dims: Any = 0) -> Tensor:
     """The empirical neural tangent kernel K[b1, b2] = J(x1)_b1 J(x2)_b2^T over the parameters.
 
     Args:
@@ -247,6 +397,9 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         chunk_size: samples per Jacobian block (contraction, products).
         max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
         progress: for data sets, None shows a progress bar on a terminal, True always, False never.
+        kwargs: keyword arguments of the model, passed through (broadcast: the same for x1 and x2).
+        in_dims: with x1 and x2 tuples of the model's positional arguments, 0 (batched) or None
+            (broadcast, the same tensor in both) per argument, as in :func:`per_sample_grads`.
 
     Returns:
         (B1, B2, Y, Y), or (B1, B2) with ``trace=True``.
@@ -264,6 +417,14 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         >>> jm.ntk(net, x1, x2, trace=True, method="products").shape
         torch.Size([4, 6])
     """
+    if several(x1) or several(x2) or kwargs:  # see the note [Several arguments of a model]
+        g, i1, i2 = bind_pair(f, x1, x2, kwargs, in_dims)
+        try:
+            with preserved_state(f):
+                return ntk(g, i1, i2, wrt=wrt, method=method, trace=trace, chunk_size=chunk_size,
+                           max_memory=max_memory)
+        finally:
+            release(g)
     if _data.is_batches(x1, "x1") or _data.is_batches(x2, "x2"):  # data sets: Gram blocks (docs/datasets.md)
         return _data.ntk_over(ntk, f, x1, x2, method=method, trace=trace, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
@@ -293,7 +454,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
 @accepts_params_dict
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *,
         y: Optional[Tensor] = None, wrt: Wrt = "params", diagonal: bool = False,
-        chunk_size: Optional[int] = None, max_memory: Memory = None, progress: Optional[bool] = None) -> Tensor:
+        chunk_size: Optional[int] = None, max_memory: Memory = None, progress: Optional[bool] = None,
+        v: Any = None, kwargs: Optional[dict[str, Any]] = None, in_dims: Any = 0) -> Any:
     """The generalised Gauss-Newton matrix sum_b J_b^T H_b J_b, or its diagonal.
 
     H_b is the Hessian of sample b's loss with respect to its output f(x_b) (Y values).
@@ -314,9 +476,16 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         chunk_size: samples per Jacobian block of the generic engine.
         max_memory: workspace budget in bytes or as "2GB"; the full (P, P) matrix must fit it.
         progress: for a data set, None shows a progress bar on a terminal, True always, False never.
+        v: a parameter vector (a dict name -> tensor, or a flat (P,) tensor): return the
+            Gauss-Newton-vector product G v instead, shaped like v, from one jvp, the loss
+            Hessians and one vjp, never forming J or G (see docs/products.md).
+        kwargs: keyword arguments of the model, passed through.
+        in_dims: with x a tuple of the model's positional arguments, 0 (batched) or None
+            (broadcast) per argument, as in :func:`per_sample_grads`.
 
     Returns:
-        (P, P), or (P,) with ``diagonal=True``; summed over samples, not averaged.
+        (P, P), or (P,) with ``diagonal=True``; summed over samples, not averaged. With ``v``,
+        G v shaped like ``v``.
 
     Raises:
         MemoryError: the (P, P) matrix exceeds the memory budget (pass diagonal=True).
@@ -331,6 +500,27 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         >>> torch.allclose(jm.ggn(net, x, "cross_entropy", diagonal=True), G.diagonal(), atol=1e-6)
         True
     """
+    if v is not None:  # the Gauss-Newton-vector product (see _vector.py)
+        from ._vector import ggn_vector
+
+        _checks.check_function(f)
+        _checks.check_outside_transforms("ggn", PRODUCT_WHY, PRODUCT_INSTEAD)
+        _checks.check_ggn_loss(loss, diagonal)
+        if diagonal:
+            raise ValueError("diagonal: ggn(..., v=...) returns the product G v; pass one of diagonal=True or v=.")
+        _checks.check_torch_loss(loss, y, "ggn")
+        if not several(x) and _data.is_batches(x):
+            raise ValueError("v: ggn(..., v=) takes one batch x; for a data set, sum the products of its batches: "
+                             "`sum(jm.ggn(model, xb, loss, y=yb, v=v) for xb, yb in loader)`.")
+        return ggn_vector(f, x, loss, y, v, wrt, kwargs, in_dims)
+    if several(x) or kwargs:  # see the note [Several arguments of a model]
+        g, idx = bind(f, x, kwargs, in_dims)
+        try:
+            with preserved_state(f):
+                return ggn(g, idx, loss, y=y, wrt=wrt, diagonal=diagonal, chunk_size=chunk_size,
+                           max_memory=max_memory)
+        finally:
+            release(g)
     if _data.is_batches(x):  # a data set: summed batch by batch (docs/datasets.md)
         return _data.ggn_over(ggn, f, x, loss, y=y, diagonal=diagonal, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
