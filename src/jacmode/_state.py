@@ -138,21 +138,25 @@ def _filled(cell: Any) -> bool:
     return True
 
 
+def modules_of(f: Any) -> list[nn.Module]:
+    """``f.modules()`` for a module, else every module of those a plain function refers to
+    (:func:`used_modules`), each once: what :func:`preserved_state` guards."""
+    if isinstance(f, nn.Module):
+        return list(f.modules())
+    return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
+
+
 @contextlib.contextmanager
-def preserved_state(f: Any) -> Iterator[Optional[ModelView]]:
+def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None) -> Iterator[Optional[ModelView]]:
     """Run a block and leave ``f`` exactly as found, even on error: ``f`` if it is an ``nn.Module``,
     else the modules it refers to (:func:`used_modules`: a lambda around a model, ``functional_call``).
 
+    ``modules``: :func:`modules_of` ``f`` when the caller has it already (one walk per call).
     Yields the :class:`ModelView` of the module (None when ``f`` is not a module).
     """
     with _transformable_kernels():
-        if isinstance(f, nn.Module):
-            with _module_state(list(f.modules())) as view:
-                yield view
-        else:
-            found = {id(m): m for root in used_modules(f) for m in root.modules()}
-            with _module_state(list(found.values())):
-                yield None
+        with _module_state(modules_of(f) if modules is None else modules) as view:
+            yield view if isinstance(f, nn.Module) else None
 
 
 @contextlib.contextmanager
