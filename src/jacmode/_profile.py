@@ -22,7 +22,8 @@ The key is built in one place, :func:`key`, from
 
 Values never enter it: an optimizer step (in-place updates of the same parameters) keeps the
 profile. A profile holds the modules and parameters of its key, so that their ``id`` cannot be
-reused by new objects while the profile lives; at most ``PER_FUNCTION`` profiles are kept per
+reused by new objects while the profile lives (f itself excepted: it is the weak key, and its
+``id`` cannot be reused while it lives); at most ``PER_FUNCTION`` profiles are kept per
 function (the oldest goes first). ``jm.clear_cache()`` forgets all of them.
 """
 
@@ -132,7 +133,7 @@ def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module])
     except TypeError:  # f cannot be weakly referenced: not profiled
         return
     params = [p for m in modules for p in m._parameters.values() if p is not None]
-    profile.holds = (*modules, *params)
+    profile.holds = (*(m for m in modules if m is not f), *params)  # never f: it is the weak key
     if len(entries) >= PER_FUNCTION and k not in entries:
         entries.pop(next(iter(entries)))
     entries[k] = profile

@@ -23,7 +23,7 @@ import inspect
 import itertools
 import warnings
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional
 
 from torch import Tensor, nn
@@ -45,7 +45,7 @@ class Spec:
             per-call arguments named in ``data``; it reads the validated options as
             ``transform.state`` and names its profiles with ``transform.token``.
         data: per-call arguments of the entry point other than x (``out``, ``y``, ``x2``): given
-            by keyword to the transform's call, or positionally after x, in this order.
+            by keyword to the transform's call, or (with ``positional``) positionally after x.
         module: f must be an ``nn.Module`` (keyword arguments for f are then not supported yet).
     """
 
@@ -54,7 +54,7 @@ class Spec:
     run: Run
     data: tuple[str, ...] = ()
     module: bool = False
-    defaults: dict[str, Any] = field(default_factory=dict)
+    positional: bool = True
 
 
 _SPECS: dict[Any, Spec] = {}
@@ -231,10 +231,10 @@ class Transformed:
             raise TypeError(f"{self.op}: the transformed function takes f's input x as its first argument, got none.")
         data: dict[str, Any] = {}
         if len(args) > 1:
-            if len(args) - 1 > len(spec.data):
+            if len(args) - 1 > (len(spec.data) if spec.positional else 0):
                 raise TypeError(
                     f"{self.op}: the transformed function takes one input x"
-                    f"{' and ' + ', '.join(spec.data) if spec.data else ''}, got {len(args)} positional "
+                    f"{' and ' + ', '.join(spec.data) if spec.data and spec.positional else ''}, got {len(args)} positional "
                     "arguments. Pass the other arguments of f by keyword, or through a closure.")
             data.update(zip(spec.data, args[1:]))
         if kwargs:
