@@ -8,8 +8,8 @@ fixed cost of the call is (call - engine alone). For problem 1's ``MLP(784, 20, 
 the first call of every entry point (profile, capture, checks) is timed once after
 ``jm.clear_cache()``.
 
-All cases are timed round-robin (one call of each case per round, many rounds), 1 thread, so
-that the load of the machine affects them alike; medians in microseconds.
+All cases are timed in rounds (each case ten calls in a row, the cases in a new random order
+every round), 1 thread, so that the load of the machine affects them alike; medians in microseconds.
 
 Run: ``PYTHONPATH=src python bench/callpath.py [--rounds N]``.
 """
@@ -17,6 +17,7 @@ Run: ``PYTHONPATH=src python bench/callpath.py [--rounds N]``.
 from __future__ import annotations
 
 import argparse
+import random
 import statistics
 import time
 from typing import Any, Callable
@@ -87,16 +88,24 @@ def _psg_engine(net: Any, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]
     return engine
 
 
-def _time(cases: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+def _time(cases: dict[str, Callable[[], Any]], rounds: int, block: int = 10) -> dict[str, float]:
+    """Median per case; each round runs every case ``block`` times in a row (warm, as a loop calls
+    it), the cases in a new random order each round, so that load and cache effects fall alike."""
     for fn in cases.values():
         for _ in range(5):
             fn()
     times: dict[str, list[int]] = {k: [] for k in cases}
-    for _ in range(rounds):
-        for k, fn in cases.items():
-            t0 = time.perf_counter_ns()
+    order = list(cases)
+    rng = random.Random(0)
+    for _ in range(max(1, rounds // block)):
+        rng.shuffle(order)
+        for k in order:
+            fn = cases[k]
             fn()
-            times[k].append(time.perf_counter_ns() - t0)
+            for _ in range(block):
+                t0 = time.perf_counter_ns()
+                fn()
+                times[k].append(time.perf_counter_ns() - t0)
     return {k: statistics.median(v) / 1e3 for k, v in times.items()}
 
 
@@ -148,7 +157,7 @@ def main() -> None:
     }
     med = _time(cases, args.rounds)
     loop = _time({"loop": lambda: params_loop(net, x)}, max(20, args.rounds // 20))["loop"]
-    print(f"1 thread, medians of {args.rounds} rounds (round-robin), microseconds\n")
+    print(f"1 thread, medians of {args.rounds} calls per case (blocks of 10, shuffled rounds), microseconds\n")
     print(f"{'entry point':18s} {'eager':>9s} {'transform':>10s} {'engine':>9s} {'fixed eager':>12s} {'fixed transform':>16s}")
     for name in ("jacobian params", "jacobian inputs", "partials", "laplacian", "per_sample_grads"):
         e, t, g = med[f"{name}: eager"], med[f"{name}: transform"], med[f"{name}: engine alone"]

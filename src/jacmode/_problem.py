@@ -9,6 +9,7 @@ per-sample reverse strategy vectorises over the batch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -188,8 +189,11 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
 def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem:
     """The input problem at ``x``: flat values and the function of them; the rest from ``facts``."""
     xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
+    p = copy.copy(facts)  # not dataclasses.replace: this runs on every repeated call
+    p.x = x
     if facts.structure == "diagonal":
-        return dataclasses.replace(facts, fn=f, z=xin, x=x)
+        p.fn, p.z = f, xin
+        return p
     batch, n_in, n_out, in_shape = facts.batch, facts.n_in, facts.n_out, facts.in_shape
     if facts.batched:
         z = xin.reshape(batch, n_in)
@@ -197,7 +201,8 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem
     else:
         z = xin.reshape(n_in)
         fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
-    return dataclasses.replace(facts, fn=fn, z=z, x=x)
+    p.fn, p.z = fn, z
+    return p
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,

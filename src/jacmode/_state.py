@@ -42,24 +42,62 @@ _KERNELS_LOCK = threading.Lock()
 _KERNELS: dict[str, Any] = {"users": 0, "fastpath": True, "sdpa": None}
 
 
-@contextlib.contextmanager
-def _transformable_kernels() -> Iterator[None]:
-    """Use only attention kernels that jvp and vmap can transform (see the note above)."""
-    with _KERNELS_LOCK:
-        if _KERNELS["users"] == 0:
-            _KERNELS["fastpath"] = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
-            _KERNELS["sdpa"] = contextlib.ExitStack()
-            _KERNELS["sdpa"].enter_context(sdpa_kernel([SDPBackend.MATH]))
-        _KERNELS["users"] += 1
-    try:
-        yield
-    finally:
+def _sdp_flags() -> list[tuple[Any, Any, bool]]:
+    """(getter, setter, wanted) of each backend flag of scaled_dot_product_attention: MATH only."""
+    import torch.nn.attention as attention
+
+    names = getattr(attention, "_backend_names", None)
+    if not isinstance(names, dict):
+        return []
+    out = []
+    for name, val in names.items():
+        get, put = getattr(torch._C, f"_get_{name}_sdp_enabled", None), getattr(torch._C, f"_set_sdp_use_{name}", None)
+        if get is None or put is None:
+            return []
+        out.append((get, put, getattr(SDPBackend, val) == SDPBackend.MATH))
+    return out
+
+
+_SDP_FLAGS = _sdp_flags()
+
+
+class _TransformableKernels:
+    """Use only attention kernels that jvp and vmap can transform (see the note above).
+
+    A class rather than a generator context (it runs on every call): the first user in saves the
+    flags and sets them, the last one out restores them; the others only count.
+    """
+
+    def __enter__(self) -> None:
+        with _KERNELS_LOCK:
+            if _KERNELS["users"] == 0:
+                _KERNELS["fastpath"] = torch.backends.mha.get_fastpath_enabled()
+                torch.backends.mha.set_fastpath_enabled(False)
+                if _SDP_FLAGS:
+                    _KERNELS["sdpa"] = [get() for get, _, _ in _SDP_FLAGS]
+                    for _, put, wanted in _SDP_FLAGS:
+                        put(wanted)
+                else:  # a torch without the flag functions: its own context
+                    _KERNELS["sdpa"] = contextlib.ExitStack()
+                    _KERNELS["sdpa"].enter_context(sdpa_kernel([SDPBackend.MATH]))
+            _KERNELS["users"] += 1
+
+    def __exit__(self, *exc: Any) -> None:
         with _KERNELS_LOCK:
             _KERNELS["users"] -= 1
             if _KERNELS["users"] == 0:
-                _KERNELS["sdpa"].close()
+                saved = _KERNELS["sdpa"]
+                if isinstance(saved, list):
+                    for (_, put, _), value in zip(_SDP_FLAGS, saved):
+                        put(value)
+                else:
+                    saved.close()
                 torch.backends.mha.set_fastpath_enabled(_KERNELS["fastpath"])
+
+
+def _transformable_kernels() -> _TransformableKernels:
+    """Use only attention kernels that jvp and vmap can transform (see the note above)."""
+    return _TransformableKernels()
 
 
 _MKLDNN: dict[str, Any] = {"users": 0, "enabled": True}

@@ -79,6 +79,12 @@ def _freeze(v: Any) -> Hashable:
     return (type(v), v)
 
 
+def _plain_values(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return all(_plain_values(e) for e in v)
+    return v is None or isinstance(v, (str, int, float, bool, type))
+
+
 def _token(name: str, options: dict[str, Any]) -> tuple[int, Optional[Hashable]]:
     """A small integer naming the entry point and its options in profile keys (equal options share
     it); a fresh one when the options hold unhashable values or tensors (never reused)."""
@@ -86,6 +92,8 @@ def _token(name: str, options: dict[str, Any]) -> tuple[int, Optional[Hashable]]
         frozen: Optional[Hashable] = (name, _freeze(options))
     except TypeError:
         return next(_FRESH), None
+    if not _plain_values(frozen):  # kept forever: only plain values (no loss modules, generators)
+        return next(_FRESH), frozen
     token = _TOKENS.get(frozen)
     if token is None:
         token = _TOKENS[frozen] = len(_TOKENS)
@@ -329,10 +337,15 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
     validated when it is made, so a repeated call validates only its input.
     """
     spec = _SPECS[op]
+    values = tuple(options.values())  # the front passes every option, always in the same order
+    frozen: Optional[Hashable] = (spec.name, values, tuple(map(type, values)))  # types: 1 is not True
     try:
-        frozen: Optional[Hashable] = (spec.name, _freeze(options))
-    except TypeError:
-        frozen = None
+        hash(frozen)
+    except TypeError:  # a list of parameter names, say
+        try:
+            frozen = (spec.name, _freeze(options))
+        except TypeError:
+            frozen = None
     if frozen is not None:
         try:
             hit = _EAGER.get(f)
