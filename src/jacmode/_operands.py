@@ -161,11 +161,13 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     in_shape = tuple(x.shape[1:])
     found = None if key is None else _profile.find(f, key)
+    out_shape: tuple[int, ...]
     if found is None:
         program, _ = captured(f, x) if opts.structure in ("auto", "independent") else (None, "")
         if program is not None:  # independent samples and no state by construction: no probe needed
-            out_shape = _capture.check(program, f, x, _taylor.value)
-            assert isinstance(out_shape, tuple)
+            checked = _capture.check(program, f, x, _taylor.value)
+            assert isinstance(checked, tuple)
+            out_shape = checked
             if key is not None:
                 _profile.keep(f, key, _profile.Profile("target", (program, out_shape, False, False)),
                               modules or [])
