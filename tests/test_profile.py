@@ -256,3 +256,54 @@ def test_a_hook_added_later_that_couples_the_samples_is_detected(name: str) -> N
     f.fc2.register_forward_hook(lambda m, a, out: out - out.mean(0))
     with pytest.raises(jm.CoupledBatchError, match="coupled|mix"):
         CASES[name][0](f, x)
+
+
+class Scaled(nn.Module):
+    """A module whose forward reads a Python scalar attribute (frozen into a captured program)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 2)
+        self.scale = 2.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.fc(x)) * self.scale
+
+
+SCALE = 2.0
+
+
+@pytest.mark.parametrize("name", ["jacobian inputs", "laplacian", "partials"])
+def test_a_changed_python_value_of_f_is_seen_on_a_hit(name: str) -> None:
+    global SCALE
+    torch.manual_seed(3)
+    m = Scaled().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    net = Net().double().eval()
+    f = lambda x: net(x) * SCALE  # noqa: E731 -- reads the global at call time
+    jm.clear_cache()
+    for _ in range(2):
+        _check(name, m, x)
+        torch.testing.assert_close(CASES[name][0](f, x), CASES[name][1](f, x), rtol=1e-9, atol=1e-10)
+    m.scale = 3.0
+    SCALE = 3.0
+    try:
+        _check(name, m, x)
+        torch.testing.assert_close(CASES[name][0](f, x), CASES[name][1](f, x), rtol=1e-9, atol=1e-10)
+    finally:
+        SCALE = 2.0
+
+
+def test_a_dropout_switched_on_later_draws_one_mask_per_sample() -> None:
+    torch.manual_seed(4)
+    f = nn.Sequential(nn.Linear(3, 64), nn.Dropout(0.0), nn.Tanh(), nn.Linear(64, 2)).double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    jm.clear_cache()
+    jm.jacobian(f, x, wrt="params")
+    jm.jacobian(f, x, wrt="params")
+    f[1].p = 0.5
+    J = jm.jacobian(f, x, wrt="params", chunk_size=1)  # chunks share the sample's mask
+    # the rows of each sample's Jacobian for the second Linear's bias are the identity, and its
+    # weight rows are one mask times tanh(h): both outputs see the same mask (zeros in the same places)
+    w2 = J[:, :, 3 * 64 + 64: 3 * 64 + 64 + 2 * 64].reshape(4, 2, 2, 64)
+    torch.testing.assert_close(w2[:, 0, 0], w2[:, 1, 1], rtol=0, atol=0)

@@ -16,7 +16,7 @@ The key is built in one place, :func:`key`, from
   the tensors, names and hashable values of the other arguments; never a tensor's values),
 * the modules the function is made of (:func:`modules_key`): their identity and order, training
   flags, the handles of their forward / backward hooks (a hook added later is a new key) and the
-  process-wide module hooks, every parameter's slot name, identity, ``requires_grad``, dtype,
+  process-wide module hooks, dropout probabilities, every parameter's slot name, identity, ``requires_grad``, dtype,
   shape and device, and every buffer's name, dtype, shape and device (None too),
 * whether a ``torch.func`` transform is active, whether inference mode is on, and grad mode.
 
@@ -35,6 +35,7 @@ from typing import Any, Hashable, Optional
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as _module
+from torch.nn.modules.dropout import _DropoutNd
 
 from ._cache import WeakCache
 from ._transforms import in_transform
@@ -101,6 +102,8 @@ def modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
         add(m.training)
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             add(_hooks(m))
+        if isinstance(m, _DropoutNd):  # p = 0 or not: random layers or none (the problem's facts)
+            add(m.p)
         for name, p in m._parameters.items():
             add(name)
             add(None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device))
@@ -118,6 +121,13 @@ def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list
     """The one key of a profile (see the note): options, call signature, modules, modes."""
     return (token, call_signature(args, kwargs), modules_key(modules), in_transform(),
             torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+
+
+def fresh(program: Any) -> bool:
+    """Whether a captured program a profile holds still reads what f reads: the tensors and Python
+    values it took from f's closure, globals and modules are unchanged (``_engines/bound.py``).
+    Values of tensors are read at run time; a rebound name or a changed scalar is not in the key."""
+    return program is None or all(b.fresh() for b in (*program.bound, *program.guards))
 
 
 def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
