@@ -307,3 +307,36 @@ def test_a_dropout_switched_on_later_draws_one_mask_per_sample() -> None:
     # weight rows are one mask times tanh(h): both outputs see the same mask (zeros in the same places)
     w2 = J[:, :, 3 * 64 + 64: 3 * 64 + 64 + 2 * 64].reshape(4, 2, 2, 64)
     torch.testing.assert_close(w2[:, 0, 0], w2[:, 1, 1], rtol=0, atol=0)
+
+
+def test_at_most_a_bounded_number_of_profiles_per_function() -> None:
+    f, _ = _model()
+    jm.clear_cache()
+    for b in range(1, _profile.PER_FUNCTION + 5):
+        jm.laplacian(f, torch.randn(b, 3, dtype=torch.float64))
+    assert _profile.count(f) == _profile.PER_FUNCTION
+    x = torch.randn(3, 3, dtype=torch.float64)  # an evicted signature: profiled again, still exact
+    torch.testing.assert_close(jm.laplacian(f, x), _laplacian(f, x), rtol=1e-9, atol=1e-10)
+
+
+def test_profiles_from_several_threads_agree() -> None:
+    import threading
+
+    f, x = _model()
+    jm.clear_cache()
+    want = _jac_params(f, x)
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            for _ in range(5):
+                torch.testing.assert_close(jm.jacobian(f, x, wrt="params"), want, rtol=1e-9, atol=1e-10)
+        except BaseException as err:  # noqa: BLE001
+            errors.append(err)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

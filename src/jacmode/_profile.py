@@ -29,6 +29,7 @@ function (the oldest goes first). ``jm.clear_cache()`` forgets all of them.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
@@ -42,6 +43,7 @@ from ._transforms import in_transform
 
 PER_FUNCTION = 16
 _PROFILES = WeakCache("profiles")
+_LOCK = threading.Lock()  # keep / forget from several threads (a look-up needs none)
 
 
 @dataclass
@@ -138,23 +140,25 @@ def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
 
 def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module]) -> None:
     """Store ``profile`` for later calls of ``f`` with key ``k`` (at most ``PER_FUNCTION`` per f)."""
-    try:
-        entries = _PROFILES._data.setdefault(f, {})
-    except TypeError:  # f cannot be weakly referenced: not profiled
-        return
     params = [p for m in modules for p in m._parameters.values() if p is not None]
     profile.holds = (*(m for m in modules if m is not f), *params)  # never f: it is the weak key
-    if len(entries) >= PER_FUNCTION and k not in entries:
-        entries.pop(next(iter(entries)))
-    entries[k] = profile
+    with _LOCK:
+        try:
+            entries = _PROFILES._data.setdefault(f, {})
+        except TypeError:  # f cannot be weakly referenced: not profiled
+            return
+        if len(entries) >= PER_FUNCTION and k not in entries:
+            entries.pop(next(iter(entries)))
+        entries[k] = profile
 
 
 def forget(f: Any, k: tuple[Any, ...]) -> None:
     """Drop the profile of ``f`` for ``k`` (an engine found its facts no longer hold)."""
-    try:
-        _PROFILES._data.get(f, {}).pop(k, None)
-    except TypeError:
-        pass
+    with _LOCK:
+        try:
+            _PROFILES._data.get(f, {}).pop(k, None)
+        except TypeError:
+            pass
 
 
 def count(f: Any) -> int:
