@@ -318,25 +318,3 @@ def test_at_most_a_bounded_number_of_profiles_per_function() -> None:
     x = torch.randn(3, 3, dtype=torch.float64)  # an evicted signature: profiled again, still exact
     torch.testing.assert_close(jm.laplacian(f, x), _laplacian(f, x), rtol=1e-9, atol=1e-10)
 
-
-def test_profiles_from_several_threads_agree() -> None:
-    import threading
-
-    f, x = _model()
-    jm.clear_cache()
-    want = _jac_params(f, x)
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            for _ in range(5):
-                torch.testing.assert_close(jm.jacobian(f, x, wrt="params"), want, rtol=1e-9, atol=1e-10)
-        except BaseException as err:  # noqa: BLE001
-            errors.append(err)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors

@@ -232,7 +232,7 @@ def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
     ``decide``, and the plan is reused only while its workspace fits the new budget.
     """
     problem, decision = found
-    if not _profile.fresh(problem.program):  # a value f's captured program took changed: describe again
+    if not _profile.fresh(problem.program, x):  # a value f's captured program took changed: describe again
         return None
     p = again(problem, f, x, opts)
     result_bytes = p.z.element_size() * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)

@@ -161,7 +161,7 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     in_shape = tuple(x.shape[1:])
     found = None if key is None else _profile.find(f, key)
-    if found is not None and not _profile.fresh(found.facts[0]):  # a closure's value changed: capture again
+    if found is not None and not _profile.fresh(found.facts[0], x):  # a closure's value changed: capture again
         _profile.forget(f, key)  # type: ignore[arg-type]
         found = None
     out_shape: tuple[int, ...]

@@ -125,11 +125,16 @@ def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list
             torch.is_inference_mode_enabled(), torch.is_grad_enabled())
 
 
-def fresh(program: Any) -> bool:
-    """Whether a captured program a profile holds still reads what f reads: the tensors and Python
-    values it took from f's closure, globals and modules are unchanged (``_engines/bound.py``).
-    Values of tensors are read at run time; a rebound name or a changed scalar is not in the key."""
-    return program is None or all(b.fresh() for b in (*program.bound, *program.guards))
+def fresh(program: Any, x: Tensor) -> bool:
+    """Whether a captured program a profile holds still serves inputs like ``x``: it reads what f
+    reads (the tensors and Python values it took from f's closure, globals and modules are
+    unchanged, ``_engines/bound.py``: a rebound name or a changed scalar is not in the key), and no
+    engine rejected it for this input signature since (``_engines/capture.reject``)."""
+    if program is None:
+        return True
+    if not isinstance(program.checked.get((tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
+        return False
+    return all(b.fresh() for b in (*program.bound, *program.guards))
 
 
 def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
