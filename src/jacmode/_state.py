@@ -184,59 +184,83 @@ def modules_of(f: Any) -> list[nn.Module]:
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
 
 
-@contextlib.contextmanager
-def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None) -> Iterator[Optional[ModelView]]:
+def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None) -> "_Preserved":
     """Run a block and leave ``f`` exactly as found, even on error: ``f`` if it is an ``nn.Module``,
     else the modules it refers to (:func:`used_modules`: a lambda around a model, ``functional_call``).
 
     ``modules``: :func:`modules_of` ``f`` when the caller has it already (one walk per call).
     Yields the :class:`ModelView` of the module (None when ``f`` is not a module).
     """
-    with _transformable_kernels():
-        with _module_state(modules_of(f) if modules is None else modules) as view:
-            yield view if isinstance(f, nn.Module) else None
+    return _Preserved(modules_of(f) if modules is None else modules, isinstance(f, nn.Module))
 
 
-@contextlib.contextmanager
-def _module_state(modules: list[nn.Module]) -> Iterator[ModelView]:
-    training = tuple(m.training for m in modules)
-    slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
-    params = list({id(p): p for _, _, p in slots if p is not None}.values())  # f.parameters(), in order
-    flags = tuple(p.requires_grad for p in params)
-    grads = [p.grad for p in params]
-    buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
-    copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
-    versions = [b._version for _, _, b in buffers]
-    patched = []
-    for bn in modules:
-        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.training and bn.track_running_stats:
-            patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
-            bn.running_mean = None
-            bn.running_var = None
-            bn.track_running_stats = False
-    try:
-        yield ModelView(modules, training, params, flags)
-    finally:
-        for bn, mean, var, count in patched:
+class _Preserved:
+    """The context of :func:`preserved_state` (see the note above): a class rather than generator
+    contexts, since every call of every entry point enters one."""
+
+    __slots__ = ("modules", "is_module", "kernels", "training", "slots", "params", "flags", "grads", "buffers",
+                 "copies", "versions", "patched")
+
+    def __init__(self, modules: list[nn.Module], is_module: bool) -> None:
+        self.modules, self.is_module = modules, is_module
+        self.kernels = _TransformableKernels()
+
+    def __enter__(self) -> Optional[ModelView]:
+        self.kernels.__enter__()
+        try:
+            return self._record()
+        except BaseException:
+            self.kernels.__exit__(None, None, None)
+            raise
+
+    def _record(self) -> Optional[ModelView]:
+        modules = self.modules
+        self.training = training = tuple(m.training for m in modules)
+        self.slots = slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
+        self.params = params = list({id(p): p for _, _, p in slots if p is not None}.values())  # f.parameters()
+        self.flags = flags = tuple(p.requires_grad for p in params)
+        self.grads = [p.grad for p in params]
+        self.buffers = buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
+        self.copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
+        self.versions = [b._version for _, _, b in buffers]
+        patched: list[tuple[Any, Any, Any, Any]] = []
+        self.patched = patched
+        for bn in modules:
+            if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.training and bn.track_running_stats:
+                patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
+                bn.running_mean = None
+                bn.running_var = None
+                bn.track_running_stats = False
+        return ModelView(modules, training, params, flags) if self.is_module else None
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._restore()
+        finally:
+            self.kernels.__exit__(None, None, None)
+
+    def _restore(self) -> None:
+        for bn, mean, var, count in self.patched:
             bn.running_mean, bn.running_var, bn.num_batches_tracked = mean, var, count
             bn.track_running_stats = True
-        for m, flag in zip(modules, training):
+        for m, flag in zip(self.modules, self.training):
             if m.training != flag:  # nn.Module.__setattr__ is slow: only where a flag moved
                 m.training = flag
-        for m, name, p in slots:  # functional_call fails to restore a module registered twice
+        for m, name, p in self.slots:  # functional_call fails to restore a module registered twice
             if m._parameters.get(name) is not p:
                 m._parameters[name] = p
-        for p, flag, g in zip(params, flags, grads):
+        for p, flag, g in zip(self.params, self.flags, self.grads):
             if p.requires_grad != flag:
                 p.requires_grad_(flag)
             if p.grad is not g:
                 p.grad = g
-        with torch.no_grad():
-            for (m, name, b), copy, version in zip(buffers, copies, versions):
-                if m._buffers.get(name) is not b:
-                    m._buffers[name] = b
-                if b._version != version and copy is not None:
-                    b.copy_(copy)
+        if self.buffers:
+            with torch.no_grad():
+                for (m, name, b), copy, version in zip(self.buffers, self.copies, self.versions):
+                    if m._buffers.get(name) is not b:
+                        m._buffers[name] = b
+                    if b._version != version and copy is not None:
+                        b.copy_(copy)
 
 
 class RngReplay:
