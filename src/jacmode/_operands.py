@@ -81,6 +81,7 @@ class Target:
     program: Optional[Program]  # the Taylor fast path applies when not None
     coupled: bool
     rng: Optional[RngReplay]
+    widest: int = 0  # the widest nn.Linear of a captured module (direction_chunks' default width)
 
     def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
         if self.program is not None:
@@ -171,23 +172,24 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
             checked = _capture.check(program, f, x, _taylor.value)
             assert isinstance(checked, tuple)
             out_shape = checked
+            widest = _widest(f)
             if key is not None:
-                _profile.keep(f, key, _profile.Profile("target", (program, out_shape, False, False)),
+                _profile.keep(f, key, _profile.Profile("target", (program, out_shape, False, False, widest)),
                               modules or [])
     else:
-        program, out_shape, coupled, random = found.facts
+        program, out_shape, coupled, random, widest = found.facts
     if program is not None:
         with grad_mode:
             z = (x if opts.create_graph else x.detach()).reshape(x.shape[0], math.prod(in_shape))
             yield Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,
-                         out_shape=out_shape)
+                         out_shape=out_shape, widest=widest)
         return
     with preserved_state(f, modules), grad_mode:
         if found is None:
             p = describe(f, x, opts, OPERATOR_WAYS_OUT)
             out_shape, coupled, random, z = p.out_shape, p.structure == "coupled", p.random, p.z
             if key is not None:
-                _profile.keep(f, key, _profile.Profile("target", (None, out_shape, coupled, random)), modules or [])
+                _profile.keep(f, key, _profile.Profile("target", (None, out_shape, coupled, random, 0)), modules or [])
         else:  # as describe's z: a copy (f may modify its input in place)
             z = (x if opts.create_graph else x.detach()).clone().reshape(x.shape[0], math.prod(in_shape))
         n_out = math.prod(out_shape)
@@ -225,15 +227,20 @@ _TARGET_TOKEN = {(s, g): -1 - i for i, (s, g) in enumerate(
     (s, g) for s in ("auto", "independent", "coupled", "diagonal") for g in (False, True))}
 
 
+def _widest(f: Any) -> int:
+    """The widest ``nn.Linear`` output of a module (0 for a plain function): a pass's widest tensor."""
+    if not isinstance(f, nn.Module):
+        return 0
+    return max([m.out_features for m in f.modules() if isinstance(m, nn.Linear)], default=0)
+
+
 def direction_chunks(t: Target, n: int, chunk_size: Optional[int],
                      budget: Optional[int] = None) -> tuple[list[range], Optional[int]]:
     """Chunks of the n directions, and samples per pass (see the note on chunks)."""
     if t.coupled:
         return [range(n)], None if chunk_size is None else max(1, chunk_size // max(n, 1))
     if chunk_size is None:  # as many directions as fit the default budget
-        model = t.key if isinstance(t.key, nn.Module) and t.program is not None else nn.Module()
-        widths = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
-        width = max([*widths, math.prod(t.in_shape), math.prod(t.out_shape)])
+        width = max(t.widest, math.prod(t.in_shape), math.prod(t.out_shape))
         per_direction = t.z.shape[0] * width * t.z.element_size()
         chunk_size = max(1, (DEFAULT_PASS_BYTES if budget is None else budget) // max(per_direction, 1))
     step = max(1, min(n, chunk_size))
