@@ -318,3 +318,13 @@ def test_at_most_a_bounded_number_of_profiles_per_function() -> None:
     x = torch.randn(3, 3, dtype=torch.float64)  # an evicted signature: profiled again, still exact
     torch.testing.assert_close(jm.laplacian(f, x), _laplacian(f, x), rtol=1e-9, atol=1e-10)
 
+
+
+def test_the_module_walk_is_modules_order_each_module_once() -> None:
+    from jacmode._state import modules_of
+
+    shared = nn.Linear(2, 2)
+    m = nn.Sequential(nn.Sequential(shared, nn.Tanh()), shared,
+                      nn.ModuleList([nn.ReLU(), nn.Sequential(nn.Linear(2, 2))]), nn.Sequential())
+    m.add_module("empty", None)
+    assert [id(x) for x in modules_of(m)] == [id(x) for x in m.modules()]

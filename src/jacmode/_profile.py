@@ -106,12 +106,15 @@ def modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
             add(_hooks(m))
         if isinstance(m, _DropoutNd):  # p = 0 or not: random layers or none (the problem's facts)
             add(m.p)
-        for name, p in m._parameters.items():
-            add(name)
-            add(None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device))
-        for name, b in m._buffers.items():
-            add(name)
-            add(None if b is None else (b.dtype, b.shape, b.device))
+        params = m._parameters
+        if params:
+            add(tuple(params))
+            add(tuple([None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device)
+                       for p in params.values()]))
+        buffers = m._buffers
+        if buffers:
+            add(tuple(buffers))
+            add(tuple([None if b is None else (b.dtype, b.shape, b.device) for b in buffers.values()]))
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
         add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),

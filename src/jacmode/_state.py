@@ -180,8 +180,20 @@ def modules_of(f: Any) -> list[nn.Module]:
     """``f.modules()`` for a module, else every module of those a plain function refers to
     (:func:`used_modules`), each once: what :func:`preserved_state` guards."""
     if isinstance(f, nn.Module):
-        return list(f.modules())
+        found = [f]
+        _walk(f, found, {id(f)})
+        return found
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
+
+
+def _walk(m: nn.Module, found: list[nn.Module], seen: set[int]) -> None:
+    """``m.modules()`` after m, in its order (pre-order, each module once), without the name
+    prefixes ``named_modules`` builds: it runs on every call."""
+    for child in m._modules.values():
+        if child is not None and id(child) not in seen:
+            seen.add(id(child))
+            found.append(child)
+            _walk(child, found, seen)
 
 
 def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None) -> "_Preserved":
