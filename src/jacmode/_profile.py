@@ -16,9 +16,13 @@ The key is built in one place, :func:`key`, from
   the tensors, names and hashable values of the other arguments; never a tensor's values),
 * the modules the function is made of (:func:`modules_key`): their identity and order, training
   flags, the handles of their forward / backward hooks (a hook added later is a new key) and the
-  process-wide module hooks, dropout probabilities, every parameter's slot name, identity, ``requires_grad``, dtype,
-  shape and device, and every buffer's name, dtype, shape and device (None too),
+  process-wide module hooks, dropout probabilities, every parameter's slot name, identity,
+  ``requires_grad``, dtype, shape and device, and every buffer's name, dtype, shape and device,
 * whether a ``torch.func`` transform is active, whether inference mode is on, and grad mode.
+
+A hit with a captured program also checks that the program is still fresh (:func:`fresh`: the
+Python values and tensors it took from f's closure, globals and modules, which the key does not
+name), as the capture cache itself does.
 
 Values never enter it: an optimizer step (in-place updates of the same parameters) keeps the
 profile. A profile holds the modules and parameters of its key, so that their ``id`` cannot be
