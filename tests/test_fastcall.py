@@ -1,4 +1,4 @@
-"""Repeated calls (``_calls.py``) and the repeated-rows pullback (``_engines/layerwise.py``)."""
+"""Repeated calls (``_profile.py``) and the repeated-rows pullback (``_engines/layerwise.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import jacmode as jm
-from jacmode import _calls
+from jacmode import _profile
 from jacmode._engines import layerwise
 from bench.baselines import MLP
 
@@ -48,12 +48,12 @@ def test_repeated_calls_reuse_the_plan_and_stay_exact() -> None:
     x = torch.randn(2, 10, dtype=torch.float64)
     jm.clear_cache()
     jm.jacobian(model, x, wrt="params")
-    assert len(list(_calls._CALLS.items())) == 1
+    assert _profile.count(model) == 1
     x2 = torch.randn(2, 10, dtype=torch.float64)
     with torch.no_grad():
         model.fc1.weight.add_(1.0)  # new values, same signature: a hit must use them
     torch.testing.assert_close(jm.jacobian(model, x2, wrt="params"), _reference(model, x2))
-    assert len(list(_calls._CALLS.items())) == 1
+    assert _profile.count(model) == 1
 
 
 def test_the_call_cache_is_invalidated_by_flags_and_shapes() -> None:
@@ -70,7 +70,7 @@ def test_the_call_cache_is_invalidated_by_flags_and_shapes() -> None:
     torch.testing.assert_close(J, _reference(model, x))
     x4 = torch.randn(4, 5, dtype=torch.float64)  # shape
     torch.testing.assert_close(jm.jacobian(model, x4, wrt="params"), _reference(model, x4))
-    assert len(list(_calls._CALLS.items())) == 4
+    assert _profile.count(model) == 4
     model[0].bias.requires_grad_(True)
 
 

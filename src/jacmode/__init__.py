@@ -22,6 +22,7 @@ from ._planning.autotune import autotune_cache
 from ._planning.ntk import NtkPlan
 from ._planning.plan import Plan
 from ._products import ggn, ntk, ntk_plan, per_sample_grads
+from ._transform import Transformed, jacfn, transform
 from ._sparse import (
     Coloring,
     SparsityPattern,
@@ -34,6 +35,10 @@ from ._vector import Linearized, hvp, jvp, linearize, vjp
 
 __version__ = "0.1.0"
 
+# the entry points that jm.transform accepts (see _transform.py)
+_ENTRY_POINTS = (jacobian, derivative, partial, partials, hessian, laplacian, divergence, operator, biharmonic,
+                 per_sample_grads, ggn, ntk)
+
 __all__ = [
     "BatchError",
     "Coloring",
@@ -44,6 +49,7 @@ __all__ = [
     "OperatorPlan",
     "Plan",
     "SparsityPattern",
+    "Transformed",
     "autotune_cache",
     "biharmonic",
     "clear_cache",
@@ -53,6 +59,7 @@ __all__ = [
     "ggn",
     "hessian",
     "hvp",
+    "jacfn",
     "jacobian",
     "jacobians",
     "jvp",
@@ -69,5 +76,6 @@ __all__ = [
     "sparse_hessian",
     "sparse_jacobian",
     "sparsity",
+    "transform",
     "vjp",
 ]

@@ -64,20 +64,37 @@ def problem_key(f: Any, x: Tensor, batched: bool, wrt: Any, structure: str, full
     (the probes, their completeness check) fail their checks and the torch.func engines serve,
     while a fact found outside (coverage verified by a backward pass) must not be used inside.
     """
-    flags = tuple(m.training for m in f.modules()) if isinstance(f, nn.Module) else ()
+    flags = tuple(_flags(m) for m in f.modules()) if isinstance(f, nn.Module) else ()
     shape = tuple(x.shape) if full_shape or not batched else tuple(x.shape[1:])
     wrt_key = wrt if isinstance(wrt, str) else tuple(wrt)
     return (shape, x.dtype, str(x.device), batched, wrt_key, structure, flags, torch.is_inference_mode_enabled())
 
 
+def _flags(m: nn.Module) -> Any:
+    """A module's training flag, and the handles of its hooks when it has any (a hook added later,
+    e.g. one that scales an output, must not find the facts found without it)."""
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        return (m.training, tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
+                tuple(m._backward_pre_hooks), _global_hooks())
+    glob = _global_hooks()
+    return (m.training, glob) if any(glob) else m.training
+
+
+def _global_hooks() -> tuple[Any, ...]:
+    from torch.nn.modules import module as _module
+
+    return (tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
+            tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks))
+
+
 def clear_cache() -> None:
-    """Forget everything jacmode cached: coupling verdicts, footprints, fallbacks, autotuned modes.
+    """Forget everything jacmode cached: profiles, coupling verdicts, footprints, fallbacks, autotuned modes.
 
     Example:
         >>> import jacmode as jm
         >>> jm.clear_cache()
     """
-    for cache in _ALL:
+    for cache in _ALL:  # the profiles (_profile.py) too
         cache.clear()
 
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from ._cache import WeakCache, rng_kept
+from ._cache import WeakCache, _flags, rng_kept
 from ._errors import CoupledBatchError
 from ._state import RngReplay, used_modules
 from ._transforms import in_transform, outside, plain, samples_first
@@ -75,7 +75,7 @@ OPERATOR_WAYS_OUT = (
 def _cache_key(f: Any, x: Tensor) -> tuple:
     # a plain function's verdict also depends on the training flags of the modules it refers to
     modules = f.modules() if isinstance(f, nn.Module) else (m for u in used_modules(f) for m in u.modules())
-    flags = tuple(m.training for m in modules)
+    flags = tuple(_flags(m) for m in modules)  # training flags, and hooks (one added later may couple)
     return (tuple(x.shape[1:]), x.dtype, x.device, flags, torch.is_inference_mode_enabled())
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 from typing import Optional
 
 __all__ = ["BatchError", "CoupledBatchError", "JacmodeWarning"]
@@ -43,3 +46,18 @@ class BatchError(RuntimeError):
             text += (f". out= holds final values in rows 0..{self.rows_written - 1}; later rows do not"
                      if self.rows_written else ". No row of out= holds a final value")
         return text + ". Fix that batch, or resume from the first row not written."
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes ``warnings.warn``, called by the caller of this function, point
+    at the first frame outside jacmode (and contextlib): the user's line, however deep the call."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and (frame.f_code.co_filename.startswith(_PACKAGE)
+                                        or frame.f_code.co_filename == contextlib.__file__):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-from . import _calls, _checks
+from . import _checks, _profile, _transform
 from ._checks import Options, Wrt
 from ._functional import accepts_params_dict
-from ._planning.decide import decide, execute
+from ._planning import memory as _memory
+from ._planning.decide import Decision, decide, execute
 from ._planning.plan import Plan
-from ._problem import Problem, connected, describe
+from ._problem import Problem, again, connected, describe, facts
 from ._rules import decompositions
 from ._sparse import api as _sparse
-from ._state import preserved_state
+from ._state import modules_of, preserved_state
+from ._transforms import in_transform
 
 Result = Union[Tensor, dict[str, Tensor]]
 
@@ -155,20 +159,53 @@ def jacobian(
         >>> jm.jacobian(net, t, wrt="params").shape   # (B, Y, P)
         torch.Size([1000, 4, 124])
     """
-    opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
-                    chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
-                    flatten=flatten)
+    # ---- the eager call is the cached transform of f with these options (_transform.py) ----
+    options = dict(wrt=wrt, mode=mode, batched=batched, structure=structure, chunk_size=chunk_size,
+                   max_memory=max_memory, create_graph=create_graph, flatten=flatten)
+    return _transform.eager(jacobian, f, options).call(f, (x,), {} if out is None else {"out": out})
+
+
+# ---- profile: the body of a jacobian call, looked up in f's profile (_profile.py) ----
+
+
+@dataclass(frozen=True)
+class _State:
+    """Validated options of a jacobian transform: as given, and as inside a torch.func transform."""
+
+    opts: Options
+    inner: Options  # create_graph=True: see the note in _transforms.py
+
+
+def _prepare(options: dict[str, Any]) -> _State:
+    unknown = set(options) - set(_OPTION_NAMES)
+    if unknown:
+        raise TypeError(f"transform(jacobian, f, ...): unknown option {sorted(unknown)[0]!r}; jacobian takes "
+                        f"{', '.join(_OPTION_NAMES)} (and out= per call).")
+    opts = _checks.check_options(**{**_DEFAULTS, **options})
+    opts = dataclasses.replace(opts, create_graph=bool(options.get("create_graph", False)))
+    return _State(opts, dataclasses.replace(opts, create_graph=True))
+
+
+def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
+    state: _State = t.state
+    opts = state.inner if in_transform() else state.opts
+    out = data.get("out")
+    _checks.check_input(x, wrt=opts.wrt, batched=opts.batched)
     if opts.structure == "sparse" and out is not None:
         raise ValueError("out: not supported with structure='sparse' (the result is a new sparse tensor); "
                          "drop out=.")
     if opts.structure == "sparse" or (out is None and _sparse.auto(f, x, opts) is not None):
         layout = "csr" if opts.structure == "sparse" else "dense"
-        return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=chunk_size,
-                                       max_memory=max_memory, create_graph=opts.create_graph)
+        return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=opts.chunk_size,
+                                       max_memory=opts.max_memory, create_graph=opts.create_graph)
+    modules = modules_of(f)
+    key = None if opts.mode == "autotune" else _profile.key(t.token, (x,), data, modules)
+    profile = None if key is None else _profile.find(f, key)
+    if profile is None:
+        _checks.check_devices(f, x)
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
-    with preserved_state(f) as view, grad_mode:
-        sig = _calls.signature(x, opts, view, out is not None)
-        hit = _calls.lookup(f, x, opts, sig)
+    with preserved_state(f, modules), grad_mode:
+        hit = None if profile is None else _again(profile.facts, f, x, opts, out is not None)
         problem = describe(f, x, opts) if hit is None else hit[0]
         if out is not None:
             if opts.wrt != "params" or not opts.flatten:
@@ -184,11 +221,41 @@ def jacobian(
                 decision = hit[1]
             else:
                 decision = decide(f, problem, opts, out_given=out is not None)
-                _calls.store(f, sig, problem, decision)
+                if key is not None:
+                    _profile.keep(f, key, _profile.Profile("jacobian", (facts(problem), decision)), modules)
             with decompositions.exact(decompositions.wanted()):  # a graph differentiated again
                 flat = execute(f, problem, decision, opts, out)
     result = _assemble(problem, flat, opts, out)
     return result if out is not None else connected(result, f, x, opts.create_graph)
+
+
+def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
+           out_given: bool) -> Optional[tuple[Problem, Decision]]:
+    """The problem at ``x`` and the decision of the profile, or None when memory no longer fits.
+
+    The free memory is re-read (at most every ``memory.RECENT_S``): the result must fit as in
+    ``decide``, and the plan is reused only while its workspace fits the new budget.
+    """
+    problem, decision = found
+    if not _profile.fresh(problem.program, x):  # a value f's captured program took changed: describe again
+        return None
+    p = again(problem, f, x, opts)
+    result_bytes = p.z.element_size() * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
+    free = _memory.available_bytes(p.device)
+    if not out_given and result_bytes > free:
+        return None  # decide raises the MemoryError
+    budget = opts.max_memory if opts.max_memory is not None else max(
+        0, int(_memory.DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
+    if decision.plan.workspace_bytes > budget:
+        return None
+    decision.budget = budget
+    return p, decision
+
+
+_OPTION_NAMES = ("wrt", "mode", "batched", "structure", "chunk_size", "max_memory", "create_graph", "flatten")
+_DEFAULTS: dict[str, Any] = dict(wrt="inputs", mode="auto", batched=True, structure="auto", chunk_size=None,
+                                 max_memory=None, create_graph=False, flatten=True)
+_transform.register(jacobian, _transform.Spec("jacobian", _prepare, _run, data=("out",), positional=False))
 
 
 def _flat_shape(p: Problem) -> tuple[int, ...]:

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from . import _checks
+from . import _checks, _profile
 from ._checks import Options
 from ._coupling import OPERATOR_WAYS_OUT
 from ._engines import capture as _capture
@@ -51,7 +51,7 @@ from ._jacobian import _options
 from ._problem import captured, connected, describe
 from ._rules import decompositions
 from ._rules.base import Unsupported
-from ._state import RngReplay, preserved_state
+from ._state import RngReplay, modules_of, preserved_state
 from ._structure import one_hot
 
 Fn = Callable[[Tensor], Tensor]
@@ -81,6 +81,7 @@ class Target:
     program: Optional[Program]  # the Taylor fast path applies when not None
     coupled: bool
     rng: Optional[RngReplay]
+    widest: int = 0  # the widest nn.Linear of a captured module (direction_chunks' default width)
 
     def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
         if self.program is not None:
@@ -154,41 +155,83 @@ def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create
 
 
 @contextlib.contextmanager
-def target(f: Fn, x: Tensor, opts: Options) -> Iterator[Target]:
+def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] = None,
+           key: Optional[tuple] = None) -> Iterator[Target]:
+    """The :class:`Target` of f at x; from f's profile for ``key`` when it has one (``_profile.py``),
+    else found (capture and its check, or ``describe`` with the coupling probe) and profiled."""
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     in_shape = tuple(x.shape[1:])
-    program, _ = captured(f, x) if opts.structure in ("auto", "independent") else (None, "")
-    if program is not None:  # independent samples and no state by construction: no probe needed
-        out_shape = _capture.check(program, f, x, _taylor.value)
-        assert isinstance(out_shape, tuple)
+    found = None if key is None else _profile.find(f, key)
+    if found is not None and not _profile.fresh(found.facts[0], x):  # a closure's value changed: capture again
+        _profile.forget(f, key)  # type: ignore[arg-type]
+        found = None
+    out_shape: tuple[int, ...]
+    if found is None:
+        program, _ = captured(f, x) if opts.structure in ("auto", "independent") else (None, "")
+        if program is not None:  # independent samples and no state by construction: no probe needed
+            checked = _capture.check(program, f, x, _taylor.value)
+            assert isinstance(checked, tuple)
+            out_shape = checked
+            widest = _widest(f)
+            if key is not None:
+                _profile.keep(f, key, _profile.Profile("target", (program, out_shape, False, False, widest)),
+                              modules or [])
+    else:
+        program, out_shape, coupled, random, widest = found.facts
+    if program is not None:
         with grad_mode:
             z = (x if opts.create_graph else x.detach()).reshape(x.shape[0], math.prod(in_shape))
             yield Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,
-                         out_shape=out_shape)
+                         out_shape=out_shape, widest=widest)
         return
-    with preserved_state(f), grad_mode:
-        p = describe(f, x, opts, OPERATOR_WAYS_OUT)
-        n_out = p.n_out
+    with preserved_state(f, modules), grad_mode:
+        if found is None:
+            p = describe(f, x, opts, OPERATOR_WAYS_OUT)
+            out_shape, coupled, random, z = p.out_shape, p.structure == "coupled", p.random, p.z
+            if key is not None:
+                _profile.keep(f, key, _profile.Profile("target", (None, out_shape, coupled, random, 0)), modules or [])
+        else:  # as describe's z: a copy (f may modify its input in place)
+            z = (x if opts.create_graph else x.detach()).clone().reshape(x.shape[0], math.prod(in_shape))
+        n_out = math.prod(out_shape)
         fn = lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)  # noqa: E731
-        yield Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, program=None,
-                      coupled=p.structure == "coupled", rng=RngReplay(p.device) if p.random else None)
+        yield Target(key=f, fn=fn, z=z, in_shape=in_shape, out_shape=out_shape, program=None,
+                     coupled=coupled, rng=RngReplay(x.device) if random else None)
 
 
 T = TypeVar("T")
 
 
 def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
-    """``body`` of the :class:`Target` of f; on ``Unsupported``, again on the generic path."""
+    """``body`` of the :class:`Target` of f; on ``Unsupported``, again on the generic path.
+
+    The target's facts (engine, shapes, coupling) are profiled per f and signature: they do not
+    depend on which operator asks, so all operators of the same f and x share one profile.
+    """
+    modules = modules_of(f)
+    key = _profile.key(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules)
     try:
-        with target(f, x, opts) as t:
+        with target(f, x, opts, modules, key) as t:
             return connected(body(t), f, x, opts.create_graph)
     except Unsupported as err:
+        _profile.forget(f, key)
         program = _capture.program_for(f)
         if not isinstance(program, Program):
             raise
         _capture.reject(program, x, str(err))
-    with target(f, x, opts) as t:
+    with target(f, x, opts, modules, key) as t:
         return connected(body(t), f, x, opts.create_graph)
+
+
+# the derivative operators' targets in profile keys: one token per structure and create_graph
+_TARGET_TOKEN = {(s, g): -1 - i for i, (s, g) in enumerate(
+    (s, g) for s in ("auto", "independent", "coupled", "diagonal") for g in (False, True))}
+
+
+def _widest(f: Any) -> int:
+    """The widest ``nn.Linear`` output of a module (0 for a plain function): a pass's widest tensor."""
+    if not isinstance(f, nn.Module):
+        return 0
+    return max([m.out_features for m in f.modules() if isinstance(m, nn.Linear)], default=0)
 
 
 def direction_chunks(t: Target, n: int, chunk_size: Optional[int],
@@ -197,9 +240,7 @@ def direction_chunks(t: Target, n: int, chunk_size: Optional[int],
     if t.coupled:
         return [range(n)], None if chunk_size is None else max(1, chunk_size // max(n, 1))
     if chunk_size is None:  # as many directions as fit the default budget
-        model = t.key if isinstance(t.key, nn.Module) and t.program is not None else nn.Module()
-        widths = [m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
-        width = max([*widths, math.prod(t.in_shape), math.prod(t.out_shape)])
+        width = max(t.widest, math.prod(t.in_shape), math.prod(t.out_shape))
         per_direction = t.z.shape[0] * width * t.z.element_size()
         chunk_size = max(1, (DEFAULT_PASS_BYTES if budget is None else budget) // max(per_direction, 1))
     step = max(1, min(n, chunk_size))

@@ -9,6 +9,7 @@ per-sample reverse strategy vectorises over the batch.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -115,26 +116,15 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
         )
     batch = x.shape[0] if batched else 1
     n_out = math.prod(out_shape)
-    keep = (lambda t: t) if opts.create_graph else (lambda t: t.detach())
     random = _has_random_layers(f)
 
     if opts.wrt == "inputs":
-        xin = keep(x).clone()  # f may modify its input in place (ReLU(inplace=True) first): never x
-        if structure == "diagonal":
-            z = xin
-            return Problem(kind="inputs", fn=f, z=z, batch=1, n_in=n_out, n_out=n_out,
-                           in_shape=tuple(x.shape), out_shape=out_shape, batched=batched, structure=structure, x=x, random=random)
-        in_shape = tuple(x.shape[1:]) if batched else tuple(x.shape)
-        n_in = math.prod(in_shape)
-        if batched:
-            z = xin.reshape(batch, n_in)
-            fn = lambda z: f(z.reshape(batch, *in_shape)).reshape(batch, n_out)  # noqa: E731
-        else:
-            z = xin.reshape(n_in)
-            fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
-        return Problem(kind="inputs", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,
-                       in_shape=in_shape, out_shape=out_shape, batched=batched, structure=structure, x=x, random=random,
-                       program=program, generic=why)
+        in_shape = tuple(x.shape) if structure == "diagonal" else tuple(x.shape[1:]) if batched else tuple(x.shape)
+        return _inputs_problem(f, x, opts, Problem(
+            kind="inputs", fn=f, z=x, batch=1 if structure == "diagonal" else batch,
+            n_in=n_out if structure == "diagonal" else math.prod(in_shape), n_out=n_out, in_shape=in_shape,
+            out_shape=out_shape, batched=batched, structure=structure, x=x, random=random, program=program,
+            generic=why))
 
     model = f
     assert isinstance(model, nn.Module)  # checked by check_param_selection
@@ -177,7 +167,7 @@ def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
 
 
 def facts(p: Problem) -> Problem:
-    """``p`` without its model, input and functions: what a cache may keep (``_calls.py``)."""
+    """``p`` without its model, input and functions: what a profile may keep (``_profile.py``)."""
     bound = p.model is not None and bound_values(p.model) is not None  # a dict's tensors are not kept
     return dataclasses.replace(p, fn=_gone, z=p.z.new_empty(0), x=p.x.new_empty(0), sample_fn=None,
                                subset_fn=None, model=None, tensors=[] if bound else p.tensors,
@@ -192,19 +182,39 @@ def _gone(z: Tensor) -> Tensor:
     raise RuntimeError("jacmode: the facts of a problem have no function; call again()")  # pragma: no cover
 
 
-def again(p: Problem, model: nn.Module, x: Tensor, opts: Options) -> Problem:
-    """The problem of a parameter call identical to the one ``p`` was made for, at a new ``x``.
+def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
+    """The problem of a call identical to the one ``p`` was made for, at a new ``x``.
 
-    ``x`` has the shape, dtype and device of that call's input, and ``model``'s flags and parameters
-    are those ``p`` was made for (see ``_calls.py``): what ``describe`` found still holds; only the
-    values change.
+    ``x`` has the shape, dtype and device of that call's input, and ``f``'s flags and parameters
+    are those ``p`` was made for (its profile's key, see ``_profile.py``): what ``describe``
+    found still holds; only the values change.
     """
+    if p.kind == "inputs":
+        return _inputs_problem(f, x, opts, p)
     names = [n for n, _ in p.params]
-    if bound_values(model) is not None:  # a dict's tensors: this call's (see _functional.py)
-        selected = _checks.check_param_selection(model, names)
-        return _params_problem(model, x, selected, opts,
-                               dataclasses.replace(p, probes=refreshed(p.probes, selected)))
-    return _params_problem(model, x, list(zip(names, p.tensors)), opts, p)
+    if bound_values(f) is not None:  # a dict's tensors: this call's (see _functional.py)
+        selected = _checks.check_param_selection(f, names)
+        return _params_problem(f, x, selected, opts, dataclasses.replace(p, probes=refreshed(p.probes, selected)))
+    return _params_problem(f, x, list(zip(names, p.tensors)), opts, p)
+
+
+def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem:
+    """The input problem at ``x``: flat values and the function of them; the rest from ``facts``."""
+    xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
+    p = copy.copy(facts)  # not dataclasses.replace: this runs on every repeated call
+    p.x = x
+    if facts.structure == "diagonal":
+        p.fn, p.z = f, xin
+        return p
+    batch, n_in, n_out, in_shape = facts.batch, facts.n_in, facts.n_out, facts.in_shape
+    if facts.batched:
+        z = xin.reshape(batch, n_in)
+        fn = lambda z: f(z.reshape(batch, *in_shape)).reshape(batch, n_out)  # noqa: E731
+    else:
+        z = xin.reshape(n_in)
+        fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
+    p.fn, p.z = fn, z
+    return p
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,

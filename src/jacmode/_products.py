@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from . import _args, _checks, _data, _losses
+from . import _args, _checks, _data, _losses, _profile
 from ._checks import Options, Wrt
 from ._coupling import PRODUCT_WAYS_OUT, probe
 from ._engines import layerio, probes
@@ -45,7 +45,7 @@ from ._planning.memory import DEFAULT_FRACTION, available_bytes
 from ._problem import _has_random_layers
 from ._rules.base import NotCovered
 from ._rules.embedding import forward_gap
-from ._state import preserved_state
+from ._state import modules_of, preserved_state
 from ._transforms import in_transform
 
 Memory = Optional[Union[int, float, str]]
@@ -282,15 +282,23 @@ def per_sample_grads(
     def losses(out: Tensor) -> Tensor:
         return _checks.check_losses(loss(out) if y is None else loss(out, y), out.shape[0])
 
-    with preserved_state(f), torch.no_grad():
-        _out_shape(f, x)
+    # ---- profile: the coverage and the split of the parameters, found once per signature ----
+    modules = modules_of(f)
+    key = _profile.key(_PSG_TOKEN, (x,), {"y": y, "loss": _loss_key(loss), "opts": opts}, modules)
+    found = _profile.find(f, key)
+    with preserved_state(f, modules), torch.no_grad():
+        if found is None:
+            _out_shape(f, x)
         if _losses.is_torch_loss(loss):  # torch's module -> its per-sample terms (see _losses.py)
             assert y is not None
             loss = _losses.per_sample(cast(nn.Module, loss), f(x), y)
-        cov = layerio.usable(f, x, selected)
-        if cov is not None and cov.uncovered and _has_random_layers(f):
-            cov = None  # two passes would draw two dropout masks
-        cols = columns(selected)
+        if found is None:
+            cov = layerio.usable(f, x, selected)
+            if cov is not None and cov.uncovered and _has_random_layers(f):
+                cov = None  # two passes would draw two dropout masks
+            cols = columns(selected)
+        else:
+            cov, cols, checked = found.facts
         flat = torch.empty(batch, n_params, dtype=dtype, device=x.device)  # never x's dtype: ids are int
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
@@ -298,15 +306,34 @@ def per_sample_grads(
                 _engine.per_sample_grads_layers(f, cov, x, losses, selected, flat)
             except NotCovered:
                 rest = selected
+                _profile.forget(f, key)
+                found = None
         if rest:
-            head = f(x[:1])
-            _checks.check_losses(loss(head) if y is None else loss(head, y[:1]), 1)
+            if found is None or not checked:
+                head = f(x[:1])
+                _checks.check_losses(loss(head) if y is None else loss(head, y[:1]), 1)
             n_rest = sum(p.numel() for _, p in rest)
             _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch, x.device))
+        if found is None and not (cov is not None and len(rest) == len(selected) and rest):
+            _profile.keep(f, key, _profile.Profile("per_sample_grads", (cov, cols, bool(rest))), modules)
     if flatten:
         return flat
     sizes = [p.numel() for p in params]
     return {n: t.reshape(batch, *p.shape) for n, t, p in zip(names, flat.split(sizes, dim=1), params)}
+
+
+_PSG_TOKEN = -100  # per_sample_grads' profiles: the options are in the key's call part
+
+
+def _loss_key(loss: Any) -> Any:
+    """A loss in a profile's key: its code for a Python function (a lambda written in a loop is a
+    new object per call, with the same code), its type and reduction for torch's loss modules."""
+    code = getattr(loss, "__code__", None)
+    if code is not None:
+        return code
+    if isinstance(loss, nn.Module):
+        return (type(loss), getattr(loss, "reduction", None))
+    return (type(loss), id(loss))
 
 
 def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chunk_size: Any,

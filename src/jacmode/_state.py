@@ -42,24 +42,62 @@ _KERNELS_LOCK = threading.Lock()
 _KERNELS: dict[str, Any] = {"users": 0, "fastpath": True, "sdpa": None}
 
 
-@contextlib.contextmanager
-def _transformable_kernels() -> Iterator[None]:
-    """Use only attention kernels that jvp and vmap can transform (see the note above)."""
-    with _KERNELS_LOCK:
-        if _KERNELS["users"] == 0:
-            _KERNELS["fastpath"] = torch.backends.mha.get_fastpath_enabled()
-            torch.backends.mha.set_fastpath_enabled(False)
-            _KERNELS["sdpa"] = contextlib.ExitStack()
-            _KERNELS["sdpa"].enter_context(sdpa_kernel([SDPBackend.MATH]))
-        _KERNELS["users"] += 1
-    try:
-        yield
-    finally:
+def _sdp_flags() -> list[tuple[Any, Any, bool]]:
+    """(getter, setter, wanted) of each backend flag of scaled_dot_product_attention: MATH only."""
+    import torch.nn.attention as attention
+
+    names = getattr(attention, "_backend_names", None)
+    if not isinstance(names, dict):
+        return []
+    out = []
+    for name, val in names.items():
+        get, put = getattr(torch._C, f"_get_{name}_sdp_enabled", None), getattr(torch._C, f"_set_sdp_use_{name}", None)
+        if get is None or put is None:
+            return []
+        out.append((get, put, getattr(SDPBackend, val) == SDPBackend.MATH))
+    return out
+
+
+_SDP_FLAGS = _sdp_flags()
+
+
+class _TransformableKernels:
+    """Use only attention kernels that jvp and vmap can transform (see the note above).
+
+    A class rather than a generator context (it runs on every call): the first user in saves the
+    flags and sets them, the last one out restores them; the others only count.
+    """
+
+    def __enter__(self) -> None:
+        with _KERNELS_LOCK:
+            if _KERNELS["users"] == 0:
+                _KERNELS["fastpath"] = torch.backends.mha.get_fastpath_enabled()
+                torch.backends.mha.set_fastpath_enabled(False)
+                if _SDP_FLAGS:
+                    _KERNELS["sdpa"] = [get() for get, _, _ in _SDP_FLAGS]
+                    for _, put, wanted in _SDP_FLAGS:
+                        put(wanted)
+                else:  # a torch without the flag functions: its own context
+                    _KERNELS["sdpa"] = contextlib.ExitStack()
+                    _KERNELS["sdpa"].enter_context(sdpa_kernel([SDPBackend.MATH]))
+            _KERNELS["users"] += 1
+
+    def __exit__(self, *exc: Any) -> None:
         with _KERNELS_LOCK:
             _KERNELS["users"] -= 1
             if _KERNELS["users"] == 0:
-                _KERNELS["sdpa"].close()
+                saved = _KERNELS["sdpa"]
+                if isinstance(saved, list):
+                    for (_, put, _), value in zip(_SDP_FLAGS, saved):
+                        put(value)
+                else:
+                    saved.close()
                 torch.backends.mha.set_fastpath_enabled(_KERNELS["fastpath"])
+
+
+def _transformable_kernels() -> _TransformableKernels:
+    """Use only attention kernels that jvp and vmap can transform (see the note above)."""
+    return _TransformableKernels()
 
 
 _MKLDNN: dict[str, Any] = {"users": 0, "enabled": True}
@@ -138,63 +176,103 @@ def _filled(cell: Any) -> bool:
     return True
 
 
-@contextlib.contextmanager
-def preserved_state(f: Any) -> Iterator[Optional[ModelView]]:
+def modules_of(f: Any) -> list[nn.Module]:
+    """``f.modules()`` for a module, else every module of those a plain function refers to
+    (:func:`used_modules`), each once: what :func:`preserved_state` guards."""
+    if isinstance(f, nn.Module):
+        found = [f]
+        _walk(f, found, {id(f)})
+        return found
+    return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
+
+
+def _walk(m: nn.Module, found: list[nn.Module], seen: set[int]) -> None:
+    """``m.modules()`` after m, in its order (pre-order, each module once), without the name
+    prefixes ``named_modules`` builds: it runs on every call."""
+    for child in m._modules.values():
+        if child is not None and id(child) not in seen:
+            seen.add(id(child))
+            found.append(child)
+            _walk(child, found, seen)
+
+
+def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None) -> "_Preserved":
     """Run a block and leave ``f`` exactly as found, even on error: ``f`` if it is an ``nn.Module``,
     else the modules it refers to (:func:`used_modules`: a lambda around a model, ``functional_call``).
 
+    ``modules``: :func:`modules_of` ``f`` when the caller has it already (one walk per call).
     Yields the :class:`ModelView` of the module (None when ``f`` is not a module).
     """
-    with _transformable_kernels():
-        if isinstance(f, nn.Module):
-            with _module_state(list(f.modules())) as view:
-                yield view
-        else:
-            found = {id(m): m for root in used_modules(f) for m in root.modules()}
-            with _module_state(list(found.values())):
-                yield None
+    return _Preserved(modules_of(f) if modules is None else modules, isinstance(f, nn.Module))
 
 
-@contextlib.contextmanager
-def _module_state(modules: list[nn.Module]) -> Iterator[ModelView]:
-    training = tuple(m.training for m in modules)
-    slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
-    params = list({id(p): p for _, _, p in slots if p is not None}.values())  # f.parameters(), in order
-    flags = tuple(p.requires_grad for p in params)
-    grads = [p.grad if p.is_leaf else None for p in params]  # non-leaf: a dict's tensor bound in (_functional.py)
-    buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
-    copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
-    versions = [b._version for _, _, b in buffers]
-    patched = []
-    for bn in modules:
-        if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.training and bn.track_running_stats:
-            patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
-            bn.running_mean = None
-            bn.running_var = None
-            bn.track_running_stats = False
-    try:
-        yield ModelView(modules, training, params, flags)
-    finally:
-        for bn, mean, var, count in patched:
+class _Preserved:
+    """The context of :func:`preserved_state` (see the note above): a class rather than generator
+    contexts, since every call of every entry point enters one."""
+
+    __slots__ = ("modules", "is_module", "kernels", "training", "slots", "params", "flags", "grads", "buffers",
+                 "copies", "versions", "patched")
+
+    def __init__(self, modules: list[nn.Module], is_module: bool) -> None:
+        self.modules, self.is_module = modules, is_module
+        self.kernels = _TransformableKernels()
+
+    def __enter__(self) -> Optional[ModelView]:
+        self.kernels.__enter__()
+        try:
+            return self._record()
+        except BaseException:
+            self.kernels.__exit__(None, None, None)
+            raise
+
+    def _record(self) -> Optional[ModelView]:
+        modules = self.modules
+        self.training = training = tuple(m.training for m in modules)
+        self.slots = slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
+        self.params = params = list({id(p): p for _, _, p in slots if p is not None}.values())  # f.parameters()
+        self.flags = flags = tuple(p.requires_grad for p in params)
+        self.grads = [p.grad if p.is_leaf else None for p in params]  # non-leaf: a dict's tensor bound in (_functional.py)
+        self.buffers = buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
+        self.copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
+        self.versions = [b._version for _, _, b in buffers]
+        patched: list[tuple[Any, Any, Any, Any]] = []
+        self.patched = patched
+        for bn in modules:
+            if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.training and bn.track_running_stats:
+                patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
+                bn.running_mean = None
+                bn.running_var = None
+                bn.track_running_stats = False
+        return ModelView(modules, training, params, flags) if self.is_module else None
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._restore()
+        finally:
+            self.kernels.__exit__(None, None, None)
+
+    def _restore(self) -> None:
+        for bn, mean, var, count in self.patched:
             bn.running_mean, bn.running_var, bn.num_batches_tracked = mean, var, count
             bn.track_running_stats = True
-        for m, flag in zip(modules, training):
+        for m, flag in zip(self.modules, self.training):
             if m.training != flag:  # nn.Module.__setattr__ is slow: only where a flag moved
                 m.training = flag
-        for m, name, p in slots:  # functional_call fails to restore a module registered twice
+        for m, name, p in self.slots:  # functional_call fails to restore a module registered twice
             if m._parameters.get(name) is not p:
                 m._parameters[name] = p
-        for p, flag, g in zip(params, flags, grads):
+        for p, flag, g in zip(self.params, self.flags, self.grads):
             if p.requires_grad != flag:
                 p.requires_grad_(flag)
             if p.is_leaf and p.grad is not g:
                 p.grad = g
-        with torch.no_grad():
-            for (m, name, b), copy, version in zip(buffers, copies, versions):
-                if m._buffers.get(name) is not b:
-                    m._buffers[name] = b
-                if b._version != version and copy is not None:
-                    b.copy_(copy)
+        if self.buffers:
+            with torch.no_grad():
+                for (m, name, b), copy, version in zip(self.buffers, self.copies, self.versions):
+                    if m._buffers.get(name) is not b:
+                        m._buffers[name] = b
+                    if b._version != version and copy is not None:
+                        b.copy_(copy)
 
 
 class RngReplay:

@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.func import functional_call, jvp, vjp, vmap
 
 from .._cache import WeakCache, rng_kept
-from .._errors import JacmodeWarning
+from .._errors import JacmodeWarning, user_stacklevel
 from .._problem import Problem
 from .._rules.embedding import forward_gap
 from .reverse import recording
@@ -216,7 +216,7 @@ def warn_once(caps: Caps, what: str, message: str) -> None:
     """A ``JacmodeWarning`` given once per function, key and gap."""
     if what not in caps.warned:
         caps.warned.add(what)
-        warnings.warn(message, JacmodeWarning, stacklevel=5)
+        warnings.warn(message, JacmodeWarning, stacklevel=user_stacklevel())
 
 
 _PERF = re.compile(r"performance drop because we have not yet implemented the batching rule for (\S+?)\.?\s")
@@ -239,5 +239,5 @@ def translated_warnings() -> Iterator[None]:
                 "at a time inside the vectorised pass: the result is right, only slower. "
                 "mode='autotune' measures whether the other mode is faster for this f.",
                 JacmodeWarning,
-                stacklevel=5,
+                stacklevel=user_stacklevel(),
             )

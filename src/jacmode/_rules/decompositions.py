@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, ContextManager, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -67,14 +67,10 @@ class _Decomposed(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def exact(active: bool = True) -> Iterator[None]:
-    """Within the block, the registered torch functions run as their decompositions."""
-    if not active:
-        yield
-        return
-    with _Decomposed():
-        yield
+def exact(active: bool = True) -> ContextManager[Any]:
+    """Within the block, the registered torch functions run as their decompositions (a no-op
+    context when not ``active``: it is entered on every call of the entry points)."""
+    return _Decomposed() if active else contextlib.nullcontext()
 
 
 def wanted(order: int = 1) -> bool:

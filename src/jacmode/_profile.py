@@ -1,0 +1,185 @@
+"""One profile per function and call signature: what the first call found, looked up by the next ones.
+
+NOTE: [Profiles]
+A training loop calls the same operator on the same model with inputs of the same shape thousands
+of times; everything a call *finds out* before it differentiates (the problem's facts, the coupling
+verdict, the captured program and its check, the probe coverage, the footprint, capabilities,
+plan, the derivative operators' engine choice, per_sample_grads' coverage) is the same every
+time. The first call per (function, signature) stores it in one :class:`Profile`; a later call
+with the same :func:`key` looks it up and only runs the engine, so a profile hit bypasses every
+first-call cache (``_coupling``, capture, coverage, footprint, fallback, autotune).
+
+The key is built in one place, :func:`key`, from
+
+* the transform's options (a small integer per distinct, validated set of options, ``token``),
+* the call's signature (:func:`call_signature`: shapes, dtypes, devices and ``requires_grad`` of
+  the tensors, names and hashable values of the other arguments; never a tensor's values),
+* the modules the function is made of (:func:`modules_key`): their identity and order, training
+  flags, the handles of their forward / backward hooks (a hook added later is a new key) and the
+  process-wide module hooks, dropout probabilities, every parameter's slot name, identity,
+  ``requires_grad``, dtype, shape and device, and every buffer's name, dtype, shape and device,
+* whether a ``torch.func`` transform is active, whether inference mode is on, and grad mode.
+
+A hit with a captured program also checks that the program is still fresh (:func:`fresh`: the
+Python values and tensors it took from f's closure, globals and modules, which the key does not
+name), as the capture cache itself does.
+
+Values never enter it: an optimizer step (in-place updates of the same parameters) keeps the
+profile. A profile holds the modules and parameters of its key, so that their ``id`` cannot be
+reused by new objects while the profile lives (f itself excepted: it is the weak key, and its
+``id`` cannot be reused while it lives); at most ``PER_FUNCTION`` profiles are kept per
+function (the oldest goes first). ``jm.clear_cache()`` forgets all of them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Hashable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as _module
+from torch.nn.modules.dropout import _DropoutNd
+
+from . import _functional
+from ._cache import WeakCache
+from ._transforms import in_transform
+
+PER_FUNCTION = 16
+_PROFILES = WeakCache("profiles")
+_LOCK = threading.Lock()  # keep / forget from several threads (a look-up needs none)
+
+
+@dataclass
+class Profile:
+    """What the first call of an entry point with a key found (see the note above).
+
+    Attributes:
+        op: the entry point's name ("jacobian", "partials", "per_sample_grads", ...).
+        facts: what that entry point needs to run again without describing: for ``jacobian`` the
+            problem's facts and the decision (plan), for the derivative operators the target's
+            engine choice and shapes, for ``per_sample_grads`` the coverage and the split.
+        holds: the modules and parameters of the key, kept alive so their ids stay unique.
+    """
+
+    op: str
+    facts: Any
+    holds: tuple[Any, ...] = ()
+
+
+def _value_key(v: Any) -> Hashable:
+    """A non-tensor argument in a key: itself when hashable, else its type and identity."""
+    try:
+        hash(v)
+    except TypeError:
+        return (type(v).__name__, id(v))
+    return (type(v), v)
+
+
+def tensor_key(t: Tensor) -> tuple[Any, ...]:
+    """What a profile may depend on of a tensor: never its values."""
+    return (t.shape, t.dtype, t.device, t.requires_grad, t.layout)
+
+
+def call_signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The call's arguments in a profile's key: one entry per positional argument, then the keywords.
+
+    Today every entry point takes one tensor x (and keyword arguments passed through to f); the
+    several-arguments work extends this one function (pytrees: their structure and each leaf).
+    """
+    out: list[Any] = [tensor_key(a) if isinstance(a, Tensor) else _value_key(a) for a in args]
+    for name in sorted(kwargs):
+        v = kwargs[name]
+        out.append((name, tensor_key(v) if isinstance(v, Tensor) else _value_key(v)))
+    return tuple(out)
+
+
+def _hooks(m: nn.Module) -> tuple[Any, ...]:
+    return (tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
+            tuple(m._backward_pre_hooks))
+
+
+def modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
+    """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note)."""
+    parts: list[Any] = []
+    add = parts.append
+    # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
+    # functional optimiser: they count by their place (slot, shape, dtype, device), not identity
+    bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    for m in modules:
+        add(id(m))
+        add(m.training)
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+            add(_hooks(m))
+        if isinstance(m, _DropoutNd):  # p = 0 or not: random layers or none (the problem's facts)
+            add(m.p)
+        params = m._parameters
+        if params:
+            add(tuple(params))
+            add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
+                                                p.shape, p.device) for p in params.values()]))
+        buffers = m._buffers
+        if buffers:
+            add(tuple(buffers))
+            add(tuple([None if b is None else (b.dtype, b.shape, b.device) for b in buffers.values()]))
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks):
+        add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
+             tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
+    return tuple(parts)
+
+
+def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]) -> tuple[Any, ...]:
+    """The one key of a profile (see the note): options, call signature, modules, modes."""
+    return (token, call_signature(args, kwargs), modules_key(modules), in_transform(),
+            torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+
+
+def fresh(program: Any, x: Tensor) -> bool:
+    """Whether a captured program a profile holds still serves inputs like ``x``: it reads what f
+    reads (the tensors and Python values it took from f's closure, globals and modules are
+    unchanged, ``_engines/bound.py``: a rebound name or a changed scalar is not in the key), and no
+    engine rejected it for this input signature since (``_engines/capture.reject``)."""
+    if program is None:
+        return True
+    if not isinstance(program.checked.get((tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
+        return False
+    return all(b.fresh() for b in (*program.bound, *program.guards))
+
+
+def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
+    """The profile of ``f`` for key ``k``, or None."""
+    hit = _PROFILES.get(f, k)
+    return hit if isinstance(hit, Profile) else None
+
+
+def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module]) -> None:
+    """Store ``profile`` for later calls of ``f`` with key ``k`` (at most ``PER_FUNCTION`` per f)."""
+    params = [p for m in modules for p in m._parameters.values() if p is not None]
+    profile.holds = (*(m for m in modules if m is not f), *params)  # never f: it is the weak key
+    with _LOCK:
+        try:
+            entries = _PROFILES._data.setdefault(f, {})
+        except TypeError:  # f cannot be weakly referenced: not profiled
+            return
+        if len(entries) >= PER_FUNCTION and k not in entries:
+            entries.pop(next(iter(entries)))
+        entries[k] = profile
+
+
+def forget(f: Any, k: tuple[Any, ...]) -> None:
+    """Drop the profile of ``f`` for ``k`` (an engine found its facts no longer hold)."""
+    with _LOCK:
+        try:
+            _PROFILES._data.get(f, {}).pop(k, None)
+        except TypeError:
+            pass
+
+
+def count(f: Any) -> int:
+    """How many profiles ``f`` has (for tests and ``repr``)."""
+    try:
+        return len(_PROFILES._data.get(f, {}))
+    except TypeError:
+        return 0

@@ -1,0 +1,375 @@
+"""Function transforms: an entry point and its options bound to f once, then called many times.
+
+NOTE: [Transforms and eager calls]
+``jm.transform(jm.jacobian, f, wrt="params")`` validates the options once and returns a
+:class:`Transformed`; calling it with f's input runs the entry point. Its first call per input
+signature profiles f (``_profile.py``); later ones look the profile up and run the engine. The
+eager calls (``jm.jacobian(f, x, ...)``) are thin wrappers over the same object: :func:`eager`
+keeps one :class:`Transformed` per function (weakly) and set of options, so both forms share one
+path and one profile. This is torch.func's convention (``jacrev(f)(x)``), with jacmode's options.
+
+Each entry point registers a :class:`Spec` (how to validate its options without x, and how to run
+it on a call); the entry points without a profiled path get a generic one that binds their
+options against their signature and calls them.
+
+The single place where ``compile=True`` plugs in is :meth:`Transformed._runner` (marked
+``COMPILE HOOK``): today it runs eagerly and says so with one ``JacmodeWarning`` per transform.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional
+
+from torch import Tensor, nn
+
+from ._errors import JacmodeWarning, user_stacklevel
+
+Run = Callable[["Transformed", Any, Tensor, dict[str, Any]], Any]  # (transform, f, x, data) -> result
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How an entry point runs as a transform.
+
+    Attributes:
+        name: the entry point's name.
+        prepare: options (a dict of the entry point's keyword options) -> the validated state that
+            ``run`` reads; raises the entry point's usual errors for bad options.
+        run: ``(transform, f, x, data)`` -> the entry point's result, where ``data`` holds the
+            per-call arguments named in ``data``; it reads the validated options as
+            ``transform.state`` and names its profiles with ``transform.token``.
+        data: per-call arguments of the entry point other than x (``out``, ``y``, ``x2``): given
+            by keyword to the transform's call, or (with ``positional``) positionally after x.
+        module: f must be an ``nn.Module`` (keyword arguments for f are then not supported yet).
+    """
+
+    name: str
+    prepare: Callable[[dict[str, Any]], Any]
+    run: Run
+    data: tuple[str, ...] = ()
+    module: bool = False
+    positional: bool = True
+
+
+_SPECS: dict[Any, Spec] = {}
+_TOKENS: dict[Hashable, int] = {}
+_FRESH = itertools.count(1 << 40)
+
+
+def register(op: Callable[..., Any], spec: Spec) -> None:
+    """Make ``op`` (a public entry point) transformable with ``spec``."""
+    _SPECS[op] = spec
+
+
+def _freeze(v: Any) -> Hashable:
+    """Options as a hashable value: lists and tuples recursively; anything unhashable raises TypeError."""
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(_freeze(e) for e in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, _freeze(e)) for k, e in v.items())))
+    if isinstance(v, Tensor):
+        raise TypeError("a tensor")
+    hash(v)
+    return (type(v), v)
+
+
+def _plain_values(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return all(_plain_values(e) for e in v)
+    return v is None or isinstance(v, (str, int, float, bool, type))
+
+
+def _token(name: str, options: dict[str, Any]) -> tuple[int, Optional[Hashable]]:
+    """A small integer naming the entry point and its options in profile keys (equal options share
+    it); a fresh one when the options hold unhashable values or tensors (never reused)."""
+    try:
+        frozen: Optional[Hashable] = (name, _freeze(options))
+    except TypeError:
+        return next(_FRESH), None
+    if not _plain_values(frozen):  # kept forever: only plain values (no loss modules, generators)
+        return next(_FRESH), frozen
+    token = _TOKENS.get(frozen)
+    if token is None:
+        token = _TOKENS[frozen] = len(_TOKENS)
+    return token, frozen
+
+
+_DATA = {"per_sample_grads": ("y",), "ggn": ("y",), "ntk": ("x2",), "operator": ("directions",)}
+_PRODUCTS = ("per_sample_grads", "ggn", "ntk")
+
+
+def _generic_spec(op: Callable[..., Any]) -> Spec:
+    """A spec for an entry point without a profiled transform of its own: validate the options
+    (those that need no input), then call the entry point (which uses the profiles inside)."""
+    sig = inspect.signature(op)
+    name = op.__name__
+    data = _DATA.get(name, ())
+
+    def prepare(options: dict[str, Any]) -> dict[str, Any]:
+        clash = [k for k in options if k in data]
+        if clash:
+            raise TypeError(f"transform({name}, f, ...): {clash[0]!r} is given per call, not as an option: "
+                            f"call the transform as t(x, {clash[0]}=...).")
+        try:
+            sig.bind(None, None, **options)
+        except TypeError as err:
+            raise _option_error(name, sig, options, err) from None
+        _validate(name, sig, options)
+        return options
+
+    def run(t: Transformed, f: Any, x: Tensor, data: dict[str, Any]) -> Any:
+        return op(f, x, **t.state, **data)
+
+    return Spec(name, prepare, run, data=data, module=name in _PRODUCTS)
+
+
+def _validate(name: str, sig: inspect.Signature, options: dict[str, Any]) -> None:
+    """The checks of ``name``'s options that need no input, with the entry point's own errors."""
+    from . import _checks
+    from ._operands import check_dims
+
+    given = {**{k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty},
+             **options}
+    if name in _PRODUCTS:
+        _checks.check_product_options(wrt=given.get("wrt", "params"), chunk_size=given.get("chunk_size"),
+                                      max_memory=given.get("max_memory"), flatten=given.get("flatten", True))
+        if name == "per_sample_grads":
+            _checks.check_loss(given["loss"])
+        return
+    if given.get("structure") != "sparse":
+        _checks.check_options(wrt="inputs", mode="forward", batched=True, structure=given.get("structure", "auto"),
+                              chunk_size=given.get("chunk_size"), create_graph=given.get("create_graph", False),
+                              flatten=True)
+    if name == "derivative":
+        order = given["order"]
+        if isinstance(order, bool) or not isinstance(order, int):
+            raise TypeError(f"order: expected a positive int, got {type(order).__name__} ({order!r}).")
+        if order < 1:
+            raise ValueError(f"order: expected a positive int, got {order}. Use 1 for dy/dt, 2 for d2y/dt2, ...")
+    if name == "partial":
+        check_dims(given["dims"], 1 << 62)
+    if name == "partials":
+        dims = given["dims"]
+        if not isinstance(dims, (list, tuple)) or not dims or any(isinstance(d, int) for d in dims):
+            raise TypeError(f"dims: expected a list of coordinate tuples, one per partial, e.g. [(0,), (1, 1)] "
+                            f"for u_t and u_xx, got {dims!r}.")
+        for d in dims:
+            check_dims(d, 1 << 62)
+
+
+def _option_error(name: str, sig: inspect.Signature, options: dict[str, Any], err: TypeError) -> TypeError:
+    params = list(sig.parameters.values())[2:]
+    known = [p.name for p in params]
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        return TypeError(f"transform({name}, f, ...): unknown option {unknown[0]!r}; {name} takes "
+                         f"{', '.join(known)}. Check the spelling (options are {name}'s keyword arguments).")
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in options]
+    if missing:
+        return TypeError(f"transform({name}, f, ...): missing option {missing[0]!r}, which {name} requires; "
+                         f"give it by keyword, e.g. transform({name}, f, {missing[0]}=...).")
+    return TypeError(f"transform({name}, f, ...): {err}")
+
+
+def _spec(op: Any) -> Spec:
+    spec = _SPECS.get(op)
+    if spec is not None:
+        return spec
+    from . import _ENTRY_POINTS  # the public entry points, known once the package is imported
+
+    if op not in _ENTRY_POINTS:
+        names = ", ".join(sorted(o.__name__ for o in _ENTRY_POINTS))
+        raise TypeError(f"op: expected one of jacmode's entry points ({names}), got "
+                        f"{getattr(op, '__name__', type(op).__name__)!r}. Pass the function itself, "
+                        "e.g. jm.transform(jm.jacobian, f, wrt='params').")
+    spec = _SPECS[op] = _generic_spec(op)
+    return spec
+
+
+class Transformed:
+    """An entry point bound to a function and its options; call it with f's input.
+
+    Built by :func:`transform` (or :func:`jacfn`). Calling it with ``x`` (and the entry point's
+    per-call data, e.g. ``out=`` for jacobian, ``y`` for per_sample_grads) runs the entry point,
+    exactly as the eager call with the same options would; other keyword arguments are passed to
+    f. The first call per input signature profiles f; later calls only run the engine.
+
+    Attributes:
+        op: the entry point's name. f: the function. options: the options given.
+        compile: whether ``compile=True`` was asked (see the note in ``_transform.py``).
+    """
+
+    def __init__(self, spec: Spec, f: Any, options: dict[str, Any], compile: bool, strong: bool = True) -> None:
+        self._spec = spec
+        self.state = spec.prepare(dict(options))
+        self.token, self._frozen = _token(spec.name, options)
+        self.options = dict(options)
+        self.compile = compile
+        self.op = spec.name
+        self._f: Any = f if strong else None
+        self._run = self._runner()
+
+    @property
+    def f(self) -> Any:
+        return self._f
+
+    def _runner(self) -> Run:
+        run = self._spec.run
+        if not self.compile:
+            return run
+        # ---- COMPILE HOOK: the compile helper's ``compiled(fn, backend)`` plugs in here ----
+        warnings.warn(f"jacmode: transform({self.op}, ..., compile=True): compiling is not available in this "
+                      "build yet; the transform runs eagerly (same results).", JacmodeWarning,
+                      stacklevel=user_stacklevel())
+        return run
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.call(self._f, args, kwargs)
+
+    def call(self, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the entry point on ``f`` (the eager wrappers pass f, which they hold weakly)."""
+        spec = self._spec
+        if not args:
+            raise TypeError(f"{self.op}: the transformed function takes f's input x as its first argument, got none.")
+        data: dict[str, Any] = {}
+        if len(args) > 1:
+            if len(args) - 1 > (len(spec.data) if spec.positional else 0):
+                raise TypeError(
+                    f"{self.op}: the transformed function takes one input x"
+                    f"{' and ' + ', '.join(spec.data) if spec.data and spec.positional else ''}, got {len(args)} positional "
+                    "arguments. Pass the other arguments of f by keyword, or through a closure.")
+            data.update(zip(spec.data, args[1:]))
+        if kwargs:
+            for name in spec.data:
+                if name in kwargs:
+                    data[name] = kwargs.pop(name)
+        if kwargs:
+            f = _bind(self.op, spec, self.state, f, kwargs)
+        return self._run(self, f, args[0], data)
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+        name = getattr(self._f, "__name__", type(self._f).__name__)
+        return f"transform({self.op}, {name}{', ' if opts else ''}{opts}{', compile=True' if self.compile else ''})"
+
+
+def _bind(op: str, spec: Spec, state: Any, f: Any, kwargs: dict[str, Any]) -> Any:
+    """f with keyword arguments bound (torch.func's ``jacrev(f)(x, mask=m)``)."""
+    if spec.module or isinstance(f, nn.Module) and getattr(getattr(state, "opts", None), "wrt", "") == "params":
+        raise TypeError(f"{op}: keyword arguments for f ({', '.join(kwargs)}) are not supported for this entry "
+                        "point yet (it needs the module itself); bind them in a wrapper module.")
+    return functools.partial(f, **kwargs)
+
+
+def transform(op: Callable[..., Any], f: Any, *, compile: bool = False, **options: Any) -> Transformed:
+    """Bind a jacmode entry point and its options to ``f``; the result is called with f's input.
+
+    The options are the entry point's keyword options, validated here once (positional
+    parameters such as partial's ``dims`` or derivative's ``order`` are given by keyword too).
+    The first call per input signature (shapes, dtypes, devices, the model's flags, parameters
+    and hooks) profiles f; later calls look the profile up and run only the engine, so a training
+    loop pays the planning once. Keyword arguments of the call named like the entry point's
+    per-call data (``out`` for jacobian, ``y`` for per_sample_grads and ggn, ``x2`` for ntk) go
+    to it, the others to f.
+
+    Args:
+        op: one of jacmode's entry points (``jm.jacobian``, ``jm.partials``, ``jm.laplacian``,
+            ``jm.per_sample_grads``, ...).
+        f: the function or ``nn.Module`` to differentiate.
+        compile: ask for a compiled engine; accepted and stored, runs eagerly with a
+            ``JacmodeWarning`` in this build.
+        **options: the entry point's options, e.g. ``wrt="params"`` or ``dims=[(0,), (1, 1)]``.
+
+    Returns:
+        A :class:`Transformed`: ``t(x)`` returns what ``op(f, x, **options)`` returns.
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        >>> jac = jm.transform(jm.jacobian, net, wrt="params")
+        >>> x = torch.randn(4, 3)
+        >>> jac(x).shape                                  # (B, Y, P)
+        torch.Size([4, 2, 50])
+        >>> torch.equal(jac(x), jm.jacobian(net, x, wrt="params"))
+        True
+        >>> u_t, u_xx = jm.transform(jm.partials, net, dims=[(0,), (1, 1)])(x)
+        >>> u_t.shape
+        torch.Size([4, 2])
+    """
+    spec = _spec(op)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile: expected True or False, got {type(compile).__name__} ({compile!r}).")
+    from ._checks import check_function
+
+    check_function(f)
+    return Transformed(spec, f, options, compile)
+
+
+def jacfn(f: Any, *, compile: bool = False, **options: Any) -> Transformed:
+    """``transform(jacobian, f, **options)``: the per-sample Jacobian of f as a function of x.
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> jac = jm.jacfn(torch.sin)
+        >>> x = torch.zeros(2, 3)
+        >>> jac(x).shape                                  # (B, *out, *in)
+        torch.Size([2, 3, 3])
+    """
+    from ._jacobian import jacobian
+
+    return transform(jacobian, f, compile=compile, **options)
+
+
+_EAGER: "weakref.WeakKeyDictionary[Any, dict[Hashable, Transformed]]" = weakref.WeakKeyDictionary()
+_EAGER_PER_FUNCTION = 32
+
+
+def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transformed:
+    """The :class:`Transformed` an eager call runs (one per function, weakly, and set of options).
+
+    It holds f weakly (the eager call passes f to :meth:`Transformed.call`); the options are
+    validated when it is made, so a repeated call validates only its input.
+    """
+    spec = _SPECS[op]
+    values = tuple(options.values())  # the front passes every option, always in the same order
+    frozen: Optional[Hashable] = (spec.name, values, tuple(map(type, values)))  # types: 1 is not True
+    try:
+        hash(frozen)
+    except TypeError:  # a list of parameter names, say
+        try:
+            frozen = (spec.name, _freeze(options))
+        except TypeError:
+            frozen = None
+    if frozen is not None:
+        try:
+            hit = _EAGER.get(f)
+        except TypeError:
+            hit = None
+        if hit is not None:
+            t = hit.get(frozen)
+            if t is not None:
+                return t
+    from ._checks import check_function
+
+    check_function(f)
+    t = Transformed(spec, None, options, False, strong=False)
+    if frozen is not None:
+        try:
+            entries = _EAGER.setdefault(f, {})
+        except TypeError:
+            return t
+        if len(entries) >= _EAGER_PER_FUNCTION:
+            entries.pop(next(iter(entries)))
+        entries[frozen] = t
+    return t
+
+
+def clear() -> None:
+    """Forget the eager calls' transforms (``jm.clear_cache``)."""
+    _EAGER.clear()
