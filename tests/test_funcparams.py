@@ -20,7 +20,7 @@ from torch.func import functional_call, grad, jacfwd, jacrev, stack_module_state
 from torch.utils._pytree import tree_leaves
 
 import jacmode as jm
-from jacmode import _calls, _problem
+from jacmode import _problem, _profile
 from jacmode._engines import layerio
 from _zoo_models import one_intra_op_thread  # noqa: F401 -- tiny tensors: one thread
 from conftest import assert_unchanged, snapshot
@@ -399,7 +399,7 @@ def test_cache_entries_do_not_grow_with_new_dicts() -> None:
         jm.jacobian(net, x, wrt=p)
         jm.per_sample_grads(net, x, lambda o, t: ((o - t) ** 2).sum(1), y=y, wrt=p)
         counts.append((sum(1 for _ in _problem._COVERAGE.items()), sum(1 for _ in layerio._COVERAGE.items()),
-                       sum(1 for _ in _calls._CALLS.items())))
+                       sum(1 for _ in _profile._PROFILES.items())))
     assert counts[0] == counts[-1]
     # a repeated call with a new dict reuses the problem's facts (no describe), reading the new tensors
     described: list[int] = []
@@ -417,7 +417,8 @@ def test_cache_entries_do_not_grow_with_new_dicts() -> None:
     finally:
         _jac.describe = orig  # type: ignore[assignment]
     assert described == []
-    held = [t for _, _, (facts, _) in _calls._CALLS.items() for t in facts.tensors]
+    held = [t for _, _, prof in _profile._PROFILES.items() if prof.op == "jacobian"
+            for t in (*prof.facts[0].tensors, *prof.holds)]
     assert not any(t is q for t in held for q in p.values())  # the cache keeps no dict's tensors
 
 

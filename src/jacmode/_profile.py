@@ -156,7 +156,8 @@ def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
 
 def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module]) -> None:
     """Store ``profile`` for later calls of ``f`` with key ``k`` (at most ``PER_FUNCTION`` per f)."""
-    params = [p for m in modules for p in m._parameters.values() if p is not None]
+    bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    params = [p for m in modules for p in m._parameters.values() if p is not None and id(p) not in bound]
     profile.holds = (*(m for m in modules if m is not f), *params)  # never f: it is the weak key
     with _LOCK:
         try:
