@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from . import _checks
+from ._args import Flat, inputs, rows_of, take
 from ._checks import Options
 from ._coupling import OPERATOR_WAYS_OUT
 from ._engines import capture as _capture
@@ -81,6 +82,23 @@ class Target:
     program: Optional[Program]  # the Taylor fast path applies when not None
     coupled: bool
     rng: Optional[RngReplay]
+    source: Any = None  # the flat function of a call of several arguments (``_args.Flat``), else None
+
+    @contextlib.contextmanager
+    def rows(self, start: int, stop: int) -> Iterator[None]:
+        """Within: ``fn`` and ``program`` are those of the samples [start, stop), so that batched
+        riders (``_args.take``) follow a chunk of samples."""
+        if rows_of(self.source) is None or (start == 0 and stop >= self.z.shape[0]):
+            yield
+            return
+        saved = self.fn, self.program
+        sub = take(self.source, slice(start, stop))
+        self.fn = _flat_fn(sub, self.in_shape, math.prod(self.out_shape)) if self.program is None else sub
+        self.program = None if self.program is None else self.program.bind(inputs(sub))
+        try:
+            yield
+        finally:
+            self.fn, self.program = saved
 
     def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
         if self.program is not None:
@@ -120,7 +138,7 @@ class Target:
         if not self.coupled:
             if width >= batch:
                 return compute(self.z, None)
-            return torch.cat([compute(self.z[s : s + width], None) for s in range(0, batch, width)], -2)
+            return torch.cat([self.chunk(compute, s, s + width) for s in range(0, batch, width)], -2)
         blocks = []
         for s in range(0, batch, width):
             e = min(batch, s + width)
@@ -129,6 +147,16 @@ class Target:
             k = torch.arange(e - s, device=out.device)
             blocks.append(out.movedim(-2, 1)[k, s + k].movedim(0, -2))  # (*lead, e - s, Y)
         return torch.cat(blocks, -2)
+
+
+    def chunk(self, compute: Callable[..., Tensor], start: int, stop: int, *extra: Any) -> Tensor:
+        """``compute(z[start:stop], None, *extra)`` with the riders of those samples."""
+        with self.rows(start, stop):
+            return compute(self.z[start:stop], None, *extra)
+
+
+def _flat_fn(f: Any, in_shape: tuple[int, ...], n_out: int) -> Fn:
+    return lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)
 
 
 def _order(name: str, args: tuple[Any, ...]) -> int:
@@ -164,14 +192,13 @@ def target(f: Fn, x: Tensor, opts: Options) -> Iterator[Target]:
         with grad_mode:
             z = (x if opts.create_graph else x.detach()).reshape(x.shape[0], math.prod(in_shape))
             yield Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,
-                         out_shape=out_shape)
+                         out_shape=out_shape, source=f if isinstance(f, Flat) else None)
         return
     with preserved_state(f), grad_mode:
         p = describe(f, x, opts, OPERATOR_WAYS_OUT)
-        n_out = p.n_out
-        fn = lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)  # noqa: E731
-        yield Target(key=f, fn=fn, z=p.z, in_shape=in_shape, out_shape=p.out_shape, program=None,
-                      coupled=p.structure == "coupled", rng=RngReplay(p.device) if p.random else None)
+        yield Target(key=f, fn=_flat_fn(f, in_shape, p.n_out), z=p.z, in_shape=in_shape, out_shape=p.out_shape,
+                     program=None, coupled=p.structure == "coupled", rng=RngReplay(p.device) if p.random else None,
+                     source=f if isinstance(f, Flat) else None)
 
 
 T = TypeVar("T")

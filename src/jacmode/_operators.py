@@ -177,7 +177,7 @@ def _per_sample(t: Target, opts: Options, compute: Callable[[Tensor, Optional[Te
     width = batch if opts.chunk_size is None else max(1, opts.chunk_size)
     if batch == 0:
         return t.z.new_zeros(0, math.prod(t.out_shape))
-    blocks = [compute(t.z[s : s + width], None, slice(s, s + width)) for s in range(0, batch, width)]
+    blocks = [t.chunk(compute, s, s + width, slice(s, s + width)) for s in range(0, batch, width)]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
@@ -365,7 +365,7 @@ def _per_sample_pairs(t: Target, opts: Options, compute: Callable[[Tensor, Optio
     if t.coupled:
         return t.over_samples(opts.chunk_size, (2,), lambda z, s: compute(z, s, slice(None)))
     width = batch if opts.chunk_size is None else max(1, opts.chunk_size)
-    blocks = [compute(t.z[s : s + width], None, slice(s, s + width)) for s in range(0, batch, width)]
+    blocks = [t.chunk(compute, s, s + width, slice(s, s + width)) for s in range(0, batch, width)]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
 
 

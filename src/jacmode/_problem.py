@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import _checks
+from ._args import inputs
 from ._cache import WeakCache, problem_key
 from ._checks import Options
 from ._coupling import WAYS_OUT, probe
@@ -78,7 +79,7 @@ def captured(f: Any, x: Tensor) -> tuple[Optional[_capture.Program], str]:
     if isinstance(program, str):
         return None, program
     checked = _capture.check(program, f, x, _taylor.value)
-    return (program, "") if isinstance(checked, tuple) else (None, checked)
+    return (program.bind(inputs(f)), "") if isinstance(checked, tuple) else (None, checked)
 
 
 def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: str = WAYS_OUT) -> Problem:

@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .._args import Flat, traced_body
 from .._cache import WeakCache
 from .._rules.base import Traced
 from .._rules.table import META, lookup
@@ -53,6 +54,15 @@ class _FnRoot(nn.Module):
 
     def forward(self, x: Tensor) -> Any:
         return self.fn(x)
+
+
+class _FlatRoot(_FnRoot):
+    """The root a call of several arguments (``_args.Flat``) is traced in: its forward takes the flat
+    input and the riders, so that a run reads the riders it is bound to (``Program.bind``), never the
+    values seen at capture time."""
+
+    def forward(self, z: Tensor, riders: Any) -> Any:  # type: ignore[override]
+        return self.fn(z, riders)
 
 
 def _used_modules(fn: Any) -> list[nn.Module]:
@@ -86,12 +96,13 @@ def program_for(f: Any) -> Union[Program, str]:
     """The captured program of ``f``, or why there is none (cached; see the note)."""
     if _global_hooks():
         return "global module hooks are registered"
-    if isinstance(f, nn.Module):
-        modules = list(f.modules())
-    elif callable(f) and hasattr(f, "__code__"):
-        modules = [m for u in _used_modules(f) for m in u.modules()]
+    user = f.f if isinstance(f, Flat) else f
+    if isinstance(user, nn.Module):
+        modules = list(user.modules())
+    elif callable(user) and hasattr(user, "__code__"):
+        modules = [m for u in _used_modules(user) for m in u.modules()]
     else:
-        return f"{type(f).__name__} is not a module or a Python function"
+        return f"{type(user).__name__} is not a module or a Python function"
     hooked = next((type(m).__name__ for m in modules if _hooked(m)), None)
     if hooked is not None:
         return f"{hooked} has hooks"
@@ -211,8 +222,14 @@ def _in_place(node: fx.Node) -> bool:
 
 
 def _capture(f: Any) -> Union[Program, str]:
-    root = f if isinstance(f, nn.Module) else _FnRoot(f, _used_modules(f))
-    watch, (found, closure_guards) = Watch(), sources(f)
+    flat = isinstance(f, Flat)
+    if flat:
+        user = f.f
+        root: nn.Module = _FlatRoot(traced_body(f.call), [user] if isinstance(user, nn.Module) else _used_modules(user))
+    else:
+        user = f
+        root = f if isinstance(f, nn.Module) else _FnRoot(f, _used_modules(f))
+    watch, (found, closure_guards) = Watch(), sources(user)
     guards: list[Any] = list(closure_guards)
     own = {id(t): name for name, t in [*root.named_parameters(), *root.named_buffers()]}
     try:
@@ -225,6 +242,7 @@ def _capture(f: Any) -> Union[Program, str]:
     steps: list[Step] = []
     ops: list[str] = []
     output: Any = None
+    riders_step = None
 
     def ref(a: Any) -> Any:
         return fx.node.map_arg(a, lambda n: Ref(slots[n]))  # type: ignore[arg-type, return-value]
@@ -235,9 +253,13 @@ def _capture(f: Any) -> Union[Program, str]:
                 slots[node] = 0
                 traced.add(node)
                 continue
-            if not node.args:  # a second required argument
+            if flat and riders_step is None:  # the riders: an input of every run (Program.bind)
+                steps.append(Step(_unbound, (), {}, False, node.name))
+                riders_step = len(steps) - 1
+            elif not node.args:  # a second required argument
                 return f"forward takes more than one tensor argument ({node.target!r})"
-            steps.append(Step(lambda v=node.args[0]: v, (), {}, False, node.name))
+            else:
+                steps.append(Step(lambda v=node.args[0]: v, (), {}, False, node.name))
         elif node.op == "output":
             output = ref(node.args[0])
             break
@@ -278,7 +300,13 @@ def _capture(f: Any) -> Union[Program, str]:
         leaves |= {id(root), id(root.used)}
         del root.fn
     guards += [Attributes(m) for m in root.modules() if id(m) not in leaves]  # traced through: values frozen
-    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound, guards=guards)
+    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound, guards=guards,
+                   riders_step=riders_step)
+
+
+def _unbound() -> Any:
+    raise RuntimeError("jacmode internal error: the captured program of a call with riders ran without "
+                       "them (Program.bind was not called; report this)")
 
 
 def _binding(value: Tensor, found: dict[int, Any], own: dict[int, str], watch: Watch,
