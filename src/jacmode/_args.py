@@ -347,6 +347,32 @@ class Call:
             return per_out[0]
         return tree_unflatten(per_out, self.out_spec)
 
+    def hessian(self, flat: Tensor) -> Any:
+        """The flat per-sample Hessian (B, Y, D, D) in torch.func's layout (``hessian(f, argnums)``
+        under vmap): per output leaf, for an int argnums the input pytree of input pytrees, for a
+        tuple the tuple (argnum i) of input pytrees of tuples (argnum j) of input pytrees, each
+        block (B, *out_leaf, *in_i_leaf, *in_j_leaf)."""
+        lead = (flat.shape[0],)
+        self._ensure()
+        per_out = []
+
+        def inner(rows: Tensor, s_y: tuple[int, ...], li: Leaf) -> Any:
+            per_arg = []
+            for a in self.argnums:
+                blocks = [rows[..., li.lo:li.lo + li.size, lj.lo:lj.lo + lj.size].reshape(*lead, *s_y, *li.shape, *lj.shape)
+                          for lj in self.diff if lj.arg == a]
+                per_arg.append(tree_unflatten(blocks, self.diff_specs[a]))
+            return per_arg[0] if self.int_argnums else tuple(per_arg)
+
+        for lo_y, n_y, s_y in self._out_blocks():
+            rows = flat[:, lo_y:lo_y + n_y]
+            per_arg = [tree_unflatten([inner(rows, s_y, li) for li in self.diff if li.arg == a], self.diff_specs[a])
+                       for a in self.argnums]
+            per_out.append(per_arg[0] if self.int_argnums else tuple(per_arg))
+        if self.single_output():
+            return per_out[0]
+        return tree_unflatten(per_out, self.out_spec)
+
     def aux(self) -> Any:
         """The auxiliary output of ``has_aux=True`` at the call's arguments (one more call of f)."""
         pos, kw = tree_unflatten(list(self.leaves), self.args_spec)
@@ -673,13 +699,17 @@ def legacy_trailing(f: Any, args: tuple[Any, ...], given: bool, looks: Callable[
     ``dims``, ``terms`` given positionally, as before several arguments) from ``ep(f, *args)``.
 
     The last positional argument is read as ``option`` when it is not given by keyword, there are
-    exactly two positional arguments, the last one looks like the option and holds no tensor, and f
-    takes one positional argument (or its signature is unknown). When f takes more, the call is
+    exactly two positional arguments, and f takes one positional argument (or its signature is
+    unknown and the last one looks like the option, with no tensor but a term's coefficient). When f takes more, the call is
     ambiguous: a clear error asks for the keyword. Returns (args, the option or None).
     """
-    if given or len(args) != 2 or not looks(args[1]) or any(isinstance(v, Tensor) for v in tree_flatten(args[1])[0]):
+    if given or len(args) != 2:
         return args, None
     one = accepts_one(f)
+    if one is True:  # f takes one argument: the last one is the option, whatever it is (checked later)
+        return args[:1], args[1]
+    if not looks(args[1]) or (option != "terms" and any(isinstance(v, Tensor) for v in tree_flatten(args[1])[0])):
+        return args, None
     if one is False:
         raise TypeError(
             f"{option}: ambiguous call: f takes several positional arguments, and the last argument "
@@ -728,3 +758,83 @@ def resolve(call: Call, coords: Sequence[Any], name: str) -> tuple[Any, ...]:
     if call.simple:
         return tuple(coords)
     return tuple(call.coordinate(c, name) for c in coords)
+
+
+# ---- parameters of a module called with several arguments ------------------------------------------
+_ROWS_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Call]" = weakref.WeakKeyDictionary()
+_SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+
+
+def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
+    """forward of :func:`module_of_rows`: the model's own forward on the arguments of samples ``rows``."""
+    call = _ROWS_OF[self]
+    leaves = list(call.leaves)
+    for j, r in call.riders.items():
+        if r.batched:
+            leaves[j] = r.value.index_select(0, rows.to(r.value.device))
+    pos, kw = tree_unflatten(leaves, call.args_spec)
+    out = type(call.f).forward(self, *pos, **kw)
+    return call.flat_output(out, rows.shape[0] if call.batched else None)
+
+
+def params_call(f: Any, args: tuple[Any, ...], kwargs: Any, *, in_dims: Any, has_aux: bool,
+                batched: bool) -> Call:
+    """The call ``model(*args, **kwargs)`` differentiated with respect to the model's parameters.
+
+    Every argument is passed through (batched along dim 0 or broadcast, as ``in_dims`` says). The
+    engines get ``call.fn``, the model seen as a function of sample indices (:func:`module_of_rows`),
+    and ``call.x``, the indices 0..B-1 (unbatched: [0]): every engine that evaluates a sample, a
+    chunk of samples or a probe on a few selects their arguments by the indices it passes, also
+    under vmap. Parameter names, hooks, flags and state are the model's own (shared, not copied).
+    """
+    if not isinstance(f, torch.nn.Module):
+        raise TypeError(
+            f"f: wrt='params' differentiates the parameters of an nn.Module, got {type(f).__name__}. Pass the "
+            "model itself.")
+    if len(args) == 1 and isinstance(args[0], (tuple, list)) and any(isinstance(v, Tensor) for v in tree_flatten(args[0])[0]):
+        raise TypeError(
+            f"x: got a {type(args[0]).__name__} of {len(args[0])} items, which jm.jacobian(model, x, wrt='params') "
+            "would pass to the model as one argument. For a model of several arguments pass them separately: "
+            "jm.jacobian(model, x, mask, wrt='params') (in_dims says which are batched with the samples). A tuple "
+            "or list of tensors is not read as a data set either: pass data sets as an iterable of batches such as "
+            "a DataLoader to jm.jacobians (see docs/datasets.md).")
+    call = describe_call(f, tuple(args), kwargs, argnums=0, in_dims=in_dims, has_aux=has_aux, batched=batched,
+                         floating=False)
+    for leaf in call.diff:  # the first argument is passed through too
+        call.riders[leaf.index] = Rider(call.leaves[leaf.index], batched=batched)
+    call.diff, call.simple = [], False
+    device = call.leaves[next(iter(call.riders))].device if call.riders else torch.device("cpu")
+    call.fn = module_of_rows(call)
+    call.x = torch.arange(call.batch if batched else 1, device=device)
+    return call
+
+
+def module_of_rows(call: Call) -> torch.nn.Module:
+    """The model as a module of sample indices: same parameters, buffers, submodules, hooks and
+    flags (its ``__dict__`` is the model's), a forward that selects the arguments of the samples
+    asked and runs the model's own forward on them."""
+    model = call.f
+    base = type(model)
+    cls = _SUBCLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (base,), {"forward": _forward_rows, "__module__": base.__module__,
+                                            "__qualname__": base.__qualname__})
+        _SUBCLASSES[base] = cls
+    h = base.__new__(cls)
+    object.__setattr__(h, "__dict__", model.__dict__)
+    _ROWS_OF[h] = call
+    return h
+
+
+def params_layout(call: Call, result: Any, flatten: bool) -> Any:
+    """A parameter Jacobian of :func:`params_call` in f's output pytree: (B, Y, P) as it is (Y the
+    outputs concatenated); with flatten=False, per output leaf a dict name -> (B, *out_leaf, *param)."""
+    if flatten or call.single_output():
+        return result
+    lead = (result[next(iter(result))].shape[0],) if call.batched else ()
+    per_out = []
+    for lo, n, s in call._out_blocks():
+        per_out.append({name: blk.reshape(*lead, -1, *blk.shape[len(lead) + 1:])[:, lo:lo + n].reshape(
+            *lead, *s, *blk.shape[len(lead) + 1:]) if call.batched else blk[lo:lo + n].reshape(*s, *blk.shape[1:])
+            for name, blk in result.items()})
+    return tree_unflatten(per_out, call.out_spec)

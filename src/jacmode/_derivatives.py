@@ -169,13 +169,15 @@ def _front(f: Any, args: tuple[Any, ...], kwargs: Any, argnums: Any, in_dims: An
 
 def _coords(dims: Any) -> list[Any]:
     """The coordinates of one ``dims`` entry, as given (for naming arguments)."""
-    if isinstance(dims, (str, int)) or (isinstance(dims, tuple) and len(dims) == 2 and isinstance(dims[0], str)
-                                        and isinstance(dims[1], int)):
+    if isinstance(dims, (str, bytes)):
+        check_dims(dims, 1)  # the error for dims that are not a tuple of coordinates
+    if isinstance(dims, int):
         return [dims]
     try:
         return list(dims)
     except TypeError:
-        return []
+        check_dims(dims, 1)
+        raise
 
 
 def _is_dims(v: Any) -> bool:
@@ -359,21 +361,30 @@ def partials(
 
 
 def hessian(
-    f: Fn,
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> Tensor:
+) -> Any:
     """Per-sample Hessian of every output with respect to the sample's input.
 
     Computes the D (D + 1) / 2 distinct second derivatives (Taylor mode or nested forward mode,
     vectorised over the pairs) and mirrors them.
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in)) to (B, *out).
-        x: the batch of points.
+        f: maps x of shape (B, D) (or (B, *in)) to (B, *out); or any f(*args).
+        *args: x, the batch of points; or all of f's positional arguments.
+        argnums: the differentiated positional arguments (an int or a tuple, torch.func's
+            convention); the others are passed through.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples) or
+            None (broadcast); for all, per positional argument (a tuple), or by name (a dict).
+        kwargs: keyword arguments for f, passed through.
+        has_aux: f returns ``(output, aux)``; the result is then ``(hessian, aux)``.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work);
             "sparse": x is one point and f scalar, the (N, N) sparse CSR Hessian from one
@@ -384,6 +395,9 @@ def hessian(
 
     Returns:
         Shape (B, *out, D, D) (or (B, *out, *in, *in)); (N, N) sparse for structure="sparse".
+        Several arguments: torch.func's layout of ``vmap(hessian(f, argnums))``, e.g. for
+        ``argnums=(0, 1)`` the nested tuple ``((H_xx, H_xt), (H_tx, H_tt))``, H_xt of shape
+        (B, *out, *x_in, *t_in).
 
     Example:
         >>> import torch, jacmode as jm
@@ -391,7 +405,26 @@ def hessian(
         >>> jm.hessian(lambda x: x[:, :1] ** 2 * x[:, 1:], x)     # u = x0^2 x1
         tensor([[[[4., 2.],
                   [2., 0.]]]])
+        >>> (h_xx, h_xt), (h_tx, h_tt) = jm.hessian(lambda x, t: x ** 2 * t, x[:, :1], x[:, 1:], argnums=(0, 1))
+        >>> h_xx.shape, h_xt                                     # 2 t, 2 x
+        (torch.Size([1, 1, 1, 1]), tensor([[[[2.]]]]))
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
+    if call.simple:
+        return _hessian(f, call.x, structure, chunk_size, create_graph)
+    if structure == "sparse":
+        raise ValueError("structure: 'sparse' takes one tensor argument; for several arguments pass a function of "
+                         "one tensor (concatenate the arguments and split them inside f).")
+    x = call.x
+    flat = _hessian(call.fn, x, structure, chunk_size, create_graph)
+    # ---- tail: torch.func's layout ----
+    n = math.prod(x.shape[1:])
+    return _args.finish(call, call.hessian(flat.reshape(x.shape[0], -1, n, n)))
+
+
+def _hessian(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: Any) -> Tensor:
+    """The body of :func:`hessian` for a function of one tensor."""
     if structure == "sparse":
         from ._sparse.api import sparse_hessian
 
@@ -414,9 +447,12 @@ def hessian(
 
 
 def laplacian(
-    f: Fn,
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     weight: Optional[Tensor] = None,
     samples: Optional[int] = None,
     distribution: str = "rademacher",
@@ -436,8 +472,15 @@ def laplacian(
     of D directions.
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in)) to (B, *out).
-        x: the batch of points.
+        f: maps x of shape (B, D) (or (B, *in)) to (B, *out); or any f(*args).
+        *args: x, the batch of points; or all of f's positional arguments.
+        argnums: the differentiated positional arguments (an int or a tuple, torch.func's
+            convention; default 0); the others are passed through, so
+            ``laplacian(u, x, t, argnums=0)`` is the Laplacian in x only, t held per sample.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples) or
+            None (broadcast); for all, per positional argument (a tuple), or by name (a dict).
+        kwargs: keyword arguments for f, passed through.
+        has_aux: f returns ``(output, aux)``; the result is then ``(result, aux)``.
         weight: None, or S of shape (D, R) or per sample (B, D, R): the diffusion C = S S^T.
         samples: None for the exact value, else the number K of random directions per sample.
         distribution: law of the random directions, "rademacher" (lower variance) or "gaussian".
@@ -460,7 +503,25 @@ def laplacian(
         tensor([36.])
         >>> jm.laplacian(lambda x: (x ** 3).sum(1), x, weight=torch.eye(3)[:, :1])  # C = e0 e0^T
         tensor([6.])
+        >>> u = lambda x, t: (x ** 3).sum(1) * t             # u(x, t): the Laplacian in x only
+        >>> jm.laplacian(u, x, torch.tensor([2.]), argnums=0)   # 6 (x0 + x1 + x2) t
+        tensor([72.])
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
+    result = _laplacian(call.fn, call.x, weight, samples, distribution, generator, return_std, structure,
+                        chunk_size, create_graph)
+    if call.simple:
+        return result
+    # ---- tail: f's output pytree ----
+    lead = (call.x.shape[0],)
+    out = tuple(call.outputs(r, lead) for r in result) if isinstance(result, tuple) else call.outputs(result, lead)
+    return _args.finish(call, out)
+
+
+def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, generator: Any, return_std: Any,
+               structure: Any, chunk_size: Any, create_graph: Any) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """The body of :func:`laplacian` for a function of one tensor."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     if weight is not None or samples is not None or return_std:
         return _operators.weighted_laplacian(f, x, opts, weight, samples, distribution, generator, return_std)
@@ -474,18 +535,29 @@ def laplacian(
 
 
 def divergence(
-    f: Fn,
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> Tensor:
+) -> Any:
     """Per-sample divergence of a vector field f: (B, D) -> (B, D).
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in)) to an output of the same shape.
-        x: the batch of points.
+        f: maps x of shape (B, D) (or (B, *in)) to an output of the same shape; or any f(*args)
+            whose output has as many components per sample as its differentiated arguments.
+        *args: x, the batch of points; or all of f's positional arguments.
+        argnums: the differentiated positional arguments (an int or a tuple, torch.func's
+            convention; default 0); the others are passed through, so
+            ``divergence(v, x, t)`` is the divergence in x only, t held per sample.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples) or
+            None (broadcast); for all, per positional argument (a tuple), or by name (a dict).
+        kwargs: keyword arguments for f, passed through.
+        has_aux: f returns ``(output, aux)``; the result is then ``(result, aux)``.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
@@ -500,7 +572,17 @@ def divergence(
         >>> x = torch.tensor([[1., 2.], [3., 4.]])
         >>> jm.divergence(lambda x: x ** 2, x)      # 2 (x0 + x1)
         tensor([ 6., 14.])
+        >>> jm.divergence(lambda x, t: x ** 2 * t, x, torch.tensor([[1.], [2.]]))   # t: a rider
+        tensor([ 6., 28.])
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
+    result = _divergence(call.fn, call.x, structure, chunk_size, create_graph)
+    return result if call.simple else _args.finish(call, result)
+
+
+def _divergence(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: Any) -> Tensor:
+    """The body of :func:`divergence` for a function of one tensor."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     def body(t: Target) -> Tensor:
         if t.out_shape != t.in_shape:

@@ -74,7 +74,9 @@ def plan(
     # ---- front: the call of several arguments as one flat function (see _args.py) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux, batched=batched,
                        floating=wrt == "inputs")
-    if not call.simple:
+    if not call.simple and wrt != "inputs":
+        call = _args.params_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched)
+    elif not call.simple:
         _several_supported(call, wrt, structure)
     f, x = call.fn, call.x
     # ---- body ----
@@ -171,6 +173,11 @@ def jacobian(
     if call.simple:
         return _jacobian(f, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
                          flatten, out)
+    if wrt != "inputs":  # every argument passed through, the engines see the model of sample indices
+        call = _args.params_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched)
+        result = _jacobian(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
+                           flatten, out)
+        return _args.finish(call, _args.params_layout(call, result, flatten or out is not None))
     _several_supported(call, wrt, structure)
     if out is not None:
         raise ValueError("out: not supported for a call of several arguments (the result is a pytree); drop out=.")
@@ -185,11 +192,6 @@ def jacobian(
 
 def _several_supported(call: _args.Call, wrt: Any, structure: Any) -> None:
     """What a call of several arguments (or pytrees, kwargs, has_aux) cannot do yet: a clear error."""
-    if wrt != "inputs":
-        raise ValueError(
-            "wrt: a call of several arguments (or keyword arguments, has_aux) with wrt='params' is not supported "
-            "by jm.jacobian yet; pass the other arguments through a closure or a wrapper module whose "
-            "forward(x) calls model(x, mask).")
     if structure == "sparse":
         raise ValueError(
             "structure: 'sparse' takes one tensor argument; for several arguments pass a function of one "
