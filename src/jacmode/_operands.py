@@ -49,7 +49,7 @@ from ._engines import nested as _nested
 from ._engines import taylor as _taylor
 from ._engines.capture import Program
 from ._jacobian import _options
-from ._problem import captured, connected, describe
+from ._problem import captured, connected, describe, riders_independent
 from ._rules import decompositions
 from ._rules.base import Unsupported
 from ._state import RngReplay, preserved_state
@@ -189,6 +189,7 @@ def target(f: Fn, x: Tensor, opts: Options) -> Iterator[Target]:
     if program is not None:  # independent samples and no state by construction: no probe needed
         out_shape = _capture.check(program, f, x, _taylor.value)
         assert isinstance(out_shape, tuple)
+        riders_independent(f, x, opts.structure, OPERATOR_WAYS_OUT)  # but riders may mix samples
         with grad_mode:
             z = (x if opts.create_graph else x.detach()).reshape(x.shape[0], math.prod(in_shape))
             yield Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,

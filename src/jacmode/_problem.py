@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import _checks
-from ._args import inputs
+from ._args import inputs, rows_of
 from ._cache import WeakCache, problem_key
 from ._checks import Options
 from ._coupling import WAYS_OUT, probe
@@ -102,6 +102,7 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
     if program is not None:
         out_shape = _capture.check(program, f, x, _taylor.value)
         assert isinstance(out_shape, tuple)  # captured() returned the program: its check passed
+        riders_independent(f, x, opts.structure, ways_out)
     elif batched:
         out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate,
                           ways_out=ways_out)
@@ -144,6 +145,16 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
     return _params_problem(model, x, selected, opts, Problem(
         kind="params", fn=f, z=x, batch=batch, n_in=0, n_out=n_out, in_shape=(), out_shape=out_shape,
         batched=batched, structure=structure, x=x, random=random, probes=probes))
+
+
+def riders_independent(f: Any, x: Tensor, structure: str, ways_out: str = WAYS_OUT) -> None:
+    """A captured program keeps samples apart where its input flows, but not in plain operations on
+    batched riders (``mask.mean(0)``): for a call with batched riders the coupling probe runs
+    (cached per function and call structure) before the program serves, changing the riders of
+    some samples too (``_coupling._changed_riders``)."""
+    if structure == "auto" and x.shape[0] > 1 and rows_of(f) is not None:
+        probe(f, x, check=True, validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n),
+              ways_out=ways_out)
 
 
 def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
