@@ -235,7 +235,7 @@ class Call:
     def signature(self) -> tuple:
         """The call's structure without values: pytree specs, argnums, riders' kinds and shapes,
         the non-tensor arguments (by value when hashable, else by identity)."""
-        others = []
+        others: list[Any] = []
         for j, v in enumerate(self.leaves):
             if isinstance(v, Tensor):
                 r = self.riders.get(j)
