@@ -420,3 +420,13 @@ def test_errors_name_the_argument() -> None:
     with pytest.raises(ValueError, match=r"f: returned a different output structure"):
         flip = iter(range(100))
         jm.jacobian(lambda x, t: (x,) if next(flip) % 2 else (x, t), x, t)
+
+
+def test_sparse_entry_points_take_one_tensor() -> None:
+    a = torch.ones(4, dtype=DT)
+    with pytest.raises(TypeError, match=r"x: sparse_jacobian takes f and one tensor x, got 2 positional"):
+        jm.sparse_jacobian(lambda p, q: p * q, a, a)
+    with pytest.raises(TypeError, match=r"x: sparse_hessian takes f and one tensor x, got 2 positional"):
+        jm.sparse_hessian(lambda p, q: (p * q).sum(), a, a)
+    with pytest.raises(ValueError, match=r"structure: 'sparse' takes one tensor argument"):
+        jm.hessian(lambda p, q: (p * q).sum(1), a[None], a[None], structure="sparse")

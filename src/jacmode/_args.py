@@ -226,7 +226,7 @@ class Call:
     riders: dict[int, Rider]  # leaf index -> rider
     batch: int
     names: tuple[str, ...]  # f's positional parameter names, as far as known
-    out_spec: Optional[TreeSpec] = None
+    out_spec: Any = None  # TreeSpec of f's output without aux, once f was evaluated
     out_shapes: list[tuple[int, ...]] = field(default_factory=list)  # per-sample output leaf shapes
     fn: Any = None
     x: Any = None
@@ -773,7 +773,7 @@ def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
         if r.batched:
             leaves[j] = r.value.index_select(0, rows.to(r.value.device))
     pos, kw = tree_unflatten(leaves, call.args_spec)
-    out = type(call.f).forward(self, *pos, **kw)
+    out = type(call.f).forward(self, *pos, **kw)  # type: ignore[attr-defined]
     return call.flat_output(out, rows.shape[0] if call.batched else None)
 
 
@@ -820,7 +820,7 @@ def module_of_rows(call: Call) -> torch.nn.Module:
         cls = type(base.__name__, (base,), {"forward": _forward_rows, "__module__": base.__module__,
                                             "__qualname__": base.__qualname__})
         _SUBCLASSES[base] = cls
-    h = base.__new__(cls)
+    h = base.__new__(cls)  # type: ignore[call-overload]
     object.__setattr__(h, "__dict__", model.__dict__)
     _ROWS_OF[h] = call
     return h

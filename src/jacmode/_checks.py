@@ -333,6 +333,15 @@ def check_not_arguments(value: Any, name: str) -> None:
         )
 
 
+def check_one_argument(more: tuple[Any, ...], name: str) -> None:
+    """Entry points of one tensor argument (the sparse ones): a clear error for f(x, t, ...)."""
+    if more:
+        raise TypeError(
+            f"x: {name} takes f and one tensor x, got {len(more) + 1} positional arguments. Pass a function of "
+            f"one tensor (e.g. `lambda z: f(z, t)`, or concatenate the arguments and split them inside f); "
+            "several arguments are taken by jm.jacobian, jm.hessian and the derivative operators.")
+
+
 def check_batches(batches: Any, name: str) -> None:
     """A data set must be an iterable of batches, not a tensor, string, mapping or tuple of tensors."""
     if isinstance(batches, Tensor) or isinstance(batches, (str, bytes, dict)) or not hasattr(

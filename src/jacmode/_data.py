@@ -173,7 +173,7 @@ def _jacobians_of_arguments(f: Any, batches: Iterable[Any], n_args: Any, argnums
     if out is None:
         if opts.wrt == "params":  # tensors: gathered over ranks as one-argument batches are
             return _stream(f, batches, progress, kw, lambda p: _flat(jacobian(f, *arguments(p), **kw)))
-        compute = lambda p: jacobian(f, *arguments(p), **kw)  # noqa: E731  -- pytrees: this rank's own batches
+        compute: Any = lambda p: jacobian(f, *arguments(p), **kw)  # noqa: E731  -- pytrees: this rank's own batches
         return (d.value for done in run_rounds(batches, compute, gather=False, progress=progress, desc="jacobians")
                 for d in sorted((d for d in done if d.value is not None), key=lambda d: d.start))
     if opts.wrt != "params":

@@ -481,8 +481,8 @@ ALL_DIFFERENTIATED = ("divergence", "biharmonic")  # their oracles sum over ever
 
 
 @st.composite
-def _form(draw: st.DrawFn, entry: str, d: int, options: dict) -> Optional[dict]:
-    if entry not in FORM_ENTRIES or d < 2 or draw(st.integers(0, 2)) != 0:
+def _form(draw: st.DrawFn, entry: str, d: int, options: dict, always: bool = False) -> Optional[dict]:
+    if entry not in FORM_ENTRIES or d < 2 or (not always and draw(st.integers(0, 2)) != 0):
         return None
     cuts = sorted(draw(st.sets(st.integers(1, d - 1), min_size=1, max_size=min(2, d - 1))))
     bounds = [0, *cuts, d]
@@ -515,9 +515,14 @@ def _restrict(options: dict, cols: list[int], d: int) -> dict:
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
-    entry = draw(st.sampled_from(ENTRIES))
-    head, spec, in_shape, width = draw(_head(entry))
+def cases(draw: st.DrawFn, forms: bool = False) -> Case:
+    """A case; ``forms=True``: always a call form of several arguments (a flat input of 2..4 columns)."""
+    entry = draw(st.sampled_from(FORM_ENTRIES if forms else ENTRIES))
+    if forms:
+        d = draw(st.integers(2, 3 if entry == "biharmonic" else 4))
+        head, spec, in_shape, width = "flat", {}, (d,), d
+    else:
+        head, spec, in_shape, width = draw(_head(entry))
     batch = draw(st.integers(1, 3))
     pointwise = entry in INPUT_ENTRIES and head in ("flat", "multi") and draw(st.integers(0, 3)) == 0
     if pointwise:  # elementwise ops on x itself: the output has the input's shape
@@ -530,13 +535,18 @@ def cases(draw: st.DrawFn) -> Case:
         else:
             out_shape = draw(st.sampled_from([(1,), (2,), (3,), (2, 2), (1, 2)]))
     options = _entry_options(draw, entry, in_shape, out_shape, pointwise)
-    convention = draw(st.sampled_from(_conventions(entry, options, head)))
+    if forms and "batched" in options:
+        options["batched"] = True
+        if options.get("structure") == "diagonal":
+            options["structure"] = "auto"
+    convention = draw(st.sampled_from([c for c in _conventions(entry, options, head)
+                                       if not forms or c not in ("jacrev", "jacrev_nograph", "jacfwd")]))
     dtype = draw(st.sampled_from([torch.float64, torch.float32]))
     column = draw(st.booleans()) if entry == "derivative" else True
     form = None
     batched = options.get("batched", True) and options.get("structure") != "diagonal"
     if head == "flat" and len(in_shape) == 1 and batched and convention not in ("jacrev", "jacrev_nograph", "jacfwd"):
-        form = draw(_form(entry, in_shape[0], options))
+        form = draw(_form(entry, in_shape[0], options, always=forms))
     case = Case(seed=draw(st.integers(0, 2**16)), head=head, head_spec=spec, in_shape=in_shape, blocks=blocks,
                 width=width, out_shape=out_shape, batch=batch, dtype=dtype, entry=entry, options=options,
                 convention=convention, column=column, pointwise=pointwise, form=form)

@@ -47,7 +47,7 @@ _PROGRAMS = WeakCache("captured programs")
 class _FnRoot(nn.Module):
     """The root module a plain function is traced in: it owns the modules the function uses."""
 
-    def __init__(self, fn: Callable[[Tensor], Any], modules: list[nn.Module]) -> None:
+    def __init__(self, fn: Callable[..., Any], modules: list[nn.Module]) -> None:
         super().__init__()
         self.fn = fn
         self.used = nn.ModuleList(modules)
