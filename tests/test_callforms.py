@@ -430,3 +430,21 @@ def test_sparse_entry_points_take_one_tensor() -> None:
         jm.sparse_hessian(lambda p, q: (p * q).sum(), a, a)
     with pytest.raises(ValueError, match=r"structure: 'sparse' takes one tensor argument"):
         jm.hessian(lambda p, q: (p * q).sum(1), a[None], a[None], structure="sparse")
+
+
+def test_in_dims_by_name_and_a_raising_call_leaves_the_model_as_found() -> None:
+    x = torch.randn(6, 3, dtype=DT)
+    w = torch.rand(3, dtype=DT)
+    f = lambda x, w: torch.tanh(x * w)  # noqa: E731
+    ref = vmap(jacrev(f), in_dims=(0, None))(x, w)
+    torch.testing.assert_close(jm.jacobian(f, x, w, in_dims={"w": None}), ref, **CLOSE)
+    torch.testing.assert_close(jm.jacobian(f, x, w, in_dims={1: None}), ref, **CLOSE)
+    torch.manual_seed(0)
+    model = Masked().to(DT)
+    model.eval()
+    before = snapshot(model)
+    with pytest.raises(RuntimeError):
+        jm.jacobian(model, x, torch.ones(6, 5, dtype=DT), wrt="params")  # f's own shape error, on the whole batch
+    after = snapshot(model)
+    assert type(model) is Masked and after[2:] == before[2:] and not model.training
+    assert all(torch.equal(a, b) for a, b in zip(before[0], after[0]))

@@ -231,10 +231,16 @@ class Call:
     fn: Any = None
     x: Any = None
     simple: bool = False  # one differentiated tensor, nothing else: fn is f, x is that tensor
+    _signature: Optional[tuple] = None
 
     def signature(self) -> tuple:
         """The call's structure without values: pytree specs, argnums, riders' kinds and shapes,
-        the non-tensor arguments (by value when hashable, else by identity)."""
+        the non-tensor arguments (by value when hashable, else by identity). Computed once per call."""
+        if self._signature is None:
+            self._signature = self._structure()
+        return self._signature
+
+    def _structure(self) -> tuple:
         others: list[Any] = []
         for j, v in enumerate(self.leaves):
             if isinstance(v, Tensor):
@@ -427,15 +433,39 @@ def _split_aux(out: Any) -> tuple[Any, Any]:
     return out
 
 
-def parameter_names(f: Any) -> tuple[str, ...]:
-    """The names of f's positional parameters (a module's forward's), or () when unknown."""
+_SIGNATURES: "weakref.WeakKeyDictionary[Any, tuple[tuple[str, ...], Optional[bool]]]" = weakref.WeakKeyDictionary()
+
+
+def _positional(f: Any) -> tuple[tuple[str, ...], Optional[bool]]:
+    """(names of f's positional parameters, whether it takes exactly one or fewer; None: unknown),
+    from ``inspect.signature`` of f (a module's forward), remembered per function (or module class)."""
+    key = type(f) if isinstance(f, torch.nn.Module) else f
+    try:
+        hit = _SIGNATURES.get(key)
+    except TypeError:
+        hit = None
+    if hit is not None:
+        return hit
     target = f.forward if isinstance(f, torch.nn.Module) else f
     try:
-        sig = inspect.signature(target)
+        params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
-        return ()
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return tuple(p.name for p in sig.parameters.values() if p.kind in kinds)
+        found: tuple[tuple[str, ...], Optional[bool]] = ((), None)
+    else:
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = tuple(p.name for p in params if p.kind in kinds)
+        varargs = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
+        found = (names, False if varargs else len(names) <= 1)
+    try:
+        _SIGNATURES[key] = found
+    except TypeError:  # not weakly referenceable: not remembered
+        pass
+    return found
+
+
+def parameter_names(f: Any) -> tuple[str, ...]:
+    """The names of f's positional parameters (a module's forward's), or () when unknown."""
+    return _positional(f)[0]
 
 
 def check_argnums(argnums: Any, n_args: int) -> tuple[tuple[int, ...], bool]:
@@ -681,16 +711,7 @@ def finish(call: Call, result: Any) -> Any:
 
 def accepts_one(f: Any) -> Optional[bool]:
     """Whether f takes exactly one positional argument (None when its signature is unknown)."""
-    target = f.forward if isinstance(f, torch.nn.Module) else f
-    try:
-        sig = inspect.signature(target)
-    except (TypeError, ValueError):
-        return None
-    params = list(sig.parameters.values())
-    if any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params):
-        return False
-    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return len([p for p in params if p.kind in kinds]) <= 1
+    return _positional(f)[1]
 
 
 def legacy_trailing(f: Any, args: tuple[Any, ...], given: bool, looks: Callable[[Any], bool], option: str,
@@ -802,7 +823,7 @@ def params_call(f: Any, args: tuple[Any, ...], kwargs: Any, *, in_dims: Any, has
                          floating=False)
     for leaf in call.diff:  # the first argument is passed through too
         call.riders[leaf.index] = Rider(call.leaves[leaf.index], batched=batched)
-    call.diff, call.simple = [], False
+    call.diff, call.simple, call._signature = [], False, None  # the structure changed: no memo
     device = call.leaves[next(iter(call.riders))].device if call.riders else torch.device("cpu")
     call.fn = module_of_rows(call)
     call.x = torch.arange(call.batch if batched else 1, device=device)
