@@ -32,11 +32,12 @@ name of a parameter of f with one coordinate per sample, or ``("x", 1)``).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -788,7 +789,10 @@ _SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary
 
 def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
     """forward of :func:`module_of_rows`: the model's own forward on the arguments of samples ``rows``."""
-    call = _ROWS_OF[self]
+    call = _ROWS_OF.get(self)
+    if call is None:
+        raise RuntimeError("jacmode internal error: the module of sample indices of a model of several arguments "
+                           "ran outside its call (report this)")
     leaves = list(call.leaves)
     for j, r in call.riders.items():
         if r.batched:
@@ -830,12 +834,22 @@ def params_call(f: Any, args: tuple[Any, ...], kwargs: Any, *, in_dims: Any, has
     return call
 
 
+_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()
+
+
 def module_of_rows(call: Call) -> torch.nn.Module:
     """The model as a module of sample indices: same parameters, buffers, submodules, hooks and
     flags (its ``__dict__`` is the model's), a forward that selects the arguments of the samples
-    asked and runs the model's own forward on them."""
+    asked and runs the model's own forward on them. One such module per model and call structure
+    (``Call.signature``), so that what jacmode caches per module (problem, plan, coupling verdict,
+    probe coverage) serves the next call of a training loop; it reads the arguments of the call in
+    progress (:func:`rows_bound`)."""
     model = call.f
     base = type(model)
+    key = call.signature()
+    known = _HANDLES.get(model)
+    if known is not None and key in known:
+        return known[key]
     cls = _SUBCLASSES.get(base)
     if cls is None:
         cls = type(base.__name__, (base,), {"forward": _forward_rows, "__module__": base.__module__,
@@ -843,8 +857,27 @@ def module_of_rows(call: Call) -> torch.nn.Module:
         _SUBCLASSES[base] = cls
     h = base.__new__(cls)  # type: ignore[call-overload]
     object.__setattr__(h, "__dict__", model.__dict__)
-    _ROWS_OF[h] = call
+    try:
+        _HANDLES.setdefault(model, {})[key] = h
+    except TypeError:  # an unhashable key: a module for this call only
+        pass
     return h
+
+
+@contextlib.contextmanager
+def rows_bound(call: Call) -> Iterator[None]:
+    """Within: the module of :func:`module_of_rows` reads this call's arguments (and after it, none:
+    a finished call's tensors are not kept alive)."""
+    h = call.fn
+    previous = _ROWS_OF.get(h)
+    _ROWS_OF[h] = call
+    try:
+        yield
+    finally:
+        if previous is None:
+            _ROWS_OF.pop(h, None)
+        else:
+            _ROWS_OF[h] = previous
 
 
 def params_layout(call: Call, result: Any, flatten: bool) -> Any:

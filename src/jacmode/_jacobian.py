@@ -76,14 +76,23 @@ def plan(
                        floating=wrt == "inputs")
     if not call.simple and wrt != "inputs":
         call = _args.params_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched)
-    elif not call.simple:
+        with _args.rows_bound(call):
+            return _plan(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
+                         flatten, False)
+    if not call.simple:
         _several_supported(call, wrt, structure)
-    f, x = call.fn, call.x
+    return _plan(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten,
+                 call.simple)
+
+
+def _plan(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any, chunk_size: Any, max_memory: Any,
+          create_graph: Any, flatten: Any, simple: bool) -> Plan:
+    """The body of :func:`plan` for a function of one tensor."""
     # ---- body ----
     opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
                     chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
                     flatten=flatten)
-    if opts.structure == "sparse" or (call.simple and _sparse.auto(f, x, opts) is not None):
+    if opts.structure == "sparse" or (simple and _sparse.auto(f, x, opts) is not None):
         return _sparse.plan(f, x, opts.mode, opts.chunk_size, opts.max_memory)
     with preserved_state(f), torch.no_grad():
         problem = describe(f, x, opts)
@@ -175,8 +184,9 @@ def jacobian(
                          flatten, out)
     if wrt != "inputs":  # every argument passed through, the engines see the model of sample indices
         call = _args.params_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched)
-        result = _jacobian(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
-                           flatten, out)
+        with _args.rows_bound(call):
+            result = _jacobian(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory,
+                               create_graph, flatten, out)
         return _args.finish(call, _args.params_layout(call, result, flatten or out is not None))
     _several_supported(call, wrt, structure)
     if out is not None:
