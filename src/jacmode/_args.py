@@ -845,6 +845,7 @@ def module_of_rows(call: Call) -> torch.nn.Module:
     probe coverage) serves the next call of a training loop; it reads the arguments of the call in
     progress (:func:`rows_bound`)."""
     model = call.f
+    assert isinstance(model, torch.nn.Module)  # params_call checked it
     base = type(model)
     key = call.signature()
     known = _HANDLES.get(model)
@@ -855,7 +856,7 @@ def module_of_rows(call: Call) -> torch.nn.Module:
         cls = type(base.__name__, (base,), {"forward": _forward_rows, "__module__": base.__module__,
                                             "__qualname__": base.__qualname__})
         _SUBCLASSES[base] = cls
-    h = base.__new__(cls)  # type: ignore[call-overload]
+    h: torch.nn.Module = base.__new__(cls)  # type: ignore[call-overload]
     object.__setattr__(h, "__dict__", model.__dict__)
     try:
         _HANDLES.setdefault(model, {})[key] = h
