@@ -175,6 +175,13 @@ def test_partials_by_name_equal_the_concatenated_input() -> None:
     # the captured program serves the call (the fast engine fires)
     program = _capture.program_for(_args.describe_call(heat, (x, t), argnums=(0, 1)).fn)
     assert not isinstance(program, str) and program.riders_step is not None
+    # torch.cat([x, t], 1) of the flat input's own columns is the flat input: no slicing and joining
+    assert "torch.cat" not in program.ops and "operator.getitem" not in program.ops
+    swapped = _capture.program_for(_args.describe_call(heat, (x, t), argnums=(1, 0)).fn)
+    assert not isinstance(swapped, str) and "torch.cat" in swapped.ops
+    r_t, r_x = jm.partials(heat, x, t, dims=[(0,), (1,)], argnums=(1, 0))  # z = (t, x): columns swapped
+    torch.testing.assert_close(r_t, jm.partial(NET1, xt, (1,)), **CLOSE)
+    torch.testing.assert_close(r_x, jm.partial(NET1, xt, (0,)), **CLOSE)
 
 
 def test_laplacian_in_x_only_with_t_a_rider() -> None:

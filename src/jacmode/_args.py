@@ -133,7 +133,12 @@ def traced_body(call: "Call") -> Callable[[Any, Any], Any]:
         for i, j in enumerate(order):
             leaves[j] = riders[i]
         for leaf in call.diff:
-            leaves[leaf.index] = z if len(call.diff) == 1 else z[:, leaf.lo:leaf.lo + leaf.size].reshape(-1, *leaf.shape)
+            if len(call.diff) == 1:
+                leaves[leaf.index] = z
+                continue
+            cols = z[:, leaf.lo:leaf.lo + leaf.size]  # (b, size): a reshape only where the leaf is not flat,
+            leaves[leaf.index] = cols if leaf.shape == (leaf.size,) else cols.reshape(-1, *leaf.shape)  # (it
+            # would give the seeds, shared by all samples, a batch dimension of b)
         pos, kw = tree_unflatten(leaves, call.args_spec)
         out = call.f(*pos, **kw)
         if call.has_aux:

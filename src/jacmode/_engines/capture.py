@@ -28,7 +28,7 @@ import contextlib
 import operator
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -236,6 +236,8 @@ def _capture(f: Any) -> Union[Program, str]:
         graph, constants = _trace(root, watch)
     except _Refused as err:
         return str(err)
+    if flat:
+        _rejoin(graph, f.call)
     bound: list[Bound] = []
     slots: dict[fx.Node, int] = {}
     traced: set[fx.Node] = set()
@@ -302,6 +304,45 @@ def _capture(f: Any) -> Union[Program, str]:
     guards += [Attributes(m) for m in root.modules() if id(m) not in leaves]  # traced through: values frozen
     return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound, guards=guards,
                    riders_step=riders_step)
+
+
+def _rejoin(graph: fx.Graph, call: Any) -> None:
+    """``torch.cat([x, t], 1)`` of the differentiated arguments of a call, in argnums order and whole, is
+    the flat input itself: the program skips slicing it apart and joining it again (the PINN's
+    ``u(x, t) = net(torch.cat([x, t], 1))`` runs the program of ``net``)."""
+    nodes = list(graph.nodes)
+    if not nodes or nodes[0].op != "placeholder" or len(call.diff) < 2:
+        return
+    z, width = nodes[0], call.diff[-1].lo + call.diff[-1].size
+    for node in nodes:
+        if node.op != "call_function" or node.target not in (torch.cat, torch.concat) or node.kwargs.get("out") is not None:
+            continue
+        parts = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if dim not in (1, -1) or not isinstance(parts, (list, tuple)) or not parts:
+            continue
+        spans = [_column_slice(p, z) for p in parts]
+        if any(sp is None for sp in spans) or spans[0][0] != 0 or spans[-1][1] != width:  # type: ignore[index]
+            continue
+        if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):  # type: ignore[index]
+            node.replace_all_uses_with(z)
+            for dead in [node, *parts]:  # the join, then the slices nothing else reads
+                if not dead.users:
+                    graph.erase_node(dead)
+
+
+def _column_slice(node: Any, z: fx.Node) -> Optional[tuple[int, int]]:
+    """(lo, hi) when ``node`` is ``z[:, lo:hi]``, else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    if node.args[0] is not z or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2:
+        return None
+    rows, cols = node.args[1]
+    if rows != slice(None) or not isinstance(cols, slice) or cols.step not in (None, 1):
+        return None
+    if not isinstance(cols.start, int) or not isinstance(cols.stop, int):
+        return None
+    return cols.start, cols.stop
 
 
 def _unbound() -> Any:
