@@ -10,7 +10,8 @@ import torch
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 # Pages whose ```pycon examples are checked; add a page here when it gains examples.
-PAGES = ["index.md", "structure.md", "products.md", "datasets.md", "sparse.md", "functional.md", "transforms.md"]
+PAGES = ["index.md", "structure.md", "products.md", "datasets.md", "sparse.md", "functional.md", "transforms.md",
+         "pinn.md"]
 
 
 @pytest.mark.parametrize("page", PAGES)

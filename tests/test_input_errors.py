@@ -92,18 +92,25 @@ def test_zero_dim_point_and_zero_dim_parameters(mode: str) -> None:
     torch.testing.assert_close(flat, torch.cat([ref[n].reshape(1, -1) for n in params], -1))
 
 
-SEVERAL = r"x: expected one torch.Tensor, got a (tuple|list|dict) of 2 items\. jacmode differentiates one tensor"
+PARAMS_TUPLE = r"x: got a (tuple|list) of 2 items, which jm.jacobian\(model, x, wrt='params'\) would pass"
 
 
-def test_several_tensors_are_told_the_real_fix() -> None:
-    x, mask = torch.randn(4, 3), torch.ones(4, 3)
-    f = lambda z, m=None: z * (1 if m is None else m)  # noqa: E731
-    for given in ((x, mask), [x, mask], {"x": x, "mask": mask}):
-        with pytest.raises(TypeError, match=SEVERAL + r".*lambda x: f\(x, mask\).*torch\.cat.*not read as a data set"):
-            jm.jacobian(f, given)
-        with pytest.raises(TypeError, match=SEVERAL + r".*lambda x: f\(x, mask\)"):
-            jm.laplacian(f, given)
-    with pytest.raises(TypeError, match=SEVERAL + r".*wrapper module.*self\.model\(x, self\.mask\)"):
+def test_several_tensors_are_a_pytree_argument_or_told_the_real_fix() -> None:
+    """One tuple, list or dict of tensors is one pytree argument, as in torch.func (issue 18); for
+    parameters, a tuple or list is refused with the several-arguments spelling."""
+    x, mask = torch.randn(4, 3, dtype=torch.float64), torch.rand(4, 3, dtype=torch.float64)
+    f = lambda xs: xs[0] * torch.sin(xs[1])  # noqa: E731
+    one = lambda xs: f(tuple(v[None] for v in xs))[0]  # noqa: E731
+    for given in ((x, mask), [x, mask]):
+        got = jm.jacobian(f, given)
+        ref = torch.func.vmap(torch.func.jacrev(one))(tuple(given))
+        assert isinstance(got, type(given)) and len(got) == 2
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r)
+    d = {"x": x, "mask": mask}
+    got = jm.jacobian(lambda p: p["x"] * p["mask"], d)
+    torch.testing.assert_close(got["mask"], torch.diag_embed(x))
+    with pytest.raises(TypeError, match=PARAMS_TUPLE + r".*jm.jacobian\(model, x, mask, wrt='params'\).*not read as a data set"):
         jm.jacobian(MLP(), (x, mask), wrt="params")
 
 

@@ -95,7 +95,8 @@ def test_keyword_arguments_of_the_call_go_to_f_as_in_torch_func() -> None:
     for _ in range(2):
         torch.testing.assert_close(jac(X, scale=scale, shift=1.0), want, rtol=1e-12, atol=1e-12)
     lap = jm.transform(jm.laplacian, f)(X, scale=scale)
-    torch.testing.assert_close(lap, jm.laplacian(lambda x: f(x, scale=scale), X), rtol=0, atol=0)
+    torch.testing.assert_close(lap, jm.laplacian(f, X, kwargs={"scale": scale}), rtol=0, atol=0)  # one path
+    torch.testing.assert_close(lap, jm.laplacian(lambda x: f(x, scale=scale), X), rtol=1e-12, atol=1e-12)
 
 
 def test_per_call_data_goes_to_the_entry_point() -> None:
@@ -153,12 +154,29 @@ def test_bad_calls_raise_clear_errors() -> None:
     jac = jm.jacfn(f)
     with pytest.raises(TypeError, match="takes f's input x as its first argument"):
         jac()
-    with pytest.raises(TypeError, match="takes one input x, got 2 positional"):
+    with pytest.raises(TypeError, match="takes 2 positional arguments"):  # f's own error, as torch.func gives
         jac(X, X)
     with pytest.raises(TypeError, match="x: expected a torch.Tensor"):
         jac([1.0, 2.0])
-    with pytest.raises(TypeError, match="keyword arguments for f .* not supported"):
-        jm.jacfn(f, wrt="params")(X, mask=X)
+
+
+def test_transforms_take_several_arguments_and_keywords_as_the_eager_calls() -> None:
+    f = _net()
+
+    def g(x: Tensor, t: Tensor, *, mask: Tensor) -> Tensor:
+        return f(x * t) * mask
+
+    t, mask = torch.rand(X.shape[0], 1, dtype=X.dtype), torch.rand(X.shape[0], 1, dtype=X.dtype)
+    for argnums in (0, (0, 1)):
+        got = jm.jacfn(g, argnums=argnums)(X, t, mask=mask)
+        want = jm.jacobian(g, X, t, argnums=argnums, kwargs={"mask": mask})
+        for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    ref = torch.func.vmap(torch.func.jacrev(lambda xb, tb, mb: g(xb[None], tb[None], mask=mb[None])[0],
+                                            argnums=(0, 1)))(X, t, mask)
+    got = jm.jacfn(g, argnums=(0, 1))(X, t, mask=mask)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-10, atol=1e-12)
 
 
 def test_eager_calls_keep_no_model_alive() -> None:

@@ -412,11 +412,21 @@ def check_not_arguments(value: Any, name: str) -> None:
     if isinstance(value, (tuple, list)) and any(isinstance(v, Tensor) for v in value):
         raise TypeError(
             f"{name}: got a {type(value).__name__} of {len(value)} entries holding tensors, which jacmode "
-            "reads neither as one input nor as a data set. For a model with extra inputs (a mask), give f "
+            "reads neither as one input nor as a data set. For a model with extra inputs (a mask), pass them "
+            "as separate arguments where the entry point takes them (`jm.jacobian(model, x, mask)`), or give f "
             "one input: `lambda x: model(x, mask)`, or for parameters an nn.Module whose forward(x) calls "
-            "model(x, mask) (per-sample extras: concatenate them into x and split them in forward). For a "
-            "data set, wrap the batches: `iter([x1, x2])`, a DataLoader, or a list of (x,) / (x, y) tuples."
+            "model(x, mask). For a data set, wrap the batches: `iter([x1, x2])`, a DataLoader, or a list of "
+            "(x,) / (x, y) tuples (batches of several arguments: jm.jacobians(f, loader, n_args=2))."
         )
+
+
+def check_one_argument(more: tuple[Any, ...], name: str) -> None:
+    """Entry points of one tensor argument (the sparse ones): a clear error for f(x, t, ...)."""
+    if more:
+        raise TypeError(
+            f"x: {name} takes f and one tensor x, got {len(more) + 1} positional arguments. Pass a function of "
+            f"one tensor (e.g. `lambda z: f(z, t)`, or concatenate the arguments and split them inside f); "
+            "several arguments are taken by jm.jacobian, jm.hessian and the derivative operators.")
 
 
 def check_batches(batches: Any, name: str) -> None:

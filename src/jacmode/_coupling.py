@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 
+from ._args import Flat, batched_riders, take, with_riders
 from ._cache import WeakCache, _flags, rng_kept
 from ._errors import CoupledBatchError
 from ._state import RngReplay, used_modules
@@ -92,6 +93,7 @@ def coupled_batchnorms(f: Any) -> list[str]:
 
 @contextlib.contextmanager
 def _dropout_off(f: Any) -> Iterator[None]:
+    f = f.f if isinstance(f, Flat) else f
     if not isinstance(f, nn.Module):
         yield
         return
@@ -237,6 +239,8 @@ def _run_probe(
     idx = probe_indices(x)
     xs = (x if len(idx) == x.shape[0] else x[idx]).detach()
     k = len(idx)
+    whole = f
+    f = take(f, idx)  # a call of several arguments: the batched riders of those samples
     with rng_kept(x.device), _dropout_off(ident):
         replay = RngReplay(x.device)
         if not check or k < 2:
@@ -247,20 +251,23 @@ def _run_probe(
                     if k == x.shape[0]:
                         raise
                     replay.reset()
-                    xs, k = x.detach(), x.shape[0]
+                    xs, k, f = x.detach(), x.shape[0], whole
                     out = f(xs.clone())
                 return tuple(validate(out, k).shape[1:]), None
-        f = _guarded(f, x.shape[0], ways_out)
+        fk, batch = f, x.shape[0]
+        f = _guarded(f, batch, ways_out)
         rows, pull = _first_pass(f, xs, replay)
         shape = tuple(validate(rows, k).shape[1:])
         split = parts(k)
         member, kept = _masks(k, x.device)
         gen = torch.Generator(device=x.device).manual_seed(0)
         changed = torch.where(member.view(*member.shape, *[1] * (xs.dim() - 1)), _changes(xs, x, len(split), gen), xs)
+        others = _changed_riders(fk, member, gen)  # per-sample riders change with their samples
         for j, (a, c) in enumerate(split):
             replay.reset()
             with torch.no_grad():
-                moved = validate(f(changed[j]), k)
+                moved = validate((f if others is None else _guarded(with_riders(fk, others[j]), batch, ways_out))(
+                    changed[j]), k)
             drift = _moved(rows, moved, c, kept[j])
             if drift is not None:
                 return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) changed "
@@ -275,6 +282,29 @@ def _run_probe(
                     return shape, (f"the outputs of sample(s) {_names(idx, c)} have a nonzero derivative with "
                                    f"respect to the input of sample {idx[bad]}")
     return shape, True
+
+
+def _changed_riders(fk: Any, member: Tensor, gen: torch.Generator) -> Optional[list[list[Tensor]]]:
+    """For each part j, the batched riders of the probed samples (``_args.batched_riders``) with
+    those in A changed as their inputs are (noise, flipped flags, other ids): sample c's output
+    must not follow the mask or the time of sample a either. None without batched riders."""
+    riders = batched_riders(fk)
+    if not riders:
+        return None
+    out: list[list[Tensor]] = [[] for _ in range(member.shape[0])]
+    for r in riders:
+        with outside():
+            if r.is_floating_point():
+                scale = float(plain(r).abs().nan_to_num(0.0, 0.0, 0.0).mean()) or 1.0
+                new = r + _randn((member.shape[0], *r.shape), gen, r).mul_(scale)
+            elif r.dtype == torch.bool:
+                new = (~r).expand(member.shape[0], *r.shape)
+            else:
+                new = _other_ids(r, r, member.shape[0], gen)
+        where = member.view(*member.shape, *[1] * (r.dim() - 1))
+        for j, v in enumerate(torch.where(where, new, r).unbind(0)):
+            out[j].append(v)
+    return out
 
 
 def _first_pass(f: Callable[[Tensor], Tensor], xs: Tensor,

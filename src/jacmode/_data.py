@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import _checks, _losses
+from ._args import Argnums, InDims
 from ._checks import Wrt
 from ._jacobian import jacobian
 from ._streams import collective
@@ -38,17 +39,23 @@ def is_batches(x: Any, name: str = "x") -> bool:
 
 
 @overload
-def jacobians(f: Callable[[Tensor], Tensor], batches: Iterable[Any], *, wrt: Wrt = ...,
-              out: None = ..., progress: Optional[bool] = ..., mode: str = ...,
-              chunk_size: Optional[int] = ..., max_memory: Any = ...) -> Iterator[Tensor]: ...
+def jacobians(f: Callable[..., Any], batches: Iterable[Any], *, n_args: Optional[int] = ...,
+              argnums: Argnums = ..., in_dims: InDims = ..., kwargs: Optional[dict[str, Any]] = ...,
+              wrt: Wrt = ..., out: None = ..., progress: Optional[bool] = ..., mode: str = ...,
+              chunk_size: Optional[int] = ..., max_memory: Any = ...) -> Iterator[Any]: ...
 @overload
-def jacobians(f: Callable[[Tensor], Tensor], batches: Iterable[Any], *, wrt: Wrt = ...,
-              out: Out, progress: Optional[bool] = ..., mode: str = ...,
+def jacobians(f: Callable[..., Any], batches: Iterable[Any], *, n_args: Optional[int] = ...,
+              argnums: Argnums = ..., in_dims: InDims = ..., kwargs: Optional[dict[str, Any]] = ...,
+              wrt: Wrt = ..., out: Out, progress: Optional[bool] = ..., mode: str = ...,
               chunk_size: Optional[int] = ..., max_memory: Any = ...) -> Out: ...
 def jacobians(
-    f: Callable[[Tensor], Tensor],
+    f: Callable[..., Any],
     batches: Iterable[Any],
     *,
+    n_args: Optional[int] = None,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
     wrt: Wrt = "params",
     out: Optional[Out] = None,
     progress: Optional[bool] = None,
@@ -77,7 +84,15 @@ def jacobians(
         f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out).
         batches: an iterable of ``x`` or ``(x, y)`` batches: a ``DataLoader``, a generator,
             ``iter([x1, x2])`` or a list of ``(x,)`` tuples. A tuple or list holding tensors
-            (``x.split(4)``, ``(x, mask)``) raises a TypeError: wrap it in ``iter(...)``.
+            (``x.split(4)``, ``(x, mask)``) raises a TypeError: wrap it in ``iter(...)``. With
+            ``n_args=k`` each batch is a tuple whose first k entries are f's positional arguments
+            (a ``DataLoader`` over ``TensorDataset(x, mask, y)`` with ``n_args=2``).
+        n_args: None (each batch is ``x`` or ``(x, y)``), or how many leading entries of each
+            batch are f's positional arguments; the rest (targets) are ignored.
+        argnums: with ``n_args`` and ``wrt="inputs"``, the differentiated arguments (see
+            :func:`jacmode.jacobian`).
+        in_dims: with ``n_args``, how each argument is passed (see :func:`jacmode.jacobian`).
+        kwargs: keyword arguments for f, passed through for every batch.
         wrt: "params", a list of parameter names, or "inputs" (see :func:`jacmode.jacobian`).
         out: (N, Y, P) with N the number of samples, for ``wrt`` parameters.
         progress: None shows a tqdm bar (samples per second) when stderr is a terminal, True
@@ -87,7 +102,8 @@ def jacobians(
         max_memory: as in :func:`jacmode.jacobian`, for each batch.
 
     Returns:
-        Without ``out``: an iterator of (B_i, Y, P) tensors, one per batch (under
+        Without ``out``: an iterator of (B_i, Y, P) tensors (for several arguments with
+        ``wrt="inputs"``, of torch.func's layout, see :func:`jacmode.jacobian`), one per batch (under
         ``torch.distributed`` with a ``DistributedSampler``, one per round of R batches).
         With ``out``: ``out``, filled.
 
@@ -101,10 +117,20 @@ def jacobians(
         >>> out = jm.jacobians(net, loader, out=torch.empty(10, 2, 32))
         >>> torch.allclose(out, jm.jacobian(net, loader.dataset.tensors[0], wrt="params"), atol=1e-6)
         True
+        >>> masked = lambda x, m: net(x * m)                 # two arguments per batch, then targets
+        >>> data = DataLoader(TensorDataset(torch.randn(10, 3), torch.ones(10, 3), torch.randn(10, 2)), batch_size=4)
+        >>> [J.shape for J in jm.jacobians(masked, data, n_args=2, wrt="inputs")]
+        [torch.Size([4, 2, 3]), torch.Size([4, 2, 3]), torch.Size([2, 2, 3])]
     """
     _checks.check_function(f)
     _checks.check_batches(batches, "batches")
     _checks.check_progress(progress)
+    if n_args is not None:
+        return _jacobians_of_arguments(f, batches, n_args, argnums, in_dims, kwargs, wrt, out, progress, mode,
+                                       chunk_size, max_memory)
+    if kwargs is not None or argnums != 0 or in_dims != 0:
+        raise ValueError("n_args: argnums, in_dims and kwargs apply to batches of several arguments; pass n_args=k "
+                         "(the number of f's positional arguments at the head of each batch).")
     kw = dict(wrt=wrt, mode=mode, chunk_size=chunk_size, max_memory=max_memory)
     opts = _checks.check_options(batched=True, structure="auto", create_graph=False, flatten=True,
                                  **kw)
@@ -121,14 +147,52 @@ def jacobians(
     return out
 
 
+def _jacobians_of_arguments(f: Any, batches: Iterable[Any], n_args: Any, argnums: Any, in_dims: Any, kwargs: Any,
+                            wrt: Any, out: Any, progress: Any, mode: Any, chunk_size: Any,
+                            max_memory: Any) -> Union[Iterator[Any], Out]:
+    """:func:`jacobians` over batches whose first ``n_args`` entries are f's positional arguments."""
+    if isinstance(n_args, bool) or not isinstance(n_args, int) or n_args < 1:
+        raise TypeError(f"n_args: expected a positive int (f's positional arguments per batch), got {n_args!r}.")
+    opts = _checks.check_options(batched=True, structure="auto", create_graph=False, flatten=True, wrt=wrt,
+                                 mode=mode, chunk_size=chunk_size, max_memory=max_memory)
+    if opts.wrt == "params":
+        _checks.check_param_selection(f, opts.param_names)
+    kw = dict(wrt=wrt, mode=mode, chunk_size=chunk_size, max_memory=max_memory, in_dims=in_dims, kwargs=kwargs)
+    if opts.wrt == "inputs":
+        kw["argnums"] = argnums
+
+    def arguments(p: Any) -> tuple[Any, ...]:
+        item = p.item
+        if not isinstance(item, (tuple, list)) or len(item) < n_args:
+            raise TypeError(
+                f"batches: batch {p.index} is {type(item).__name__}"
+                + (f" of {len(item)} entries" if isinstance(item, (tuple, list)) else "")
+                + f", but n_args={n_args} needs a tuple whose first {n_args} entries are f's arguments.")
+        return tuple(item[:n_args])
+
+    if out is None:
+        if opts.wrt == "params":  # tensors: gathered over ranks as one-argument batches are
+            return _stream(f, batches, progress, kw, lambda p: _flat(jacobian(f, *arguments(p), **kw)))
+        compute: Any = lambda p: jacobian(f, *arguments(p), **kw)  # noqa: E731  -- pytrees: this rank's own batches
+        return (d.value for done in run_rounds(batches, compute, gather=False, progress=progress, desc="jacobians")
+                for d in sorted((d for d in done if d.value is not None), key=lambda d: d.start))
+    if opts.wrt != "params":
+        raise ValueError("out: only supported for parameter Jacobians (wrt='params' or a list of "
+                         "names); iterate jm.jacobians(f, batches, wrt='inputs') instead.")
+    target = _checks.check_rows_out(out)
+    into(target, batches, lambda p, dest: _flat(jacobian(f, *arguments(p), out=dest, **kw)), progress, "jacobians")
+    return out
+
+
 def _flat(result: Union[Tensor, dict[str, Tensor]]) -> Tensor:
     assert isinstance(result, Tensor)  # flatten=True: always a tensor
     return result
 
 
-def _stream(f: Callable[[Tensor], Tensor], batches: Iterable[Any], progress: Optional[bool],
-            kw: dict[str, Any]) -> Iterator[Tensor]:
-    compute = lambda p: _flat(jacobian(f, p.x, **kw))  # noqa: E731
+def _stream(f: Callable[..., Any], batches: Iterable[Any], progress: Optional[bool],
+            kw: dict[str, Any], compute: Optional[Callable[[Any], Tensor]] = None) -> Iterator[Tensor]:
+    if compute is None:
+        compute = lambda p: _flat(jacobian(f, p.x, **kw))  # noqa: E731
     for done in run_rounds(batches, compute, gather=True, progress=progress, desc="jacobians"):
         done = sorted((d for d in done if d.value is not None), key=lambda d: d.start)
         if any(d.step > 1 for d in done):  # a DistributedSampler's round: one interleaved block

@@ -8,12 +8,13 @@ and assembles the user-facing shape.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
-from . import _operators
+from . import _args, _operators
+from ._args import Argnums, InDims
 from ._cache import WeakCache
 from ._checks import Options
 from ._operands import (
@@ -30,14 +31,17 @@ Fn = Callable[[Tensor], Tensor]
 
 
 def derivative(
-    f: Fn,
-    t: Tensor,
-    order: int = 1,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    order: Optional[int] = None,
+    argnums: Optional[Argnums] = None,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> Tensor:
+) -> Any:
     """Per-sample derivative d^k y / dt^k for one scalar input per sample.
 
     Taylor mode (k + 1 coefficients, about k + 1 passes) for an ``nn.Sequential`` of ``nn.Linear``
@@ -45,10 +49,20 @@ def derivative(
     mode (about 2^k passes) for any other f. The cost does not grow with B beyond the batched pass.
 
     Args:
-        f: maps t of shape (B,) or (B, 1) to (B, *out).
-        t: one scalar per sample, shape (B,) or (B, 1). When f only accepts (B, 1) (a first layer
-            ``nn.Linear(1, H)``), t of shape (B,) is passed as the column t[:, None].
-        order: k >= 1, the order of the derivative.
+        f: maps t of shape (B,) or (B, 1) to (B, *out); or any f(*args) whose differentiated
+            arguments (``argnums``) hold one scalar per sample in all, such as t in u(x, t).
+        *args: t, one scalar per sample, shape (B,) or (B, 1). When f only accepts (B, 1) (a
+            first layer ``nn.Linear(1, H)``), t of shape (B,) is passed as the column t[:, None].
+            Or all of f's positional arguments.
+        order: k >= 1, the order of the derivative (default 1). ``derivative(f, t, 2)`` still
+            reads 2 as the order when f takes one argument; with several, pass ``order=``.
+        argnums: which positional arguments are differentiated (an int or a tuple, torch.func's
+            convention; default 0). Together they must hold one scalar per sample.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples,
+            vmap's default) or None (broadcast); for all, per positional argument (a tuple), or
+            by name or position (a dict).
+        kwargs: keyword arguments for f, passed through (tensors treated as ``in_dims`` says).
+        has_aux: f returns ``(output, aux)``; the result is then ``(derivative, aux)``.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
@@ -56,7 +70,7 @@ def derivative(
             always so inside torch.func transforms.
 
     Returns:
-        Shape (B, *out): d^k f(t)[b] / dt_b^k.
+        Shape (B, *out): d^k f(t)[b] / dt_b^k; for a pytree output, that pytree of (B, *out_leaf).
 
     Example:
         >>> import torch, jacmode as jm
@@ -65,17 +79,45 @@ def derivative(
         tensor([0.0000, 0.1875, 0.7500, 1.6875, 3.0000])
         >>> jm.derivative(lambda t: t ** 3, t, order=2)     # 6 t
         tensor([0.0000, 1.5000, 3.0000, 4.5000, 6.0000])
+        >>> u = lambda x, t: x * t ** 3                   # u(x, t), one x and one t per sample
+        >>> jm.derivative(u, torch.ones(5), t, argnums=1, order=2)   # u_tt = 6 x t
+        tensor([0.0000, 1.5000, 3.0000, 4.5000, 6.0000])
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    args, legacy = _args.legacy_trailing(f, args, order is not None, _is_int, "order", "jm.derivative(u, x, t, argnums=1, order=2)")
+    order = legacy if legacy is not None else (1 if order is None else order)
+    call = _args.front(f, args, kwargs, argnums=0 if argnums is None else argnums, in_dims=in_dims,
+                       has_aux=has_aux, name="t")
+    if isinstance(order, bool) or not isinstance(order, int):
+        raise TypeError(f"order: expected a positive int, got {type(order).__name__} ({order!r}).")
+    if order < 1:
+        raise ValueError(f"order: expected a positive int, got {order}. Use 1 for dy/dt, 2 for d2y/dt2, ...")
+    if call.simple:
+        return _derivative(f, call.x, order, structure, chunk_size, create_graph)
+    n = call.x[0].numel() if call.x.dim() else 0
+    if n != 1:
+        raise ValueError(
+            f"argnums: derivative differentiates along one scalar per sample, but the differentiated arguments "
+            f"{call.argnums} hold {n} per sample. Pick one with argnums (e.g. argnums=1 for t in u(x, t)), or use "
+            "jm.partial / jm.partials with named coordinates.")
+    opts = validated(call.fn, call.x, "t", structure, chunk_size, create_graph)
+    result = _partial(call.fn, call.x, (0,) * order, opts)
+    # ---- tail: f's output pytree ----
+    return _args.finish(call, call.outputs(result, (call.x.shape[0],)))
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _derivative(f: Fn, t: Tensor, order: int, structure: Any, chunk_size: Any, create_graph: Any) -> Tensor:
+    """The body of :func:`derivative` for a function of one tensor."""
     opts = validated(f, t, "t", structure, chunk_size, create_graph)
     if not (t.dim() == 1 or (t.dim() == 2 and t.shape[1] == 1)):
         raise ValueError(
             f"t: expected one scalar per sample, shape (B,) or (B, 1), got {tuple(t.shape)}. "
             "For several input coordinates use jacmode.partial or jacmode.jacobian."
         )
-    if isinstance(order, bool) or not isinstance(order, int):
-        raise TypeError(f"order: expected a positive int, got {type(order).__name__} ({order!r}).")
-    if order < 1:
-        raise ValueError(f"order: expected a positive int, got {order}. Use 1 for dy/dt, 2 for d2y/dt2, ...")
     if t.dim() == 1 and t.shape[0] > 0 and _needs_column(f, t):
         t = t.unsqueeze(1)
     return _partial(f, t, (0,) * order, opts)
@@ -112,25 +154,74 @@ def _needs_column(f: Fn, t: Tensor) -> bool:
     return verdict
 
 
+COMMON_ARGS = ""  # (see the Args of each operator)
+
+
+def _front(f: Any, args: tuple[Any, ...], kwargs: Any, argnums: Any, in_dims: Any, has_aux: Any,
+           coords: Sequence[Any] = (), name: str = "x") -> _args.Call:
+    """The call of a derivative operator: argnums default to the arguments ``coords`` name, else 0."""
+    if argnums is None and coords:
+        named = _args.coordinate_args(coords, _args.parameter_names(f), "dims")
+        argnums = named if named is not None else 0
+    return _args.front(f, args, kwargs, argnums=0 if argnums is None else argnums, in_dims=in_dims,
+                       has_aux=has_aux, name=name)
+
+
+def _coords(dims: Any) -> list[Any]:
+    """The coordinates of one ``dims`` entry, as given (for naming arguments)."""
+    if isinstance(dims, (str, bytes)):
+        check_dims(dims, 1)  # the error for dims that are not a tuple of coordinates
+    if isinstance(dims, int):
+        return [dims]
+    try:
+        return list(dims)
+    except TypeError:
+        check_dims(dims, 1)
+        raise
+
+
+def _is_dims(v: Any) -> bool:
+    return _is_int(v) or (isinstance(v, (tuple, list)) and all(_is_int(d) or isinstance(d, str) for d in v))
+
+
+def _is_dims_list(v: Any) -> bool:
+    return isinstance(v, (tuple, list)) and bool(v) and all(isinstance(d, (tuple, list)) for d in v)
+
+
 def partial(
-    f: Fn,
-    x: Tensor,
-    dims: Sequence[int],
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    dims: Optional[Sequence[Any]] = None,
+    argnums: Optional[Argnums] = None,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> Tensor:
+) -> Any:
     """Per-sample mixed partial derivative of any order along input coordinates ``dims``.
 
     For x = (t, x1, x2) per sample: ``dims=(0,)`` is u_t, ``(1, 1)`` is u_x1x1, ``(1, 2)`` is
-    u_x1x2, ``(0, 1, 1)`` is u_tx1x1. Same engines as :func:`derivative`.
+    u_x1x2, ``(0, 1, 1)`` is u_tx1x1. Same engines as :func:`derivative`. For f of several
+    arguments, coordinates are named by f's parameter names: ``"t"`` (an argument with one
+    coordinate per sample) or ``("x", 1)`` (coordinate 1 of x, counted flat).
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in), coordinates counted flat) to (B, *out).
-        x: the batch of points, shape (B, D).
+        f: maps x of shape (B, D) (or (B, *in), coordinates counted flat) to (B, *out); or any
+            f(*args).
+        *args: x, the batch of points, shape (B, D); or all of f's positional arguments.
         dims: the coordinates to differentiate along, one entry per order (negative ones count
-            from the end).
+            from the end); ints count flat through the differentiated arguments, names and
+            ``(name, i)`` pairs pick an argument of f. ``partial(f, x, (0, 1))`` still reads
+            (0, 1) as dims when f takes one argument; with several, pass ``dims=``.
+        argnums: the differentiated positional arguments (an int or a tuple); by default those
+            ``dims`` names, else 0. The others are passed through.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples,
+            vmap's default) or None (broadcast); for all, per positional argument (a tuple), or
+            by name or position (a dict).
+        kwargs: keyword arguments for f, passed through (tensors treated as ``in_dims`` says).
+        has_aux: f returns ``(output, aux)``; the result is then ``(partial, aux)``.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
@@ -138,7 +229,7 @@ def partial(
             always so inside torch.func transforms.
 
     Returns:
-        Shape (B, *out).
+        Shape (B, *out); for a pytree output, that pytree of (B, *out_leaf).
 
     Example:
         >>> import torch, jacmode as jm
@@ -147,9 +238,28 @@ def partial(
         >>> jm.partial(u, x, (0, 1))                          # 6 x0 x1^2
         tensor([[24.],
                 [18.]])
+        >>> v = lambda x, t: x ** 2 * t                       # v(x, t), x and t of shape (B, 1)
+        >>> jm.partial(v, x[:, :1], x[:, 1:], dims=("x", "t"))   # v_xt = 2 x
+        tensor([[2.],
+                [6.]])
     """
-    opts = validated(f, x, "x", structure, chunk_size, create_graph)
-    return _partial(f, x, check_dims(dims, math.prod(x.shape[1:])), opts)
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims, "dims",
+                                         "jm.partial(u, x, t, dims=('x', 't'))")
+    dims = legacy if legacy is not None else dims
+    if dims is None:
+        raise TypeError("dims: missing: pass the coordinates to differentiate along, e.g. dims=(0, 1) or "
+                        "dims=('x', 't') for f(x, t).")
+    call = _front(f, args, kwargs, argnums, in_dims, has_aux, _coords(dims))
+    if call.simple:
+        x = call.x
+        opts = validated(f, x, "x", structure, chunk_size, create_graph)
+        return _partial(f, x, check_dims(dims, math.prod(x.shape[1:])), opts)
+    fn, x = call.fn, call.x
+    opts = validated(fn, x, "x", structure, chunk_size, create_graph)
+    result = _partial(fn, x, check_dims(_args.resolve(call, _coords(dims), "dims"), math.prod(x.shape[1:])), opts)
+    # ---- tail: f's output pytree ----
+    return _args.finish(call, call.outputs(result, (x.shape[0],)))
 
 
 def _partial(f: Fn, x: Tensor, dims: tuple[int, ...], opts: Options) -> Tensor:
@@ -161,24 +271,40 @@ def _partial(f: Fn, x: Tensor, dims: tuple[int, ...], opts: Options) -> Tensor:
 
 
 def partials(
-    f: Fn,
-    x: Tensor,
-    dims: Sequence[Sequence[int]],
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    dims: Optional[Sequence[Sequence[Any]]] = None,
+    argnums: Optional[Argnums] = None,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> tuple[Tensor, ...]:
+) -> Any:
     """Several per-sample mixed partials of the same samples, from one shared propagation.
 
     A PINN residual such as u_t - nu * u_xx needs u_t and u_xx at the same points: on the Taylor
     path one pass carries the coefficients of every sub-multiset they need (u_x serves both u_x
     and u_xx), instead of one pass per partial. Each result is what :func:`partial` returns.
+    For ``u(x, t)``, name the coordinates by f's parameter names:
+    ``jm.partials(u, x, t, dims=[("t",), ("x", "x")])`` gives u_t and u_xx (see docs/pinn.md).
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in), coordinates counted flat) to (B, *out).
-        x: the batch of points, shape (B, D).
-        dims: one tuple of coordinates per partial, e.g. ``[(0,), (1, 1)]`` for u_t and u_xx.
+        f: maps x of shape (B, D) (or (B, *in), coordinates counted flat) to (B, *out); or any
+            f(*args).
+        *args: x, the batch of points, shape (B, D); or all of f's positional arguments.
+        dims: one tuple of coordinates per partial, e.g. ``[(0,), (1, 1)]`` for u_t and u_xx, or
+            ``[("t",), ("x", "x")]`` naming f's arguments (``("x", 1)`` is coordinate 1 of x).
+            ``partials(f, x, [(0,), (1, 1)])`` still reads the list as dims when f takes one
+            argument; with several, pass ``dims=``.
+        argnums: the differentiated positional arguments (an int or a tuple); by default those
+            ``dims`` names, else 0. The others are passed through.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples,
+            vmap's default) or None (broadcast); for all, per positional argument (a tuple), or
+            by name or position (a dict).
+        kwargs: keyword arguments for f, passed through (tensors treated as ``in_dims`` says).
+        has_aux: f returns ``(output, aux)``; the result is then ``(partials, aux)``.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
@@ -186,7 +312,8 @@ def partials(
             always so inside torch.func transforms.
 
     Returns:
-        A tuple with one tensor of shape (B, *out) per entry of ``dims``, in the order given.
+        A tuple with one tensor of shape (B, *out) per entry of ``dims``, in the order given (each
+        a pytree of (B, *out_leaf) for a pytree output).
 
     Example:
         >>> import torch, jacmode as jm
@@ -196,41 +323,68 @@ def partials(
         >>> torch.cat([u_0, u_11], 1)
         tensor([[16., 12.],
                 [ 6., 54.]])
+        >>> v = lambda x, t: x ** 2 * t                       # v(x, t), x and t of shape (B, 1)
+        >>> v_t, v_xx = jm.partials(v, x[:, :1], x[:, 1:], dims=[("t",), ("x", "x")])
+        >>> torch.cat([v_t, v_xx], 1)                         # x^2, 2 t
+        tensor([[1., 4.],
+                [9., 2.]])
     """
-    opts = validated(f, x, "x", structure, chunk_size, create_graph)
-    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or any(isinstance(d, int) for d in dims):
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims_list, "dims",
+                                         "jm.partials(u, x, t, dims=[('t',), ('x', 'x')])")
+    dims = legacy if legacy is not None else dims
+    if dims is None:
+        raise TypeError("dims: missing: pass one tuple of coordinates per partial, e.g. dims=[(0,), (1, 1)] or "
+                        "dims=[('t',), ('x', 'x')] for u(x, t).")
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or any(isinstance(d, (int, str)) for d in dims):
         raise TypeError(
             f"dims: expected a list of coordinate tuples, one per partial, e.g. [(0,), (1, 1)] for "
             f"u_t and u_xx, got {dims!r}. For a single partial use jacmode.partial.")
+    call = _front(f, args, kwargs, argnums, in_dims, has_aux, [c for d in dims for c in _coords(d)])
+    fn, x = call.fn, call.x
+    opts = validated(fn, x, "x", structure, chunk_size, create_graph)
     if not dims:
         raise ValueError("dims: expected at least one partial, e.g. [(0,), (1, 1)], got an empty list.")
     n = math.prod(x.shape[1:])
-    targets = [check_dims(d, n) for d in dims]
+    targets = [check_dims(_args.resolve(call, _coords(d), "dims") if not call.simple else d, n) for d in dims]
 
     def body(t: Target) -> tuple[Tensor, ...]:
         flat = t.over_samples(opts.chunk_size, (len(targets),),
                               lambda z, s: t.run("partials", z, targets, scale=s))
         return tuple(r.reshape(x.shape[0], *t.out_shape) for r in flat.unbind(0))
 
-    return evaluate(f, x, opts, body)
+    result = evaluate(fn, x, opts, body)
+    if call.simple:
+        return result
+    # ---- tail: f's output pytree ----
+    return _args.finish(call, tuple(call.outputs(r, (x.shape[0],)) for r in result))
 
 
 def hessian(
-    f: Fn,
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> Tensor:
+) -> Any:
     """Per-sample Hessian of every output with respect to the sample's input.
 
     Computes the D (D + 1) / 2 distinct second derivatives (Taylor mode or nested forward mode,
     vectorised over the pairs) and mirrors them.
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in)) to (B, *out).
-        x: the batch of points.
+        f: maps x of shape (B, D) (or (B, *in)) to (B, *out); or any f(*args).
+        *args: x, the batch of points; or all of f's positional arguments.
+        argnums: the differentiated positional arguments (an int or a tuple, torch.func's
+            convention); the others are passed through.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples) or
+            None (broadcast); for all, per positional argument (a tuple), or by name (a dict).
+        kwargs: keyword arguments for f, passed through.
+        has_aux: f returns ``(output, aux)``; the result is then ``(hessian, aux)``.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work);
             "sparse": x is one point and f scalar, the (N, N) sparse CSR Hessian from one
@@ -241,6 +395,9 @@ def hessian(
 
     Returns:
         Shape (B, *out, D, D) (or (B, *out, *in, *in)); (N, N) sparse for structure="sparse".
+        Several arguments: torch.func's layout of ``vmap(hessian(f, argnums))``, e.g. for
+        ``argnums=(0, 1)`` the nested tuple ``((H_xx, H_xt), (H_tx, H_tt))``, H_xt of shape
+        (B, *out, *x_in, *t_in).
 
     Example:
         >>> import torch, jacmode as jm
@@ -248,7 +405,26 @@ def hessian(
         >>> jm.hessian(lambda x: x[:, :1] ** 2 * x[:, 1:], x)     # u = x0^2 x1
         tensor([[[[4., 2.],
                   [2., 0.]]]])
+        >>> (h_xx, h_xt), (h_tx, h_tt) = jm.hessian(lambda x, t: x ** 2 * t, x[:, :1], x[:, 1:], argnums=(0, 1))
+        >>> h_xx.shape, h_xt                                     # 2 t, 2 x
+        (torch.Size([1, 1, 1, 1]), tensor([[[[2.]]]]))
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
+    if call.simple:
+        return _hessian(f, call.x, structure, chunk_size, create_graph)
+    if structure == "sparse":
+        raise ValueError("structure: 'sparse' takes one tensor argument; for several arguments pass a function of "
+                         "one tensor (concatenate the arguments and split them inside f).")
+    x = call.x
+    flat = _hessian(call.fn, x, structure, chunk_size, create_graph)
+    # ---- tail: torch.func's layout ----
+    n = math.prod(x.shape[1:])
+    return _args.finish(call, call.hessian(flat.reshape(x.shape[0], -1, n, n)))
+
+
+def _hessian(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: Any) -> Tensor:
+    """The body of :func:`hessian` for a function of one tensor."""
     if structure == "sparse":
         from ._sparse.api import sparse_hessian
 
@@ -271,9 +447,12 @@ def hessian(
 
 
 def laplacian(
-    f: Fn,
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     weight: Optional[Tensor] = None,
     samples: Optional[int] = None,
     distribution: str = "rademacher",
@@ -293,8 +472,15 @@ def laplacian(
     of D directions.
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in)) to (B, *out).
-        x: the batch of points.
+        f: maps x of shape (B, D) (or (B, *in)) to (B, *out); or any f(*args).
+        *args: x, the batch of points; or all of f's positional arguments.
+        argnums: the differentiated positional arguments (an int or a tuple, torch.func's
+            convention; default 0); the others are passed through, so
+            ``laplacian(u, x, t, argnums=0)`` is the Laplacian in x only, t held per sample.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples) or
+            None (broadcast); for all, per positional argument (a tuple), or by name (a dict).
+        kwargs: keyword arguments for f, passed through.
+        has_aux: f returns ``(output, aux)``; the result is then ``(result, aux)``.
         weight: None, or S of shape (D, R) or per sample (B, D, R): the diffusion C = S S^T.
         samples: None for the exact value, else the number K of random directions per sample.
         distribution: law of the random directions, "rademacher" (lower variance) or "gaussian".
@@ -317,7 +503,25 @@ def laplacian(
         tensor([36.])
         >>> jm.laplacian(lambda x: (x ** 3).sum(1), x, weight=torch.eye(3)[:, :1])  # C = e0 e0^T
         tensor([6.])
+        >>> u = lambda x, t: (x ** 3).sum(1) * t             # u(x, t): the Laplacian in x only
+        >>> jm.laplacian(u, x, torch.tensor([2.]), argnums=0)   # 6 (x0 + x1 + x2) t
+        tensor([72.])
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
+    result = _laplacian(call.fn, call.x, weight, samples, distribution, generator, return_std, structure,
+                        chunk_size, create_graph)
+    if call.simple:
+        return result
+    # ---- tail: f's output pytree ----
+    lead = (call.x.shape[0],)
+    out = tuple(call.outputs(r, lead) for r in result) if isinstance(result, tuple) else call.outputs(result, lead)
+    return _args.finish(call, out)
+
+
+def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, generator: Any, return_std: Any,
+               structure: Any, chunk_size: Any, create_graph: Any) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """The body of :func:`laplacian` for a function of one tensor."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     if weight is not None or samples is not None or return_std:
         return _operators.weighted_laplacian(f, x, opts, weight, samples, distribution, generator, return_std)
@@ -331,18 +535,29 @@ def laplacian(
 
 
 def divergence(
-    f: Fn,
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> Tensor:
+) -> Any:
     """Per-sample divergence of a vector field f: (B, D) -> (B, D).
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in)) to an output of the same shape.
-        x: the batch of points.
+        f: maps x of shape (B, D) (or (B, *in)) to an output of the same shape; or any f(*args)
+            whose output has as many components per sample as its differentiated arguments.
+        *args: x, the batch of points; or all of f's positional arguments.
+        argnums: the differentiated positional arguments (an int or a tuple, torch.func's
+            convention; default 0); the others are passed through, so
+            ``divergence(v, x, t)`` is the divergence in x only, t held per sample.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples) or
+            None (broadcast); for all, per positional argument (a tuple), or by name (a dict).
+        kwargs: keyword arguments for f, passed through.
+        has_aux: f returns ``(output, aux)``; the result is then ``(result, aux)``.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
@@ -357,7 +572,17 @@ def divergence(
         >>> x = torch.tensor([[1., 2.], [3., 4.]])
         >>> jm.divergence(lambda x: x ** 2, x)      # 2 (x0 + x1)
         tensor([ 6., 14.])
+        >>> jm.divergence(lambda x, t: x ** 2 * t, x, torch.tensor([[1.], [2.]]))   # t: a rider
+        tensor([ 6., 28.])
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
+    result = _divergence(call.fn, call.x, structure, chunk_size, create_graph)
+    return result if call.simple else _args.finish(call, result)
+
+
+def _divergence(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: Any) -> Tensor:
+    """The body of :func:`divergence` for a function of one tensor."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     def body(t: Target) -> Tensor:
         if t.out_shape != t.in_shape:

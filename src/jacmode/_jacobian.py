@@ -9,7 +9,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from . import _checks, _profile, _transform
+from . import _args, _checks, _profile, _transform
+from ._args import Argnums, InDims
 from ._checks import Options, Wrt
 from ._functional import accepts_params_dict
 from ._planning import memory as _memory
@@ -34,9 +35,12 @@ def _options(f: Any, x: Any, **kw: Any) -> Options:
 
 @accepts_params_dict
 def plan(
-    f: Callable[[Tensor], Tensor],
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     wrt: Wrt = "inputs",
     mode: str = "auto",
     batched: bool = True,
@@ -48,7 +52,8 @@ def plan(
 ) -> Plan:
     """Say what :func:`jacobian` would do for these arguments, and why, without doing it.
 
-    Takes the same arguments as :func:`jacmode.jacobian`, which runs exactly this plan. Runs
+    Takes the same arguments as :func:`jacmode.jacobian` (also several arguments, ``argnums``,
+    ``in_dims``, ``kwargs``, ``has_aux``), which runs exactly this plan. Runs
     ``f`` on a few samples to learn the output shape, to check that samples are independent, to
     measure its footprint (flops, bytes, aten calls) and to find operations an engine cannot run
     (see docs/modes.md); the first call per function and shape also tries one jvp and one vjp on
@@ -72,10 +77,28 @@ def plan(
         >>> p.sample_chunk < 64 and p.workspace_bytes <= 50_000   # samples chunked to fit the budget
         True
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux, batched=batched,
+                       floating=wrt == "inputs")
+    if not call.simple and wrt != "inputs":
+        call = _args.params_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched)
+        with _args.rows_bound(call):
+            return _plan(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
+                         flatten, False)
+    if not call.simple:
+        _several_supported(call, wrt, structure)
+    return _plan(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten,
+                 call.simple)
+
+
+def _plan(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any, chunk_size: Any, max_memory: Any,
+          create_graph: Any, flatten: Any, simple: bool) -> Plan:
+    """The body of :func:`plan` for a function of one tensor."""
+    # ---- body ----
     opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
                     chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
                     flatten=flatten)
-    if opts.structure == "sparse" or _sparse.auto(f, x, opts) is not None:
+    if opts.structure == "sparse" or (simple and _sparse.auto(f, x, opts) is not None):
         return _sparse.plan(f, x, opts.mode, opts.chunk_size, opts.max_memory)
     with preserved_state(f), torch.no_grad():
         problem = describe(f, x, opts)
@@ -84,9 +107,12 @@ def plan(
 
 @accepts_params_dict
 def jacobian(
-    f: Callable[[Tensor], Tensor],
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     wrt: Wrt = "inputs",
     mode: str = "auto",
     batched: bool = True,
@@ -159,7 +185,46 @@ def jacobian(
         >>> jm.jacobian(net, t, wrt="params").shape   # (B, Y, P)
         torch.Size([1000, 4, 124])
     """
-    # ---- the eager call is the cached transform of f with these options (_transform.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux, batched=batched,
+                       floating=wrt == "inputs")
+    if call.simple:
+        return _jacobian(f, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
+                         flatten, out)
+    if wrt != "inputs":  # every argument passed through, the engines see the model of sample indices
+        call = _args.params_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched)
+        with _args.rows_bound(call):
+            result = _jacobian(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory,
+                               create_graph, flatten, out)
+        return _args.finish(call, _args.params_layout(call, result, flatten or out is not None))
+    _several_supported(call, wrt, structure)
+    if out is not None:
+        raise ValueError("out: not supported for a call of several arguments (the result is a pytree); drop out=.")
+    flat = _jacobian(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
+                     flatten, None)
+    # ---- tail: torch.func's layout ----
+    assert isinstance(flat, Tensor)
+    if structure == "diagonal":
+        return _args.finish(call, flat)
+    return _args.finish(call, call.jacobian(_args.flat_jacobian(call, flat)))
+
+
+def _several_supported(call: _args.Call, wrt: Any, structure: Any) -> None:
+    """What a call of several arguments (or pytrees, kwargs, has_aux) cannot do yet: a clear error."""
+    if structure == "sparse":
+        raise ValueError(
+            "structure: 'sparse' takes one tensor argument; for several arguments pass a function of one "
+            "tensor (concatenate the arguments and split them inside f).")
+    if structure == "diagonal" and (len(call.diff) != 1 or not call.single_output()):
+        raise ValueError(
+            "structure: 'diagonal' needs one differentiated tensor and one output tensor of its shape; got "
+            f"{len(call.diff)} differentiated tensor(s). Use structure='auto'.")
+
+
+def _jacobian(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any, chunk_size: Any,
+              max_memory: Any, create_graph: Any, flatten: Any, out: Any) -> Result:
+    """The body of :func:`jacobian` for a function of one tensor (the user's f, or ``_args.Flat``):
+    the cached transform of f with these options (``_transform.py``), which runs :func:`_run`."""
     options = dict(wrt=wrt, mode=mode, batched=batched, structure=structure, chunk_size=chunk_size,
                    max_memory=max_memory, create_graph=create_graph, flatten=flatten)
     return _transform.eager(jacobian, f, options).call(f, (x,), {} if out is None else {"out": out})
@@ -194,7 +259,7 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     if opts.structure == "sparse" and out is not None:
         raise ValueError("out: not supported with structure='sparse' (the result is a new sparse tensor); "
                          "drop out=.")
-    if opts.structure == "sparse" or (out is None and _sparse.auto(f, x, opts) is not None):
+    if opts.structure == "sparse" or (out is None and not isinstance(f, _args.Flat) and _sparse.auto(f, x, opts) is not None):
         layout = "csr" if opts.structure == "sparse" else "dense"
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=opts.chunk_size,
                                        max_memory=opts.max_memory, create_graph=opts.create_graph)

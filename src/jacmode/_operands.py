@@ -41,6 +41,7 @@ from torch import Tensor, nn
 from torch.func import vmap
 
 from . import _checks, _profile
+from ._args import Flat, inputs, rows_of, take
 from ._checks import Options
 from ._coupling import OPERATOR_WAYS_OUT
 from ._engines import capture as _capture
@@ -48,7 +49,7 @@ from ._engines import nested as _nested
 from ._engines import taylor as _taylor
 from ._engines.capture import Program
 from ._jacobian import _options
-from ._problem import captured, connected, describe
+from ._problem import captured, connected, describe, riders_independent
 from ._rules import decompositions
 from ._rules.base import Unsupported
 from ._state import RngReplay, modules_of, preserved_state
@@ -82,6 +83,23 @@ class Target:
     coupled: bool
     rng: Optional[RngReplay]
     widest: int = 0  # the widest nn.Linear of a captured module (direction_chunks' default width)
+    source: Any = None  # the flat function of a call of several arguments (``_args.Flat``), else None
+
+    @contextlib.contextmanager
+    def rows(self, start: int, stop: int) -> Iterator[None]:
+        """Within: ``fn`` and ``program`` are those of the samples [start, stop), so that batched
+        riders (``_args.take``) follow a chunk of samples."""
+        if rows_of(self.source) is None or (start == 0 and stop >= self.z.shape[0]):
+            yield
+            return
+        saved = self.fn, self.program
+        sub = take(self.source, slice(start, stop))
+        self.fn = _flat_fn(sub, self.in_shape, math.prod(self.out_shape)) if self.program is None else sub
+        self.program = None if self.program is None else self.program.bind(inputs(sub))
+        try:
+            yield
+        finally:
+            self.fn, self.program = saved
 
     def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
         if self.program is not None:
@@ -121,7 +139,7 @@ class Target:
         if not self.coupled:
             if width >= batch:
                 return compute(self.z, None)
-            return torch.cat([compute(self.z[s : s + width], None) for s in range(0, batch, width)], -2)
+            return torch.cat([self.chunk(compute, s, s + width) for s in range(0, batch, width)], -2)
         blocks = []
         for s in range(0, batch, width):
             e = min(batch, s + width)
@@ -130,6 +148,16 @@ class Target:
             k = torch.arange(e - s, device=out.device)
             blocks.append(out.movedim(-2, 1)[k, s + k].movedim(0, -2))  # (*lead, e - s, Y)
         return torch.cat(blocks, -2)
+
+
+    def chunk(self, compute: Callable[..., Tensor], start: int, stop: int, *extra: Any) -> Tensor:
+        """``compute(z[start:stop], None, *extra)`` with the riders of those samples."""
+        with self.rows(start, stop):
+            return compute(self.z[start:stop], None, *extra)
+
+
+def _flat_fn(f: Any, in_shape: tuple[int, ...], n_out: int) -> Fn:
+    return lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)
 
 
 def _order(name: str, args: tuple[Any, ...]) -> int:
@@ -161,6 +189,7 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
     else found (capture and its check, or ``describe`` with the coupling probe) and profiled."""
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     in_shape = tuple(x.shape[1:])
+    source = f if isinstance(f, Flat) else None
     found = None if key is None else _profile.find(f, key)
     if found is not None and not _profile.fresh(found.facts[0], x):  # a closure's value changed: capture again
         _profile.forget(f, key)  # type: ignore[arg-type]
@@ -172,17 +201,20 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
             checked = _capture.check(program, f, x, _taylor.value)
             assert isinstance(checked, tuple)
             out_shape = checked
+            riders_independent(f, x, opts.structure, OPERATOR_WAYS_OUT)  # but riders may mix samples
             widest = _widest(f)
             if key is not None:
                 _profile.keep(f, key, _profile.Profile("target", (program, out_shape, False, False, widest)),
                               modules or [])
     else:
         program, out_shape, coupled, random, widest = found.facts
+        if program is not None and source is not None:
+            program = program.bind(inputs(f))  # riders are inputs of the program: this call's
     if program is not None:
         with grad_mode:
             z = (x if opts.create_graph else x.detach()).reshape(x.shape[0], math.prod(in_shape))
             yield Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,
-                         out_shape=out_shape, widest=widest)
+                         out_shape=out_shape, widest=widest, source=source)
         return
     with preserved_state(f, modules), grad_mode:
         if found is None:
@@ -192,10 +224,9 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
                 _profile.keep(f, key, _profile.Profile("target", (None, out_shape, coupled, random, 0)), modules or [])
         else:  # as describe's z: a copy (f may modify its input in place)
             z = (x if opts.create_graph else x.detach()).clone().reshape(x.shape[0], math.prod(in_shape))
-        n_out = math.prod(out_shape)
-        fn = lambda z: f(z.reshape(z.shape[0], *in_shape)).reshape(z.shape[0], n_out)  # noqa: E731
-        yield Target(key=f, fn=fn, z=z, in_shape=in_shape, out_shape=out_shape, program=None,
-                     coupled=coupled, rng=RngReplay(x.device) if random else None)
+        yield Target(key=f, fn=_flat_fn(f, in_shape, math.prod(out_shape)), z=z, in_shape=in_shape,
+                     out_shape=out_shape, program=None, coupled=coupled,
+                     rng=RngReplay(x.device) if random else None, source=source)
 
 
 T = TypeVar("T")

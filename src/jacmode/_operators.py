@@ -30,7 +30,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import _checks
+from . import _args, _checks
+from ._args import Argnums, InDims
 from ._checks import Options
 from ._engines import collapsed as _collapsed
 from ._engines import directional as _directional
@@ -177,20 +178,23 @@ def _per_sample(t: Target, opts: Options, compute: Callable[[Tensor, Optional[Te
     width = batch if opts.chunk_size is None else max(1, opts.chunk_size)
     if batch == 0:
         return t.z.new_zeros(0, math.prod(t.out_shape))
-    blocks = [compute(t.z[s : s + width], None, slice(s, s + width)) for s in range(0, batch, width)]
+    blocks = [t.chunk(compute, s, s + width, slice(s, s + width)) for s in range(0, batch, width)]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
 def operator(
-    f: Fn,
-    x: Tensor,
-    terms: Sequence[tuple[Any, Sequence[int]]],
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    terms: Optional[Sequence[tuple[Any, Sequence[Any]]]] = None,
     directions: Optional[Tensor] = None,
+    argnums: Optional[Argnums] = None,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     structure: str = "auto",
     chunk_size: Optional[int] = None,
     create_graph: bool = False,
-) -> Tensor:
+) -> Any:
     """Per-sample linear differential operator sum_k c_k d^(a_k) f, collapsed where f is captured.
 
     Each term ``(c, dims)`` is a coefficient and the coordinates to differentiate along, as in
@@ -201,12 +205,21 @@ def operator(
     lower-order sub-multisets of the terms, not the number of terms (:func:`operator_plan`).
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in), coordinates counted flat) to (B, *out).
-        x: the batch of points, shape (B, D).
+        f: maps x of shape (B, D) (or (B, *in), coordinates counted flat) to (B, *out); or any
+            f(*args).
+        *args: x, the batch of points, shape (B, D); or all of f's positional arguments.
         terms: a list of ``(c, dims)``; c is a number, a tensor (B,) (one coefficient per sample)
             or a tensor of shape (1 | B, *out) (one per output component, e.g. the divergence's
-            e_d; such terms are carried to the output, not collapsed).
+            e_d; such terms are carried to the output, not collapsed). dims name coordinates as
+            :func:`jacmode.partial` does (``("t",)``, ``("x", "x")``). ``operator(f, x, terms)``
+            still reads the list as terms when f takes one argument; with several, pass ``terms=``.
         directions: None for coordinates, else the vectors that ``dims`` index: (M, D) or (B, M, D).
+        argnums: the differentiated positional arguments (an int or a tuple, torch.func's
+            convention); by default those the terms name, else 0; the others are passed through.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples) or
+            None (broadcast); for all, per positional argument (a tuple), or by name (a dict).
+        kwargs: keyword arguments for f, passed through.
+        has_aux: f returns ``(output, aux)``; the result is then ``(result, aux)``.
         structure: "auto" checks that samples are independent; "independent" skips the check;
             "coupled" differentiates each sample with the others held fixed (B times the work).
         chunk_size: samples per pass (all of them by default).
@@ -222,7 +235,44 @@ def operator(
         >>> jm.operator(u, x, [(1.0, (0, 0)), (1.0, (1, 1)), (-2.0, ())])   # u_00 + u_11 - 2 u
         tensor([[12.],
                 [38.]])
+        >>> heat = [(1.0, ("t",)), (-0.5, ("x", "x"))]            # u_t - 0.5 u_xx of v(x, t)
+        >>> jm.operator(lambda x, t: x ** 2 * t, x[:, :1], x[:, 1:], terms=heat)   # x^2 - t
+        tensor([[-1.],
+                [ 8.]])
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call, terms = _front(f, args, terms, argnums, in_dims, kwargs, has_aux, directions)
+    result = _operator(call.fn, call.x, terms, directions, structure, chunk_size, create_graph)
+    return result if call.simple else _args.finish(call, call.outputs(result, (call.x.shape[0],)))
+
+
+def _is_terms(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and bool(v) and all(isinstance(t, tuple) and len(t) == 2 for t in v)
+
+
+def _front(f: Any, args: tuple[Any, ...], terms: Any, argnums: Any, in_dims: Any, kwargs: Any, has_aux: Any,
+           directions: Any) -> tuple[_args.Call, Any]:
+    """The call of :func:`operator` / :func:`operator_plan` and its terms with coordinates resolved."""
+    args, legacy = _args.legacy_trailing(f, args, terms is not None, _is_terms, "terms",
+                                         "jm.operator(u, x, t, terms=[(1.0, ('t',)), (-0.5, ('x', 'x'))])")
+    terms = legacy if legacy is not None else terms
+    if terms is None:
+        raise TypeError("terms: missing: pass a list of (coefficient, dims), e.g. terms=[(1.0, (0, 0)), (1.0, (1, 1))].")
+    coords = [c for t in terms if isinstance(t, tuple) and len(t) == 2 and isinstance(t[1], (tuple, list))
+              for c in t[1]] if directions is None and isinstance(terms, (list, tuple)) else []
+    if argnums is None:
+        named = _args.coordinate_args(coords, _args.parameter_names(f), "terms")
+        argnums = named if named is not None else 0
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
+    if not call.simple and coords:
+        terms = [(c, _args.resolve(call, list(d), "terms")) if isinstance(d, (tuple, list)) else (c, d)
+                 for c, d in terms]
+    return call, terms
+
+
+def _operator(f: Fn, x: Tensor, terms: Any, directions: Any, structure: Any, chunk_size: Any,
+              create_graph: Any) -> Tensor:
+    """The body of :func:`operator` for a function of one tensor."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     spec = _normalise(terms, x, directions)
 
@@ -235,20 +285,25 @@ def operator(
 
 
 def operator_plan(
-    f: Fn,
-    x: Tensor,
-    terms: Sequence[tuple[Any, Sequence[int]]],
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    terms: Optional[Sequence[tuple[Any, Sequence[Any]]]] = None,
     directions: Optional[Tensor] = None,
+    argnums: Optional[Argnums] = None,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
     structure: str = "auto",
 ) -> OperatorPlan:
     """What :func:`operator` would do for these terms: engine, directions and passes it costs.
 
     Args:
         f: as for :func:`operator`.
-        x: as for :func:`operator`.
+        *args: as for :func:`operator`.
         terms: as for :func:`operator`.
         directions: as for :func:`operator`.
+        argnums: as for :func:`operator`.
+        in_dims: as for :func:`operator`.
+        kwargs: as for :func:`operator`.
         structure: as for :func:`operator`.
 
     Returns:
@@ -262,6 +317,8 @@ def operator_plan(
         >>> p.engine, p.terms, p.coefficients
         ('collapsed Taylor mode', 6, 19)
     """
+    call, terms = _front(f, args, terms, argnums, in_dims, kwargs, False, directions)
+    f, x = call.fn, call.x
     opts = validated(f, x, "x", structure, None, False)
     spec = _normalise(terms, x, directions)
     keys = [k for _, k in spec.all()]
@@ -365,7 +422,7 @@ def _per_sample_pairs(t: Target, opts: Options, compute: Callable[[Tensor, Optio
     if t.coupled:
         return t.over_samples(opts.chunk_size, (2,), lambda z, s: compute(z, s, slice(None)))
     width = batch if opts.chunk_size is None else max(1, opts.chunk_size)
-    blocks = [compute(t.z[s : s + width], None, slice(s, s + width)) for s in range(0, batch, width)]
+    blocks = [t.chunk(compute, s, s + width, slice(s, s + width)) for s in range(0, batch, width)]
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, 1)
 
 
@@ -378,8 +435,7 @@ def weighted_laplacian(f: Fn, x: Tensor, opts: Options, weight: Any, samples: An
         assert s is not None
         terms = [(1.0, (r, r)) for r in range(s.shape[0])]
         directions = s[:, 0] if s.shape[1] == 1 else s.transpose(0, 1)  # (R, N) or (B, R, N)
-        return operator(f, x, terms, directions=directions, structure=opts.structure,
-                        chunk_size=opts.chunk_size, create_graph=opts.create_graph)
+        return _operator(f, x, terms, directions, opts.structure, opts.chunk_size, opts.create_graph)
     n = math.prod(x.shape[1:])
     if s is None:
         vectors = _draw((k, x.shape[0], n), x, distribution, generator)
@@ -390,9 +446,12 @@ def weighted_laplacian(f: Fn, x: Tensor, opts: Options, weight: Any, samples: An
 
 
 def biharmonic(
-    f: Fn,
-    x: Tensor,
-    *,
+    f: Callable[..., Any],
+    *args: Any,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    kwargs: Optional[dict[str, Any]] = None,
+    has_aux: bool = False,
     samples: Optional[int] = None,
     distribution: str = "gaussian",
     generator: Optional[torch.Generator] = None,
@@ -409,8 +468,14 @@ def biharmonic(
     directions per sample (unbiased, the STDE construction; see the note in ``_operators.py``).
 
     Args:
-        f: maps x of shape (B, D) (or (B, *in)) to (B, *out).
-        x: the batch of points.
+        f: maps x of shape (B, D) (or (B, *in)) to (B, *out); or any f(*args).
+        *args: x, the batch of points; or all of f's positional arguments.
+        argnums: the differentiated positional arguments (an int or a tuple, torch.func's
+            convention); default 0; the others are passed through.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples) or
+            None (broadcast); for all, per positional argument (a tuple), or by name (a dict).
+        kwargs: keyword arguments for f, passed through.
+        has_aux: f returns ``(output, aux)``; the result is then ``(result, aux)``.
         samples: None for the exact value, else the number K of random directions per sample.
         distribution: "gaussian" (the only law with the right fourth moments).
         generator: a ``torch.Generator`` for reproducible draws.
@@ -429,11 +494,25 @@ def biharmonic(
         >>> jm.biharmonic(lambda x: (x ** 4).sum(1) + (x[:, 0] * x[:, 1]) ** 2, x)   # 24 + 24 + 8
         tensor([56.])
     """
+    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
+    result = _biharmonic(call.fn, call.x, samples, distribution, generator, return_std, structure, chunk_size,
+                         create_graph)
+    if call.simple:
+        return result
+    lead = (call.x.shape[0],)
+    out = tuple(call.outputs(r, lead) for r in result) if isinstance(result, tuple) else call.outputs(result, lead)
+    return _args.finish(call, out)
+
+
+def _biharmonic(f: Fn, x: Tensor, samples: Any, distribution: Any, generator: Any, return_std: Any,
+                structure: Any, chunk_size: Any, create_graph: Any) -> Result:
+    """The body of :func:`biharmonic` for a function of one tensor."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     k = _checks.check_estimator(samples, distribution, generator, return_std, allowed=("gaussian",))
     n = math.prod(x.shape[1:])
     if k is None:
         terms = [(1.0 if i == j else 2.0, (i, i, j, j)) for i in range(n) for j in range(i, n)]
-        return operator(f, x, terms, structure=structure, chunk_size=chunk_size, create_graph=create_graph)
+        return _operator(f, x, terms, None, structure, chunk_size, create_graph)
     vectors = _draw((k, x.shape[0], n), x, "gaussian", generator)
     return _estimate(f, x, opts, vectors, 4, 1.0 / 3.0, return_std)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from . import _checks
+from ._args import Flat, inputs, rows_of
 from ._cache import WeakCache, problem_key
 from ._checks import Options
 from ._coupling import WAYS_OUT, probe
@@ -80,7 +81,7 @@ def captured(f: Any, x: Tensor) -> tuple[Optional[_capture.Program], str]:
     if isinstance(program, str):
         return None, program
     checked = _capture.check(program, f, x, _taylor.value)
-    return (program, "") if isinstance(checked, tuple) else (None, checked)
+    return (program.bind(inputs(f)), "") if isinstance(checked, tuple) else (None, checked)
 
 
 def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: str = WAYS_OUT) -> Problem:
@@ -103,6 +104,7 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
     if program is not None:
         out_shape = _capture.check(program, f, x, _taylor.value)
         assert isinstance(out_shape, tuple)  # captured() returned the program: its check passed
+        riders_independent(f, x, opts.structure, ways_out)
     elif batched:
         out_shape = probe(f, x, check=opts.structure == "auto" and x.shape[0] > 1, validate=validate,
                           ways_out=ways_out)
@@ -134,6 +136,16 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
     return _params_problem(model, x, selected, opts, Problem(
         kind="params", fn=f, z=x, batch=batch, n_in=0, n_out=n_out, in_shape=(), out_shape=out_shape,
         batched=batched, structure=structure, x=x, random=random, probes=probes))
+
+
+def riders_independent(f: Any, x: Tensor, structure: str, ways_out: str = WAYS_OUT) -> None:
+    """A captured program keeps samples apart where its input flows, but not in plain operations on
+    batched riders (``mask.mean(0)``): for a call with batched riders the coupling probe runs
+    (cached per function and call structure) before the program serves, changing the riders of
+    some samples too (``_coupling._changed_riders``)."""
+    if structure == "auto" and x.shape[0] > 1 and rows_of(f) is not None:
+        probe(f, x, check=True, validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n),
+              ways_out=ways_out)
 
 
 def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
@@ -203,6 +215,8 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem
     xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
     p = copy.copy(facts)  # not dataclasses.replace: this runs on every repeated call
     p.x = x
+    if facts.program is not None and isinstance(f, Flat):
+        p.program = facts.program.bind(inputs(f))  # riders are inputs of the program: this call's
     if facts.structure == "diagonal":
         p.fn, p.z = f, xin
         return p

@@ -43,7 +43,7 @@ from torch.nn.modules import module as _module
 from torch.nn.modules.dropout import _DropoutNd
 
 from . import _functional
-from ._cache import WeakCache
+from ._cache import WeakCache, _resolved
 from ._transforms import in_transform
 
 PER_FUNCTION = 16
@@ -156,6 +156,7 @@ def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
 
 def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module]) -> None:
     """Store ``profile`` for later calls of ``f`` with key ``k`` (at most ``PER_FUNCTION`` per f)."""
+    f, k = _resolved(f, k)  # a flat function of several arguments: under the user's f (_cache.py)
     bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
     params = [p for m in modules for p in m._parameters.values() if p is not None and id(p) not in bound]
     profile.holds = (*(m for m in modules if m is not f), *params)  # never f: it is the weak key
@@ -171,6 +172,7 @@ def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module])
 
 def forget(f: Any, k: tuple[Any, ...]) -> None:
     """Drop the profile of ``f`` for ``k`` (an engine found its facts no longer hold)."""
+    f, k = _resolved(f, k)
     with _LOCK:
         try:
             _PROFILES._data.get(f, {}).pop(k, None)

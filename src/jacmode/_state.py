@@ -38,6 +38,8 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ._args import Flat
+
 _KERNELS_LOCK = threading.Lock()
 _KERNELS: dict[str, Any] = {"users": 0, "fastpath": True, "sdpa": None}
 
@@ -146,6 +148,8 @@ def used_modules(fn: Any, depth: int = 3) -> list[nn.Module]:
     ``self``, a ``functools.partial``'s function and arguments, and so on through nested
     functions (``depth`` levels). Not the modules it reaches through other objects' attributes.
     """
+    if isinstance(fn, Flat):  # a call of several arguments: the user's function
+        fn = fn.f
     if isinstance(fn, nn.Module):
         return [fn]
     if depth == 0:

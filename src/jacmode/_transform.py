@@ -58,6 +58,7 @@ class Spec:
 
 
 _SPECS: dict[Any, Spec] = {}
+_FRONT = ("argnums", "in_dims", "has_aux")
 _TOKENS: dict[Hashable, int] = {}
 _FRESH = itertools.count(1 << 40)
 
@@ -146,6 +147,10 @@ def _validate(name: str, sig: inspect.Signature, options: dict[str, Any]) -> Non
         _checks.check_options(wrt="inputs", mode="forward", batched=True, structure=given.get("structure", "auto"),
                               chunk_size=given.get("chunk_size"), create_graph=given.get("create_graph", False),
                               flatten=True)
+    for required in {"partial": ("dims",), "partials": ("dims",), "operator": ("terms",)}.get(name, ()):
+        if given.get(required) is None:  # None by default: the one-argument calls may give it positionally
+            raise TypeError(f"transform({name}, f, ...): missing option {required!r}, which {name} requires; give "
+                            f"it by keyword, e.g. transform({name}, f, {required}=...).")
     if name == "derivative":
         order = given["order"]
         if isinstance(order, bool) or not isinstance(order, int):
@@ -205,8 +210,14 @@ class Transformed:
         compile: whether ``compile=True`` was asked (see the note in ``_transform.py``).
     """
 
-    def __init__(self, spec: Spec, f: Any, options: dict[str, Any], compile: bool, strong: bool = True) -> None:
+    def __init__(self, spec: Spec, f: Any, options: dict[str, Any], compile: bool, strong: bool = True,
+                 op: Optional[Callable[..., Any]] = None) -> None:
         self._spec = spec
+        self._op = op
+        # the options of the several-arguments front (_args.py): a call with them goes through the
+        # entry point's front, which describes the call as a flat function and comes back here
+        self._front = {k: options[k] for k in _FRONT if k in options}
+        options = {k: v for k, v in options.items() if k not in _FRONT}
         self.state = spec.prepare(dict(options))
         self.token, self._frozen = _token(spec.name, options)
         self.options = dict(options)
@@ -239,18 +250,23 @@ class Transformed:
             raise TypeError(f"{self.op}: the transformed function takes f's input x as its first argument, got none.")
         data: dict[str, Any] = {}
         if len(args) > 1:
-            if len(args) - 1 > (len(spec.data) if spec.positional else 0):
+            if spec.positional and len(args) - 1 > len(spec.data):
                 raise TypeError(
                     f"{self.op}: the transformed function takes one input x"
                     f"{' and ' + ', '.join(spec.data) if spec.data and spec.positional else ''}, got {len(args)} positional "
                     "arguments. Pass the other arguments of f by keyword, or through a closure.")
-            data.update(zip(spec.data, args[1:]))
+            if spec.positional:
+                data.update(zip(spec.data, args[1:]))
         if kwargs:
             for name in spec.data:
                 if name in kwargs:
                     data[name] = kwargs.pop(name)
-        if kwargs:
-            f = _bind(self.op, spec, self.state, f, kwargs)
+        if self._front or kwargs or (len(args) > 1 and not spec.positional):
+            if self._op is None:  # pragma: no cover -- every transform is made with its entry point
+                raise TypeError(f"{self.op}: several arguments need the entry point; use jm.transform(op, f, ...).")
+            pos = args if not spec.positional else args[:1]
+            return self._op(f, *pos, **({"kwargs": kwargs} if kwargs else {}), **self._front, **self.options,
+                            **data)
         return self._run(self, f, args[0], data)
 
     def __repr__(self) -> str:
@@ -308,7 +324,7 @@ def transform(op: Callable[..., Any], f: Any, *, compile: bool = False, **option
     from ._checks import check_function
 
     check_function(f)
-    return Transformed(spec, f, options, compile)
+    return Transformed(spec, f, options, compile, op=op)
 
 
 def jacfn(f: Any, *, compile: bool = False, **options: Any) -> Transformed:
@@ -358,7 +374,7 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
     from ._checks import check_function
 
     check_function(f)
-    t = Transformed(spec, None, options, False, strong=False)
+    t = Transformed(spec, None, options, False, strong=False, op=op)
     if frozen is not None:
         try:
             entries = _EAGER.setdefault(f, {})

@@ -264,6 +264,7 @@ class Case:
     convention: str
     column: bool = True  # derivative: t of shape (B, 1) rather than (B,)
     pointwise: bool = False  # elementwise blocks on x, no head or tail (Net's docstring)
+    form: Optional[dict] = None  # the call form of several arguments (see ``_form``), None: f(x)
 
     @property
     def integer(self) -> bool:
@@ -285,7 +286,14 @@ class Case:
 
     def describe(self) -> str:
         return (f"{self.model_key()} in={self.in_shape} out={self.out_shape} B={self.batch} {self.dtype} "
-                f"{self.entry_key()} dims={self.options.get('dims')} via {self.convention}")
+                f"{self.entry_key()} dims={self.options.get('dims')} via {self.convention}"
+                + (f" form={self.form}" if self.form else ""))
+
+    def differentiated(self) -> list[int]:
+        """The columns of x that are differentiated (all of them for a call of one tensor)."""
+        if not self.form:
+            return list(range(math.prod(self.in_shape)))
+        return sorted(c for i in self.form["argnums"] for c in range(*self.form["pieces"][i]))
 
 
 def build(case: Case, primitive: bool = False) -> Net:
@@ -460,10 +468,61 @@ def _conventions(entry: str, options: dict, head: str) -> list[str]:
     return conv
 
 
+# Call forms of several arguments (issue 18): x (B, d) of a flat head is cut into pieces along its
+# columns, each a positional argument p0, p1, ... of f (the last one possibly a keyword argument);
+# argnums picks the differentiated ones (the others are batched riders), dims and terms name
+# coordinates by argument name, by (name, i) or count them flat in the differentiated arguments;
+# f returns the output as is, as a tuple or a dict, with or without an auxiliary output. The
+# oracle is the one-tensor oracle restricted to the differentiated columns; ``runner.flat_result``
+# checks torch.func's layout while turning the result back into that flat form.
+FORM_ENTRIES = ("jacobian", "partial", "partials", "hessian", "laplacian", "divergence", "operator", "biharmonic",
+                "jacobian_params")
+ALL_DIFFERENTIATED = ("divergence", "biharmonic")  # their oracles sum over every coordinate
+
+
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
-    entry = draw(st.sampled_from(ENTRIES))
-    head, spec, in_shape, width = draw(_head(entry))
+def _form(draw: st.DrawFn, entry: str, d: int, options: dict, always: bool = False) -> Optional[dict]:
+    if entry not in FORM_ENTRIES or d < 2 or (not always and draw(st.integers(0, 2)) != 0):
+        return None
+    cuts = sorted(draw(st.sets(st.integers(1, d - 1), min_size=1, max_size=min(2, d - 1))))
+    bounds = [0, *cuts, d]
+    pieces = [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+    n = len(pieces)
+    if entry == "jacobian_params" or entry in ALL_DIFFERENTIATED:
+        chosen = list(range(n))
+    else:
+        chosen = sorted(draw(st.sets(st.integers(0, n - 1), min_size=1, max_size=n)))
+    order = chosen if entry == "divergence" else draw(st.permutations(chosen))  # (output d pairs with z's d)
+    as_int = len(order) == 1 and draw(st.booleans())
+    riders = [i for i in range(n) if i not in chosen]
+    keyword = bool(riders) and riders[-1] == n - 1 and draw(st.booleans())  # the last piece as p{n-1}=...
+    return {"pieces": pieces, "argnums": tuple(order), "int": as_int, "keyword": keyword,
+            "names": draw(st.sampled_from(["names", "pairs", "ints"])),
+            "out": draw(st.sampled_from(["tensor", "tuple", "dict"])), "aux": draw(st.booleans())}
+
+
+def _restrict(options: dict, cols: list[int], d: int) -> dict:
+    """dims / terms with every coordinate moved into the differentiated columns ``cols``."""
+    o = dict(options)
+    move = lambda c: cols[(c % d) % len(cols)]  # noqa: E731
+    if "dims" in o and o["dims"] and isinstance(o["dims"][0], tuple):
+        o["dims"] = [tuple(move(c) for c in dims) for dims in o["dims"]]
+    elif "dims" in o:
+        o["dims"] = tuple(move(c) for c in o["dims"])
+    if "terms" in o:
+        o["terms"] = [(c, tuple(move(k) for k in dims)) for c, dims in o["terms"]]
+    return o
+
+
+@st.composite
+def cases(draw: st.DrawFn, forms: bool = False) -> Case:
+    """A case; ``forms=True``: always a call form of several arguments (a flat input of 2..4 columns)."""
+    entry = draw(st.sampled_from(FORM_ENTRIES if forms else ENTRIES))
+    if forms:
+        d = draw(st.integers(2, 3 if entry == "biharmonic" else 4))
+        head, spec, in_shape, width = "flat", {}, (d,), d
+    else:
+        head, spec, in_shape, width = draw(_head(entry))
     batch = draw(st.integers(1, 3))
     pointwise = entry in INPUT_ENTRIES and head in ("flat", "multi") and draw(st.integers(0, 3)) == 0
     if pointwise:  # elementwise ops on x itself: the output has the input's shape
@@ -476,12 +535,24 @@ def cases(draw: st.DrawFn) -> Case:
         else:
             out_shape = draw(st.sampled_from([(1,), (2,), (3,), (2, 2), (1, 2)]))
     options = _entry_options(draw, entry, in_shape, out_shape, pointwise)
-    convention = draw(st.sampled_from(_conventions(entry, options, head)))
+    if forms and "batched" in options:
+        options["batched"] = True
+        if options.get("structure") == "diagonal":
+            options["structure"] = "auto"
+    convention = draw(st.sampled_from([c for c in _conventions(entry, options, head)
+                                       if not forms or c not in ("jacrev", "jacrev_nograph", "jacfwd")]))
     dtype = draw(st.sampled_from([torch.float64, torch.float32]))
     column = draw(st.booleans()) if entry == "derivative" else True
-    return Case(seed=draw(st.integers(0, 2**16)), head=head, head_spec=spec, in_shape=in_shape, blocks=blocks,
+    form = None
+    batched = options.get("batched", True) and options.get("structure") != "diagonal"
+    if head == "flat" and len(in_shape) == 1 and batched and convention not in ("jacrev", "jacrev_nograph", "jacfwd"):
+        form = draw(_form(entry, in_shape[0], options, always=forms))
+    case = Case(seed=draw(st.integers(0, 2**16)), head=head, head_spec=spec, in_shape=in_shape, blocks=blocks,
                 width=width, out_shape=out_shape, batch=batch, dtype=dtype, entry=entry, options=options,
-                convention=convention, column=column, pointwise=pointwise)
+                convention=convention, column=column, pointwise=pointwise, form=form)
+    if form is not None:
+        case.options = _restrict(options, case.differentiated(), in_shape[0])
+    return case
 
 
 @st.composite

@@ -9,6 +9,7 @@ result where an error is due (coupled samples, integer inputs differentiated).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import traceback
@@ -116,6 +117,8 @@ def loss_setup(case: G.Case, gen: torch.Generator) -> tuple[Callable[..., Tensor
 
 def call(case: G.Case, f: Any, net: nn.Module, x: Tensor, extra: dict, create_graph: bool = False) -> Any:
     """The jacmode entry point of ``case`` (``f`` for the input derivatives, ``net`` for products)."""
+    if case.form:
+        return flat_result(case, formed(case, f, net, x, create_graph))
     e, o = case.entry, case.options
     cg = {"create_graph": True} if create_graph else {}
     cg["chunk_size"] = o.get("chunk_size")
@@ -144,8 +147,137 @@ def call(case: G.Case, f: Any, net: nn.Module, x: Tensor, extra: dict, create_gr
     return jm.ggn(net, x, o["loss"], diagonal=o["diagonal"])
 
 
+# ---- call forms of several arguments (grammar._form) ---------------------------------------------
+
+def _signature(case: G.Case) -> tuple[list[str], list[str]]:
+    """(positional parameter names, keyword ones) of the function of several arguments."""
+    names = [f"p{i}" for i in range(len(case.form["pieces"]))]
+    return (names[:-1], names[-1:]) if case.form["keyword"] else (names, [])
+
+
+def _several(case: G.Case, body: Callable[..., Any], method: bool = False) -> Callable[..., Any]:
+    """A function (or forward) with parameters p0, p1, ... that calls ``body(p0, p1, ...)``."""
+    pos, kw = _signature(case)
+    head = ["self"] if method else []
+    src = (f"def g({', '.join(head + pos + [k + '=None' for k in kw])}):\n"
+           f"    return body({', '.join(head + pos + kw)})\n")
+    ns: dict[str, Any] = {"body": body}
+    exec(src, ns)  # noqa: S102 -- the names are the point: jacmode reads coordinates by them
+    return ns["g"]
+
+
+def _wrap_out(case: G.Case, out: Any) -> Any:
+    out = {"tensor": out, "tuple": (out,), "dict": {"u": out}}[case.form["out"]]
+    return (out, {"note": 1}) if case.form["aux"] else out
+
+
+def _coordinate(case: G.Case, c: int) -> Any:
+    """Flat column c of x as the form names it: "p1", ("p1", k), (1, k) or its position in z."""
+    form = case.form
+    i = next(i for i, (a, b) in enumerate(form["pieces"]) if a <= c < b)
+    lo, hi = form["pieces"][i]
+    if form["names"] == "names":
+        return f"p{i}" if hi - lo == 1 else (f"p{i}", c - lo)
+    if form["names"] == "pairs":
+        return (i, c - lo)
+    offset = 0
+    for j in form["argnums"]:
+        if j == i:
+            return offset + c - lo
+        offset += form["pieces"][j][1] - form["pieces"][j][0]
+    raise AssertionError("a coordinate outside the differentiated arguments")
+
+
+def formed(case: G.Case, f: Any, net: nn.Module, x: Tensor, create_graph: bool) -> Any:
+    """The entry point called with x cut into the form's pieces."""
+    form, e, o = case.form, case.entry, case.options
+    pieces = [x[:, a:b] for a, b in form["pieces"]]
+    pos, kw = _signature(case)
+    args = pieces[:len(pos)]
+    kwargs = {kw[0]: pieces[-1]} if kw else None
+    argnums = form["argnums"][0] if form["int"] else form["argnums"]
+    common: dict[str, Any] = dict(kwargs=kwargs, has_aux=form["aux"], chunk_size=o.get("chunk_size"))
+    if e == "jacobian_params":
+        base = type(net)
+        forward = _several(case, lambda self, *ps: _wrap_out(case, base.forward(self, torch.cat(ps, 1))), method=True)
+        split = type("Several" + base.__name__, (base,), {"forward": forward})
+        model = split.__new__(split)
+        object.__setattr__(model, "__dict__", net.__dict__)  # the same parameters under the same names
+        return jm.jacobian(model, *args, wrt="params", mode=o["mode"], flatten=o["flatten"], **common)
+    g = _several(case, lambda *ps: _wrap_out(case, f(torch.cat(ps, 1))))
+    common.update(argnums=argnums, create_graph=create_graph, structure=o.get("structure", "auto"))
+    if e == "jacobian":
+        return jm.jacobian(g, *args, mode=o["mode"], **common)
+    if e == "partial":
+        return jm.partial(g, *args, dims=tuple(_coordinate(case, c) for c in o["dims"]), **common)
+    if e == "partials":
+        return jm.partials(g, *args, dims=[tuple(_coordinate(case, c) for c in d) for d in o["dims"]], **common)
+    if e == "operator":
+        return jm.operator(g, *args, terms=[(c, tuple(_coordinate(case, k) for k in d)) for c, d in o["terms"]],
+                           **common)
+    return getattr(jm, e)(g, *args, **common)
+
+
+def _unwrap(case: G.Case, out: Any, what: str) -> Any:
+    kind = case.form["out"]
+    if kind == "tuple":
+        assert isinstance(out, tuple) and len(out) == 1, f"{what}: expected f's tuple output, got {type(out).__name__}"
+        return out[0]
+    if kind == "dict":
+        assert isinstance(out, dict) and list(out) == ["u"], f"{what}: expected f's dict output, got {type(out).__name__}"
+        return out["u"]
+    return out
+
+
+def flat_result(case: G.Case, result: Any) -> Any:
+    """The result of a call of several arguments in the flat form of the one-tensor call restricted to
+    the differentiated columns, checking torch.func's layout on the way (AssertionError if not)."""
+    form, e = case.form, case.entry
+    if form["aux"]:
+        assert isinstance(result, tuple) and len(result) == 2 and result[1] == {"note": 1}, "has_aux: no (result, aux)"
+        result = result[0]
+    order = form["argnums"]
+    sorted_pieces = sorted(order)
+    width = {i: form["pieces"][i][1] - form["pieces"][i][0] for i in order}
+
+    def per_arg(v: Any, what: str) -> dict[int, Any]:
+        if form["int"]:
+            return {order[0]: v}
+        assert isinstance(v, tuple) and len(v) == len(order), f"{what}: expected a tuple over argnums {order}"
+        return dict(zip(order, v))
+
+    if e == "jacobian_params":
+        return result if case.options["flatten"] else _unwrap(case, result, "jacobian")
+    if e in ("partial", "laplacian", "operator", "biharmonic"):
+        return _unwrap(case, result, e)
+    if e == "partials":
+        assert isinstance(result, tuple), "partials: expected a tuple"
+        return tuple(_unwrap(case, r, "partials") for r in result)
+    if e == "divergence":
+        return result
+    if e == "jacobian":
+        blocks = per_arg(_unwrap(case, result, "jacobian"), "jacobian")
+        for i, b in blocks.items():
+            assert b.shape[-1] == width[i], f"jacobian: block of argument {i} has {b.shape[-1]} columns, not {width[i]}"
+        return torch.cat([blocks[i] for i in sorted_pieces], -1)
+    rows = per_arg(_unwrap(case, result, "hessian"), "hessian")  # hessian: argnum i -> (argnum j -> block)
+    full = []
+    for i in sorted_pieces:
+        cols = per_arg(rows[i], "hessian") if not form["int"] else {order[0]: rows[i]}
+        full.append(torch.cat([cols[j] for j in sorted_pieces], -1))
+    return torch.cat(full, -2)
+
+
 def reference(case: G.Case, f64: Callable[[Tensor], Tensor], net64: nn.Module, x: Tensor, extra: dict) -> Any:
-    """The oracle of ``call`` in float64."""
+    """The oracle of ``call`` in float64 (restricted to the differentiated columns of a call form)."""
+    if case.form and case.entry in ("jacobian", "hessian", "laplacian"):
+        cols = case.differentiated()
+        if case.entry == "laplacian":
+            eye = torch.eye(math.prod(case.in_shape), dtype=torch.float64)
+            return O.weighted_laplacian(f64, x, eye[:, cols])
+        if case.entry == "jacobian":
+            return O.input_jacobian(f64, x, True)[..., cols]
+        return O.hessian(f64, x)[..., cols, :][..., cols]
     e, o = case.entry, case.options
     if e == "jacobian" and o["structure"] == "diagonal":
         return O.diagonal(f64, x, o["batched"])

@@ -28,12 +28,13 @@ import contextlib
 import operator
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .._args import Flat, traced_body
 from .._cache import WeakCache
 from .._rules.base import Traced
 from .._rules.table import META, lookup
@@ -46,13 +47,22 @@ _PROGRAMS = WeakCache("captured programs")
 class _FnRoot(nn.Module):
     """The root module a plain function is traced in: it owns the modules the function uses."""
 
-    def __init__(self, fn: Callable[[Tensor], Any], modules: list[nn.Module]) -> None:
+    def __init__(self, fn: Callable[..., Any], modules: list[nn.Module]) -> None:
         super().__init__()
         self.fn = fn
         self.used = nn.ModuleList(modules)
 
     def forward(self, x: Tensor) -> Any:
         return self.fn(x)
+
+
+class _FlatRoot(_FnRoot):
+    """The root a call of several arguments (``_args.Flat``) is traced in: its forward takes the flat
+    input and the riders, so that a run reads the riders it is bound to (``Program.bind``), never the
+    values seen at capture time."""
+
+    def forward(self, z: Tensor, riders: Any) -> Any:  # type: ignore[override]
+        return self.fn(z, riders)
 
 
 def _used_modules(fn: Any) -> list[nn.Module]:
@@ -86,12 +96,13 @@ def program_for(f: Any) -> Union[Program, str]:
     """The captured program of ``f``, or why there is none (cached; see the note)."""
     if _global_hooks():
         return "global module hooks are registered"
-    if isinstance(f, nn.Module):
-        modules = list(f.modules())
-    elif callable(f) and hasattr(f, "__code__"):
-        modules = [m for u in _used_modules(f) for m in u.modules()]
+    user = f.f if isinstance(f, Flat) else f
+    if isinstance(user, nn.Module):
+        modules = list(user.modules())
+    elif callable(user) and hasattr(user, "__code__"):
+        modules = [m for u in _used_modules(user) for m in u.modules()]
     else:
-        return f"{type(f).__name__} is not a module or a Python function"
+        return f"{type(user).__name__} is not a module or a Python function"
     hooked = next((type(m).__name__ for m in modules if _hooked(m)), None)
     if hooked is not None:
         return f"{hooked} has hooks"
@@ -211,20 +222,29 @@ def _in_place(node: fx.Node) -> bool:
 
 
 def _capture(f: Any) -> Union[Program, str]:
-    root = f if isinstance(f, nn.Module) else _FnRoot(f, _used_modules(f))
-    watch, (found, closure_guards) = Watch(), sources(f)
+    flat = isinstance(f, Flat)
+    if flat:
+        user = f.f
+        root: nn.Module = _FlatRoot(traced_body(f.call), [user] if isinstance(user, nn.Module) else _used_modules(user))
+    else:
+        user = f
+        root = f if isinstance(f, nn.Module) else _FnRoot(f, _used_modules(f))
+    watch, (found, closure_guards) = Watch(), sources(user)
     guards: list[Any] = list(closure_guards)
     own = {id(t): name for name, t in [*root.named_parameters(), *root.named_buffers()]}
     try:
         graph, constants = _trace(root, watch)
     except _Refused as err:
         return str(err)
+    if flat:
+        _rejoin(graph, f.call)
     bound: list[Bound] = []
     slots: dict[fx.Node, int] = {}
     traced: set[fx.Node] = set()
     steps: list[Step] = []
     ops: list[str] = []
     output: Any = None
+    riders_step = None
 
     def ref(a: Any) -> Any:
         return fx.node.map_arg(a, lambda n: Ref(slots[n]))  # type: ignore[arg-type, return-value]
@@ -235,9 +255,13 @@ def _capture(f: Any) -> Union[Program, str]:
                 slots[node] = 0
                 traced.add(node)
                 continue
-            if not node.args:  # a second required argument
+            if flat and riders_step is None:  # the riders: an input of every run (Program.bind)
+                steps.append(Step(_unbound, (), {}, False, node.name))
+                riders_step = len(steps) - 1
+            elif not node.args:  # a second required argument
                 return f"forward takes more than one tensor argument ({node.target!r})"
-            steps.append(Step(lambda v=node.args[0]: v, (), {}, False, node.name))
+            else:
+                steps.append(Step(lambda v=node.args[0]: v, (), {}, False, node.name))
         elif node.op == "output":
             output = ref(node.args[0])
             break
@@ -278,7 +302,52 @@ def _capture(f: Any) -> Union[Program, str]:
         leaves |= {id(root), id(root.used)}
         del root.fn
     guards += [Attributes(m) for m in root.modules() if id(m) not in leaves]  # traced through: values frozen
-    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound, guards=guards)
+    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound, guards=guards,
+                   riders_step=riders_step)
+
+
+def _rejoin(graph: fx.Graph, call: Any) -> None:
+    """``torch.cat([x, t], 1)`` of the differentiated arguments of a call, in argnums order and whole, is
+    the flat input itself: the program skips slicing it apart and joining it again (the PINN's
+    ``u(x, t) = net(torch.cat([x, t], 1))`` runs the program of ``net``)."""
+    nodes = list(graph.nodes)
+    if not nodes or nodes[0].op != "placeholder" or len(call.diff) < 2:
+        return
+    z, width = nodes[0], call.diff[-1].lo + call.diff[-1].size
+    for node in nodes:
+        if node.op != "call_function" or node.target not in (torch.cat, torch.concat) or node.kwargs.get("out") is not None:
+            continue
+        parts = node.args[0] if node.args else node.kwargs.get("tensors")
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        if dim not in (1, -1) or not isinstance(parts, (list, tuple)) or not parts:
+            continue
+        spans = [_column_slice(p, z) for p in parts]
+        if any(sp is None for sp in spans) or spans[0][0] != 0 or spans[-1][1] != width:  # type: ignore[index]
+            continue
+        if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):  # type: ignore[index]
+            node.replace_all_uses_with(z)
+            for dead in [node, *parts]:  # the join, then the slices nothing else reads
+                if not dead.users:
+                    graph.erase_node(dead)
+
+
+def _column_slice(node: Any, z: fx.Node) -> Optional[tuple[int, int]]:
+    """(lo, hi) when ``node`` is ``z[:, lo:hi]``, else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    if node.args[0] is not z or not isinstance(node.args[1], tuple) or len(node.args[1]) != 2:
+        return None
+    rows, cols = node.args[1]
+    if rows != slice(None) or not isinstance(cols, slice) or cols.step not in (None, 1):
+        return None
+    if not isinstance(cols.start, int) or not isinstance(cols.stop, int):
+        return None
+    return cols.start, cols.stop
+
+
+def _unbound() -> Any:
+    raise RuntimeError("jacmode internal error: the captured program of a call with riders ran without "
+                       "them (Program.bind was not called; report this)")
 
 
 def _binding(value: Tensor, found: dict[int, Any], own: dict[int, str], watch: Watch,

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 from torch.func import functional_call, jvp, vjp, vmap
 
+from .._args import take
 from .._cache import WeakCache, rng_kept
 from .._errors import JacmodeWarning, user_stacklevel
 from .._problem import Problem
@@ -120,7 +121,7 @@ def _one_sample(f: Any, p: Problem) -> tuple[Any, Tensor]:
     if p.kind == "params":
         return params_fn(f, p, x), p.z
     if p.batched:
-        return f, x
+        return take(f, slice(0, 1)), x  # a call of several arguments: the riders of that sample
     return p.fn, p.z
 
 

@@ -8,12 +8,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
 
+from .._args import inputs, take
 from .._cache import rng_kept
 from .._rules.base import Algebra, Traced, Unsupported
 from .._state import preserved_state
@@ -50,6 +51,18 @@ class Program:
     checked: dict[tuple, Union[tuple[int, ...], str]] = field(default_factory=dict)  # shape -> out shape | reason
     _dead: Optional[list[tuple[int, ...]]] = field(default=None, repr=False)  # see the note on memory
     _reads: list[dict[int, int]] = field(default_factory=list, repr=False)  # step -> slot -> times read
+    riders_step: Optional[int] = None  # the step that yields the call's riders (a call of several arguments)
+
+    def bind(self, values: tuple[Tensor, ...]) -> "Program":
+        """The program of a call of several arguments with its riders (``_args.inputs``) read from
+        ``values``: riders are inputs of the program, never constants of the capture. Shares the
+        check results and the memory plan with ``self``; ``self`` itself when there are no riders."""
+        if self.riders_step is None:
+            return self
+        self.last_uses()
+        steps = list(self.steps)
+        steps[self.riders_step] = Step(lambda: values, (), {}, False, "riders")
+        return replace(self, steps=steps)
 
     def run(self, alg: Algebra, x: Traced) -> Any:
         """The program's output on x, each slot dropped after its last use (see the note)."""
@@ -176,6 +189,8 @@ def check(program: Program, f: Any, x: Tensor, run: Callable[[Program, Tensor], 
     if found is not None:
         return found
     xs = x[:3].detach().clone()  # three samples (not the sizes the coupling probe uses), f may modify them
+    f = take(f, slice(0, 3))  # a call of several arguments: its batched riders follow the samples
+    program = program.bind(inputs(f))
     try:
         with torch.no_grad(), rng_kept(x.device), preserved_state(f):  # f runs once more: leave no trace
             expected = f(xs)

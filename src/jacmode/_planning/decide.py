@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from torch import Tensor
 
+from .._args import take
 from .._cache import problem_key, rng_kept
 from .._checks import Options
 from .._engines import fallback as _fallback
@@ -44,9 +45,10 @@ def _measure(f: Any, key: tuple, p: Problem) -> Footprint:
     # copy, since f may modify its input in place
     k = (min(p.batch, 4) if p.structure == "coupled" else 1) if p.batched else 1
     x = (p.x[:k] if p.batched else p.x).detach().clone()
+    g = take(f, slice(0, k)) if p.batched else f  # a call of several arguments: riders of those samples
     with rng_kept(p.device):
         try:
-            return _footprint.footprint(f, key, f, x, k)
+            return _footprint.footprint(f, key, g, x, k)
         except Exception:  # noqa: BLE001 - f may need more samples (e.g. batch statistics)
             if not p.batched or k == p.batch:
                 raise

@@ -247,7 +247,7 @@ def _check_given(x: Tensor, pattern: Optional[SparsityPattern], coloring_: Optio
 def sparse_jacobian(
     f: Fn,
     x: Tensor,
-    *,
+    *more: Any,
     mode: str = "auto",
     layout: str = "csr",
     pattern: Optional[SparsityPattern] = None,
@@ -292,6 +292,7 @@ def sparse_jacobian(
     """
     _checks.check_function(f)
     _checks.check_outside_transforms("sparse_jacobian", SPARSE_WHY, DENSE_INSTEAD)
+    _checks.check_one_argument(more, "sparse_jacobian")
     _checks.check_input(x, wrt="inputs", batched=False)
     opts = _checks.check_options(wrt="inputs", mode=mode, batched=False, structure="sparse",
                                  chunk_size=chunk_size, create_graph=create_graph, flatten=True,
@@ -307,7 +308,7 @@ def sparse_jacobian(
 def sparse_hessian(
     f: Fn,
     x: Tensor,
-    *,
+    *more: Any,
     layout: str = "csr",
     pattern: Optional[SparsityPattern] = None,
     coloring: Optional[Coloring] = None,
@@ -347,6 +348,7 @@ def sparse_hessian(
     _checks.check_function(f)
     _checks.check_outside_transforms("sparse_hessian", SPARSE_WHY, DENSE_INSTEAD)
     _checks.check_input(x, wrt="inputs", batched=False)
+    _checks.check_one_argument(more, "sparse_hessian")
     opts = _checks.check_options(wrt="inputs", mode="auto", batched=False, structure="sparse",
                                  chunk_size=chunk_size, create_graph=create_graph, flatten=True,
                                  max_memory=max_memory)

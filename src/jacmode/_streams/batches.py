@@ -35,6 +35,7 @@ class Piece:
     y: Optional[Tensor]
     start: int
     step: int
+    item: Any = None  # the batch as the data set yielded it (its rows dropped as x's are), for f(*item[:k])
 
     @property
     def count(self) -> int:
@@ -103,7 +104,7 @@ class LocalPieces:
         return next(self._it)
 
     def _items(self, batches: Iterable[Any], names: Optional[list[int]] = None,
-               ) -> Iterator[tuple[int, Tensor, Optional[Tensor]]]:
+               ) -> Iterator[tuple[int, Tensor, Optional[Tensor], Any]]:
         """(index, x, y) per batch; ``names`` maps local positions to one-process indices."""
         it = iter(batches)
         for k in itertools.count():
@@ -113,27 +114,29 @@ class LocalPieces:
             except StopIteration:
                 return
             x, y = unpack(item, self.loading)
-            yield self.loading, x, y
+            yield self.loading, x, y, item
 
     def _pieces(self, batches: Iterable[Any], world: int, rank: int) -> Iterator[Piece]:
         sampler = distributed_sampler(batches)
         if sampler is not None and world > 1:
             n, done = len(sampler.dataset), 0  # type: ignore[arg-type]
-            for i, x, y in self._items(batches):
+            for i, x, y, item in self._items(batches):
                 keep = max(0, min(len(x), -(-(n - rank - world * done) // world)))  # drop padding
-                yield Piece(i, x[:keep], None if y is None else y[:keep], rank + world * done, world)
+                kept = type(item)(v[:keep] if isinstance(v, Tensor) else v for v in item) \
+                    if isinstance(item, (tuple, list)) else item[:keep]
+                yield Piece(i, x[:keep], None if y is None else y[:keep], rank + world * done, world, kept)
                 done += len(x)
             return
         own = own_batches(batches, world, rank) if world > 1 else None
         if own is not None:  # a map-style DataLoader: load only this rank's batches
             loader, names, offsets = own
-            for k, (i, x, y) in enumerate(self._items(loader, names)):
-                yield Piece(i, x, y, offsets[k], 1)
+            for k, (i, x, y, item) in enumerate(self._items(loader, names)):
+                yield Piece(i, x, y, offsets[k], 1, item)
             return
         offset = 0
-        for i, x, y in self._items(batches):
+        for i, x, y, item in self._items(batches):
             if i % world == rank:
-                yield Piece(i, x, y, offset, 1)
+                yield Piece(i, x, y, offset, 1, item)
             offset += len(x)
 
 
