@@ -25,6 +25,7 @@ from ._operands import (
     validated,
 )
 from ._state import preserved_state
+from ._engines import traceable as _traceable  # inside a user's torch.compile (see its note)
 
 Fn = Callable[[Tensor], Tensor]
 
@@ -76,6 +77,8 @@ def derivative(
         raise TypeError(f"order: expected a positive int, got {type(order).__name__} ({order!r}).")
     if order < 1:
         raise ValueError(f"order: expected a positive int, got {order}. Use 1 for dy/dt, 2 for d2y/dt2, ...")
+    if torch.compiler.is_compiling():  # compile: a traceable path
+        return _traceable.derivative(f, t, order, opts.structure, opts.create_graph)
     if t.dim() == 1 and t.shape[0] > 0 and _needs_column(f, t):
         t = t.unsqueeze(1)
     return _partial(f, t, (0,) * order, opts)
@@ -149,6 +152,9 @@ def partial(
                 [18.]])
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    if torch.compiler.is_compiling():  # compile: a traceable path
+        return _traceable.partials(f, x, [check_dims(dims, math.prod(x.shape[1:]))], opts.structure,
+                                   opts.create_graph)[0]
     return _partial(f, x, check_dims(dims, math.prod(x.shape[1:])), opts)
 
 
@@ -206,6 +212,8 @@ def partials(
         raise ValueError("dims: expected at least one partial, e.g. [(0,), (1, 1)], got an empty list.")
     n = math.prod(x.shape[1:])
     targets = [check_dims(d, n) for d in dims]
+    if torch.compiler.is_compiling():  # compile: a traceable path
+        return _traceable.partials(f, x, targets, opts.structure, opts.create_graph)
 
     def body(t: Target) -> tuple[Tensor, ...]:
         flat = t.over_samples(opts.chunk_size, (len(targets),),
@@ -319,6 +327,11 @@ def laplacian(
         tensor([6.])
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    if torch.compiler.is_compiling():  # compile: a traceable path
+        if samples is not None or return_std:
+            raise _traceable._refuse("laplacian(samples=...) (a random estimate)",
+                                     "Use the exact Laplacian (samples=None) or call it outside the compiled region.")
+        return _traceable.laplacian(f, x, weight, opts.structure, opts.create_graph)
     if weight is not None or samples is not None or return_std:
         return _operators.weighted_laplacian(f, x, opts, weight, samples, distribution, generator, return_std)
     def body(t: Target) -> Tensor:
