@@ -181,3 +181,18 @@ def test_compiled_generated_code_recompiles_on_new_shapes():
                 (gw,) = torch.autograd.grad(got[1].sum(), [n.fc1.weight])
                 (ww,) = torch.autograd.grad(want[1].sum(), [n.fc1.weight])
                 torch.testing.assert_close(gw, ww)
+
+
+def test_leaf_module_settings_are_followed():
+    torch.manual_seed(5)
+    act = nn.LeakyReLU(0.1)
+    net = nn.Sequential(nn.Linear(2, 6), nn.Softplus(beta=2.0), nn.Linear(6, 6), act, nn.Linear(6, 1)).double()
+    x = torch.rand(5, 2, dtype=torch.float64) - 0.5
+    for _ in range(codegen.AFTER_CALLS):
+        jm.partial(net, x, (0, 1))
+    assert _generated(net)
+    net[1].beta = 3.0
+    act.negative_slope = 0.3
+    got = jm.partial(net, x, (0, 1))
+    with interpreter():
+        torch.testing.assert_close(got, jm.partial(net, x, (0, 1)), rtol=1e-12, atol=1e-12)

@@ -53,6 +53,7 @@ from .program import Program, Step
 
 ENABLED = True  # internal switch: False runs the interpreter always (tests compare the two)
 AFTER_CALLS = 2  # generate on this call of a signature (1: the first)
+MAX_SIGNATURES = 16  # generated versions kept per program; further signatures are interpreted
 
 _MODE: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar("jacmode_codegen", default=None)
 
@@ -78,6 +79,11 @@ class _Layout:
 
     steps: list[int]
     modules: list[tuple[nn.Module, list[tuple[nn.Module, str, str]]]]  # leaf, [(owner, "p"/"b", name)]
+
+    def settings(self) -> tuple:
+        """The scalar attributes of the leaf modules, which their rules read at run time and the
+        generated code has frozen (``negative_slope``, ``eps``, ``stride``)."""
+        return tuple(tuple(v for v in m.__dict__.values() if _scalar(v)) for m, _ in self.modules)
 
     def read(self, program: Program) -> tuple[list[Any], list[Tensor]]:
         values = [program.steps[i].fn() for i in self.steps]
@@ -105,6 +111,13 @@ def _layout(program: Program) -> _Layout:
     return found
 
 
+_SCALARS = (bool, int, float, complex, str, type(None))
+
+
+def _scalar(v: Any) -> bool:
+    return type(v) in _SCALARS or (type(v) is tuple and all(type(e) in _SCALARS for e in v))
+
+
 def _frozen(a: Any) -> Any:
     if isinstance(a, (list, tuple, range)):
         return tuple(_frozen(v) for v in a)
@@ -126,10 +139,12 @@ def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args
     values, tensors = layout.read(program)
     grad = torch.is_grad_enabled()
     backend = None if mode is None else mode["backend"]
-    key = (name, _frozen(args), in_shape, _meta(z), grad, backend,
-           tuple(_meta(t) for t in tensors), tuple(type(v) for v in values))
+    key = (name, _frozen(args), in_shape, _meta(z), grad, backend, tuple(_meta(t) for t in tensors),
+           tuple(v if _scalar(v) else type(v) for v in values), layout.settings())
     table: dict[tuple, Any] = program.__dict__.setdefault("_codegen", {})
     entry = table.get(key)
+    if entry is None and len(table) >= MAX_SIGNATURES:
+        return interpret(program, z, in_shape, *args)
     if entry is None or isinstance(entry, int):
         calls = (entry or 0) + 1
         if calls < (1 if mode is not None else AFTER_CALLS):
