@@ -5,6 +5,7 @@ create_graph through the generated code."""
 from __future__ import annotations
 
 import contextlib
+import shutil
 import warnings
 
 import pytest
@@ -196,3 +197,44 @@ def test_leaf_module_settings_are_followed():
     got = jm.partial(net, x, (0, 1))
     with interpreter():
         torch.testing.assert_close(got, jm.partial(net, x, (0, 1)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.compile
+def test_generated_code_compiled_with_inductor():
+    if shutil.which("g++") is None and shutil.which("c++") is None and shutil.which("clang++") is None:
+        pytest.skip("no C++ compiler for inductor")
+    torch.manual_seed(6)
+    net = Pinn(2, 6)
+    x = torch.rand(16, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jm.JacmodeWarning)  # compiled, not fallen back
+        with codegen.generated("inductor"):
+            got = jm.laplacian(net, x)
+    with interpreter():
+        torch.testing.assert_close(got, jm.laplacian(net, x), rtol=1e-4, atol=1e-5)
+
+
+class _Scaled(nn.Module):
+    """A module called on a constant (not on the input): its parameters are inputs of the code too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Linear(1, 4), nn.Linear(2, 4)
+
+    def forward(self, x):
+        c = self.emb(torch.ones(1, 1, dtype=x.dtype))
+        return (torch.tanh(self.fc(x)) * c).sum(1, keepdim=True)
+
+
+def test_module_called_on_a_constant_follows_its_parameters():
+    torch.manual_seed(7)
+    net = _Scaled().double()
+    x = torch.rand(4, 2, dtype=torch.float64)
+    for _ in range(codegen.AFTER_CALLS):
+        jm.partial(net, x, (1, 1))
+    assert _generated(net)
+    with torch.no_grad():
+        net.emb.bias.add_(1.0)
+    got = jm.partial(net, x, (1, 1))
+    with interpreter():
+        torch.testing.assert_close(got, jm.partial(net, x, (1, 1)), rtol=1e-12, atol=1e-12)

@@ -15,8 +15,12 @@ Inputs of the generated code, read afresh on every call, exactly where the inter
 * z, the flat input;
 * the tensors of the program's reading steps (``get_attr``: parameters of traced-through modules,
   tensors bound to f's closure, globals or defaults, see [Bound tensors] in ``bound.py``);
-* the parameters and buffers of the leaf modules whose rules read them (``nn.Linear.weight``),
-  swapped in with torch's ``_reparametrize_module`` during the trace.
+* the parameters and buffers of the leaf modules whose rules read them (``nn.Linear.weight``), and
+  of modules the program calls plainly (on values that do not depend on the input), swapped in
+  with torch's ``_reparametrize_module`` during the trace.
+
+A reading step that yields anything but a tensor or a Python scalar (a container of tensors) keeps
+the call on the interpreter.
 
 So an optimizer step, ``W = W - lr * g`` on a closure tensor, or ``functional_call`` are followed,
 and ``create_graph=True`` records autograd through the generated aten ops as through the rules'
@@ -101,9 +105,10 @@ def _layout(program: Program) -> _Layout:
     if found is None:
         steps = [i for i, s in enumerate(program.steps) if not s.traced and not s.args and not s.kwargs]
         leaves: dict[int, nn.Module] = {}
-        for s in program.steps:
-            if s.traced and s.args and isinstance(s.args[0], nn.Module):
-                leaves.setdefault(id(s.args[0]), s.args[0])
+        for s in program.steps:  # a rule's module (its first argument), or a module called plainly
+            for m in (s.args[0] if s.traced and s.args else None, s.fn):
+                if isinstance(m, nn.Module):
+                    leaves.setdefault(id(m), m)
         modules = [(m, [(owner, kind, name) for owner in m.modules()
                         for kind, d in (("p", owner._parameters), ("b", owner._buffers)) for name in d])
                    for m in leaves.values()]
@@ -137,6 +142,8 @@ def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args
     mode = _MODE.get()
     layout = _layout(program)
     values, tensors = layout.read(program)
+    if not all(isinstance(v, Tensor) or _scalar(v) for v in values):  # tensors in a container: not followed
+        return interpret(program, z, in_shape, *args)
     grad = torch.is_grad_enabled()
     backend = None if mode is None else mode["backend"]
     key = (name, _frozen(args), in_shape, _meta(z), grad, backend, tuple(_meta(t) for t in tensors),
