@@ -33,8 +33,13 @@ The graph is traced with grad mode on (the interpreter's in-place reuse of dead 
 and, for code that runs without grad, elementwise results overwrite an operand that no later
 operation reads (in place where safe: same shape and dtype, not an input, not a view).
 
-Code is generated on the second call of a signature (the first call keeps today's cost), or on the
-first one inside :func:`generated`, which also compiles it (:func:`jacmode._engines.compiled.compiled`).
+Code is generated on the third call of a signature (``AFTER_CALLS``: the first calls keep today's
+cost; a training loop makes thousands), or on the first one inside :func:`generated`, which also
+compiles it (:func:`jacmode._engines.compiled.compiled`). Generating costs about one interpreted
+call plus 0.1-0.3 s of tracing for the networks of the benchmarks, and once per process the
+import of torch's fake-tensor machinery (3-6 s on the loaded 2-core machine).
+Not while a torch function or dispatch mode of the caller's is active, under torch.func
+transforms, in inference mode, or while Dynamo traces (``traceable.py`` serves those calls).
 ``ENABLED`` is the internal switch the tests flip to compare both paths.
 """
 
@@ -56,7 +61,7 @@ from . import taylor as _taylor
 from .program import Program, Step
 
 ENABLED = True  # internal switch: False runs the interpreter always (tests compare the two)
-AFTER_CALLS = 2  # generate on this call of a signature (1: the first)
+AFTER_CALLS = 3  # generate on this call of a signature (1: the first); see the note on first calls
 MAX_SIGNATURES = 16  # generated versions kept per program; further signatures are interpreted
 
 _MODE: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar("jacmode_codegen", default=None)
@@ -84,10 +89,17 @@ class _Layout:
     steps: list[int]
     modules: list[tuple[nn.Module, list[tuple[nn.Module, str, str]]]]  # leaf, [(owner, "p"/"b", name)]
 
+    scalars: list[tuple[nn.Module, list[str]]] = dataclasses.field(default_factory=list)
+
     def settings(self) -> tuple:
         """The scalar attributes of the leaf modules, which their rules read at run time and the
-        generated code has frozen (``negative_slope``, ``eps``, ``stride``)."""
-        return tuple(tuple(v for v in m.__dict__.values() if _scalar(v)) for m, _ in self.modules)
+        generated code has frozen (``negative_slope``, ``eps``, ``stride``), and how many
+        attributes each module has (one added or removed is a change too)."""
+        out = []
+        for m, names in self.scalars:
+            d = m.__dict__
+            out.append((len(d), *(d.get(k, _GONE) for k in names)))
+        return tuple(out)
 
     def read(self, program: Program) -> tuple[list[Any], list[Tensor]]:
         values = [program.steps[i].fn() for i in self.steps]
@@ -112,11 +124,13 @@ def _layout(program: Program) -> _Layout:
         modules = [(m, [(owner, kind, name) for owner in m.modules()
                         for kind, d in (("p", owner._parameters), ("b", owner._buffers)) for name in d])
                    for m in leaves.values()]
-        found = program.__dict__["_codegen_layout"] = _Layout(steps, modules)
+        scalars = [(m, [k for k, v in m.__dict__.items() if _scalar(v)]) for m, _ in modules]
+        found = program.__dict__["_codegen_layout"] = _Layout(steps, modules, scalars)
     return found
 
 
 _SCALARS = (bool, int, float, complex, str, type(None))
+_GONE = object()  # an attribute that is no longer there
 
 
 def _scalar(v: Any) -> bool:
@@ -129,6 +143,15 @@ def _frozen(a: Any) -> Any:
     return a
 
 
+def _modes_active() -> bool:
+    """A torch function or dispatch mode of the caller's is active (a flop counter, a tracer): the
+    interpreter runs under it as the user expects, a trace could not."""
+    try:
+        return bool(torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack())
+    except AttributeError:  # another torch
+        return True
+
+
 def _meta(t: Tensor) -> tuple:
     return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
 
@@ -137,7 +160,7 @@ def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args
     """``taylor.<name>(program, z, in_shape, *args)``, from generated code where it applies."""
     interpret: Callable[..., Tensor] = getattr(_taylor, name)
     if (not ENABLED or torch.compiler.is_compiling() or in_transform() or torch.is_inference_mode_enabled()
-            or z.layout != torch.strided):
+            or z.layout != torch.strided or _modes_active()):
         return interpret(program, z, in_shape, *args)
     mode = _MODE.get()
     layout = _layout(program)
