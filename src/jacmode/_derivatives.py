@@ -16,6 +16,7 @@ from torch import Tensor
 from . import _operators
 from ._cache import WeakCache
 from ._checks import Options
+from ._engines import traceable as _traceable  # inside a user's torch.compile (see its note)
 from ._operands import (
     SUM_PASS_BYTES,
     Target,
@@ -25,7 +26,6 @@ from ._operands import (
     validated,
 )
 from ._state import preserved_state
-from ._engines import traceable as _traceable  # inside a user's torch.compile (see its note)
 
 Fn = Callable[[Tensor], Tensor]
 

@@ -205,8 +205,7 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z
             for m, slots in layout.modules:
                 swap = {}
                 for owner, kind, attr in slots:
-                    t = (owner._parameters if kind == "p" else owner._buffers)[attr]
-                    if t is not None:
+                    if (owner._parameters if kind == "p" else owner._buffers)[attr] is not None:
                         prefix = next(n for n, mm in m.named_modules(remove_duplicate=False) if mm is owner)
                         swap[f"{prefix}.{attr}" if prefix else attr] = next(rest)
                 stack.enter_context(_reparametrize_module(m, swap))
@@ -247,6 +246,11 @@ def _val(n: Any) -> Optional[Tensor]:
     return v if isinstance(v, Tensor) else None
 
 
+def _dtype(n: Any) -> Optional[torch.dtype]:
+    v = _val(n)
+    return None if v is None else v.dtype
+
+
 def fuse(gm: fx.GraphModule, in_place: bool) -> None:
     """Fewer passes over memory (see the note): ``addcmul`` for ``a + b * c`` and, without grad,
     elementwise results written into a dead operand of the same shape and dtype."""
@@ -259,7 +263,7 @@ def fuse(gm: fx.GraphModule, in_place: bool) -> None:
             if (isinstance(prod, fx.Node) and prod.target is _aten.mul.Tensor and len(prod.users) == 1
                     and not prod.kwargs and all(isinstance(v, fx.Node) for v in prod.args)
                     and isinstance(acc, fx.Node) and _same(_val(acc), _val(node))
-                    and all(_val(v) is not None and _val(v).dtype == _val(node).dtype for v in prod.args)):
+                    and all(_dtype(v) == _dtype(node) for v in prod.args)):
                 with graph.inserting_before(node):
                     new = graph.call_function(_aten.addcmul.default, (acc, *prod.args))
                 new.meta = dict(node.meta)

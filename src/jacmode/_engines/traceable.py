@@ -170,7 +170,7 @@ def jacobian(f: Fn, x: Tensor, *, wrt: Any, mode: str, batched: bool, structure:
 def _jac_dict(fn: Callable[[dict[str, Tensor], Tensor], Tensor], mode: str) -> Callable[..., dict[str, Tensor]]:
     """Jacobian of fn (params dict, x) -> (Y,) with respect to the dict: {name: (Y, *shape)}."""
     def reverse(p: dict[str, Tensor], xb: Tensor) -> dict[str, Tensor]:
-        out, pull = vjp(lambda q: fn(q, xb), p)
+        out, pull = vjp(lambda q: fn(q, xb), p)[:2]
         return vmap(lambda c: pull(c)[0])(torch.eye(out.shape[0], dtype=out.dtype, device=out.device))
 
     def forward(p: dict[str, Tensor], xb: Tensor) -> dict[str, Tensor]:
@@ -191,7 +191,7 @@ def _jac_dict(fn: Callable[[dict[str, Tensor], Tensor], Tensor], mode: str) -> C
 
 
 def _selected(f: nn.Module, wrt: Any) -> list[tuple[str, Tensor]]:
-    named = [(n, p) for n, p in f.named_parameters() if p.requires_grad]
+    named: list[tuple[str, Tensor]] = [(n, p) for n, p in f.named_parameters() if p.requires_grad]
     if wrt == "params":
         return named
     wanted = list(wrt)
@@ -221,7 +221,7 @@ def _input_jacobian(f: Fn, x: Tensor, mode: str, batched: bool, structure: str) 
         cols = vmap(lambda e: jvp(fn, (z,), (e,))[1])(eye)  # (N, B, Y)
         jac = cols.permute(1, 2, 0)
     else:
-        out, pull = vjp(fn, z)
+        out, pull = vjp(fn, z)[:2]
         eye = torch.eye(n_out, dtype=out.dtype, device=out.device)[:, None, :].expand(-1, batch, -1)
         rows = vmap(lambda c: pull(c)[0])(eye)  # (Y, B, N)
         jac = rows.permute(1, 0, 2)
