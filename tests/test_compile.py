@@ -112,11 +112,15 @@ def test_without_fullgraph_and_clear_errors():
     # its Unsupported), without fullgraph Dynamo runs the frame eagerly, so the eager engines serve it
     bn = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Linear(3, 1)).double().train()
     coupled = lambda x: jm.laplacian(net, x, structure="coupled")  # noqa: E731
-    with pytest.raises(Exception, match="structure='coupled' is not supported"):
+    with pytest.raises(Exception, match="structure='coupled'"):
         _compiled(coupled, "eager")(x)
     torch.testing.assert_close(_compiled(coupled, "eager", fullgraph=False)(x), coupled(x), rtol=1e-10, atol=1e-12)
-    with pytest.raises(Exception, match="BatchNorm1d in training mode"):
+    with pytest.raises(Exception, match="BatchNorm in training mode"):
         _compiled(lambda x: jm.partial(bn, x, (0,)), "eager")(x)
+    with pytest.raises(jm.CoupledBatchError, match="BatchNorm"):  # the eager call's own error
+        _compiled(lambda x: jm.partial(bn, x, (0,)), "eager", fullgraph=False)(x)
+    est = lambda x: jm.laplacian(net, x, samples=4, generator=torch.Generator().manual_seed(0))  # noqa: E731
+    torch.testing.assert_close(_compiled(est, "eager", fullgraph=False)(x), est(x))
 
 
 def _has_compiler() -> bool:
@@ -148,3 +152,15 @@ def test_pinn_loss_inside_inductor():
     (g_want,) = torch.autograd.grad(want, [net.fc1.weight])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(g, g_want, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_inside_compile_runs():
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.Linear(3, 8), nn.Tanh(), nn.Dropout(0.5), nn.Linear(8, 1)).double().train()
+    x = torch.rand(6, 3, dtype=torch.float64)
+    lap = _compiled(lambda x: jm.laplacian(net, x), "eager")(x)
+    jac = _compiled(lambda x: jm.jacobian(net, x), "eager")(x)
+    assert lap.shape == (6, 1) and jac.shape == (6, 1, 3)
+    assert torch.isfinite(lap).all() and torch.isfinite(jac).all()
+    net.eval()
+    torch.testing.assert_close(_compiled(lambda x: jm.laplacian(net, x), "eager")(x), jm.laplacian(net, x))

@@ -78,7 +78,9 @@ def derivative(
     if order < 1:
         raise ValueError(f"order: expected a positive int, got {order}. Use 1 for dy/dt, 2 for d2y/dt2, ...")
     if torch.compiler.is_compiling():  # compile: a traceable path
-        return _traceable.derivative(f, t, order, opts.structure, opts.create_graph)
+        return _traceable.derivative(lambda: derivative(f, t, order, structure=structure, chunk_size=chunk_size,
+                                                        create_graph=create_graph),
+                                     f, t, order, opts.structure, opts.create_graph)
     if t.dim() == 1 and t.shape[0] > 0 and _needs_column(f, t):
         t = t.unsqueeze(1)
     return _partial(f, t, (0,) * order, opts)
@@ -153,7 +155,9 @@ def partial(
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     if torch.compiler.is_compiling():  # compile: a traceable path
-        return _traceable.partials(f, x, [check_dims(dims, math.prod(x.shape[1:]))], opts.structure,
+        again = lambda: (partial(f, x, dims, structure=structure, chunk_size=chunk_size,  # noqa: E731
+                                 create_graph=create_graph),)
+        return _traceable.partials(again, f, x, [check_dims(dims, math.prod(x.shape[1:]))], opts.structure,
                                    opts.create_graph)[0]
     return _partial(f, x, check_dims(dims, math.prod(x.shape[1:])), opts)
 
@@ -213,7 +217,9 @@ def partials(
     n = math.prod(x.shape[1:])
     targets = [check_dims(d, n) for d in dims]
     if torch.compiler.is_compiling():  # compile: a traceable path
-        return _traceable.partials(f, x, targets, opts.structure, opts.create_graph)
+        return _traceable.partials(lambda: partials(f, x, dims, structure=structure, chunk_size=chunk_size,
+                                                    create_graph=create_graph),
+                                   f, x, targets, opts.structure, opts.create_graph)
 
     def body(t: Target) -> tuple[Tensor, ...]:
         flat = t.over_samples(opts.chunk_size, (len(targets),),
@@ -328,10 +334,14 @@ def laplacian(
     """
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     if torch.compiler.is_compiling():  # compile: a traceable path
+        def again() -> Union[Tensor, tuple[Tensor, Tensor]]:
+            return laplacian(f, x, weight=weight, samples=samples, distribution=distribution, generator=generator,
+                             return_std=return_std, structure=structure, chunk_size=chunk_size,
+                             create_graph=create_graph)
+
         if samples is not None or return_std:
-            raise _traceable._refuse("laplacian(samples=...) (a random estimate)",
-                                     "Use the exact Laplacian (samples=None) or call it outside the compiled region.")
-        return _traceable.laplacian(f, x, weight, opts.structure, opts.create_graph)
+            return _traceable.eager("samples", again)
+        return _traceable.laplacian(again, f, x, weight, opts.structure, opts.create_graph)
     if weight is not None or samples is not None or return_std:
         return _operators.weighted_laplacian(f, x, opts, weight, samples, distribution, generator, return_std)
     def body(t: Target) -> Tensor:

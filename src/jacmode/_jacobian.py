@@ -156,9 +156,13 @@ def jacobian(
     if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path
         from ._engines import traceable as _traceable
 
-        if opts.structure == "sparse" or out is not None:
-            raise _traceable._refuse("structure='sparse' or out=", "Drop it, or call jacobian outside the compiled region.")
-        return _traceable.jacobian(f, x, wrt=opts.wrt if opts.param_names is None else list(opts.param_names),
+        def again() -> Result:
+            return jacobian(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure, chunk_size=chunk_size,
+                            max_memory=max_memory, create_graph=create_graph, flatten=flatten, out=out)
+
+        if opts.structure == "sparse" or out is not None or opts.mode == "autotune":
+            return _traceable.eager("jacobian option", again)
+        return _traceable.jacobian(again, f, x, wrt=opts.wrt if opts.param_names is None else list(opts.param_names),
                                    mode=opts.mode, batched=opts.batched, structure=opts.structure,
                                    create_graph=opts.create_graph, flatten=opts.flatten)
     if opts.structure == "sparse" and out is not None:

@@ -12,15 +12,27 @@ user's graph, AOTAutograd differentiates them again (``create_graph`` and a late
 and the compiler then fuses them. Nothing is cached, locked or probed; the results are exact
 (the same derivatives as torch.func's, in the same dtype).
 
-What this path does not do, each a clear error rather than a silently different result:
+What this path does not do it hands back to the eager engines through
+``torch.compiler.disable`` (:func:`eager`, reasons in ``REASONS``): a graph break, so that without
+``fullgraph=True`` the call runs eagerly (exact, with the eager call's own checks and errors), and
+with it torch raises an error whose message gives the reason:
 
-* the coupling probe: ``structure="auto"`` is read as ``"independent"`` (one tangent shared by
-  all samples), except that a module with BatchNorm in training mode, the usual coupled model, is
-  refused; ``structure="coupled"`` is refused (call the operator outside the compiled region).
-* Hutchinson estimates (``samples=``), sparse structures, ``out=`` and torch's loss modules in
-  ``per_sample_grads`` (a plain per-sample loss function works).
+* ``structure="coupled"``, and a module with BatchNorm in training mode (the usual coupled model);
+* Hutchinson estimates (``samples=``), ``structure="sparse"``, ``out=``, ``mode="autotune"`` and
+  torch's loss modules in ``per_sample_grads`` (a plain per-sample loss function works).
 
-``create_graph=False`` returns detached results, as the eager call does.
+The coupling probe does not run: ``structure="auto"`` is read as ``"independent"`` (one tangent
+shared by all samples). A function that mixes samples by other means (``x - x.mean(0)``) gets the
+result for independent samples, which is not its per-sample derivative; pass
+``structure="coupled"`` for it (then it runs eagerly, see above).
+
+Random layers (dropout in training mode) draw one mask per sample, shared by all of its
+directions (``vmap(randomness="same")`` over directions, ``"different"`` over samples), as the
+eager engines do; the masks are torch.compile's draws, not the eager call's.
+
+Inside a compiled region every result stays differentiable (``create_graph`` as if True): Dynamo
+runs the call as inside a torch.func transform (``_transforms.in_transform`` reads True there), so
+``_checks.check_options`` keeps the graph, as it does for calls inside ``torch.func.grad``.
 """
 
 from __future__ import annotations
@@ -35,22 +47,50 @@ from torch.func import functional_call, grad, jvp, vjp, vmap
 Fn = Callable[[Tensor], Tensor]
 
 
-def _refuse(what: str, fix: str) -> ValueError:
-    return ValueError(f"{what} is not supported inside torch.compile (see [jacmode inside torch.compile]). {fix}")
+def _call(again: Callable[[], Any]) -> Any:
+    return again()
 
 
-def _structure(f: Any, structure: str) -> None:
+def _disabled(why: str) -> Callable[[Callable[[], Any]], Any]:
+    """``_call`` marked for Dynamo to skip, the reason in its message (made at import: Dynamo cannot
+    trace ``torch.compiler.disable`` itself)."""
+    text = f"jacmode: {why} is not supported inside torch.compile; the call runs eagerly outside the graph"
+    try:
+        return torch.compiler.disable(_call, reason=text)
+    except TypeError:  # a torch without reason=
+        return torch.compiler.disable(_call)
+
+
+REASONS = {
+    "coupled": "structure='coupled' (call the operator outside the compiled region, use structure="
+               "'independent', or compile without fullgraph=True)",
+    "structure": "this structure (use structure='auto' or 'independent')",
+    "batchnorm": "a model with BatchNorm in training mode, which couples the samples (call model.eval() first)",
+    "loss module": "a torch loss module in per_sample_grads (pass the per-sample loss as a function, e.g. "
+                   "lambda out, y: ((out - y) ** 2).sum(1))",
+    "samples": "laplacian(samples=...), a random estimate (use the exact Laplacian, samples=None)",
+    "jacobian option": "jacobian with structure='sparse', out= or mode='autotune' (drop it)",
+}
+_EAGER = {key: _disabled(why) for key, why in REASONS.items()}
+
+
+def eager(why: str, again: Callable[[], Any]) -> Any:
+    """Run ``again()`` (the same jacmode call) outside Dynamo: a graph break, so that the eager
+    engines serve it; under ``fullgraph=True`` torch raises instead, its message giving the reason
+    ``REASONS[why]``."""
+    return _EAGER[why](again)
+
+
+def _why_not(f: Any, structure: str) -> Optional[str]:
     if structure == "coupled":
-        raise _refuse("structure='coupled'", "Call the operator outside the compiled region "
-                      "(torch.compiler.disable), or use structure='independent'.")
+        return "coupled"
     if structure not in ("auto", "independent"):
-        raise _refuse(f"structure={structure!r}", "Use structure='auto' or 'independent'.")
+        return "structure"
     if isinstance(f, nn.Module):
         for m in f.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
-                raise _refuse(
-                    f"a model with {type(m).__name__} in training mode (it couples the samples)",
-                    "Call model.eval() first, or call the operator outside the compiled region.")
+                return "batchnorm"
+    return None
 
 
 def _out(r: Any, create_graph: bool) -> Any:
@@ -82,10 +122,12 @@ def _unit(z: Tensor, d: int) -> Tensor:
     return torch.zeros(z.shape[1], dtype=z.dtype, device=z.device).index_fill(0, torch.tensor(d, device=z.device), 1.0)
 
 
-def partials(f: Fn, x: Tensor, targets: Sequence[tuple[int, ...]], structure: str,
-             create_graph: bool) -> tuple[Tensor, ...]:
+def partials(again: Callable[[], Any], f: Fn, x: Tensor, targets: Sequence[tuple[int, ...]], structure: str,
+             create_graph: bool) -> Any:
     """One (B, *out) tensor per multiset of coordinates, by nested jvps along e_d."""
-    _structure(f, structure)
+    why = _why_not(f, structure)
+    if why is not None:
+        return eager(why, again)
     fn, z, out_shape = _flat(f, x)
     results = []
     for dims in targets:
@@ -96,11 +138,13 @@ def partials(f: Fn, x: Tensor, targets: Sequence[tuple[int, ...]], structure: st
     return _out(tuple(results), create_graph)
 
 
-def derivative(f: Fn, t: Tensor, order: int, structure: str, create_graph: bool) -> Tensor:
+def derivative(again: Callable[[], Any], f: Fn, t: Tensor, order: int, structure: str, create_graph: bool) -> Tensor:
     """d^k f / dt^k for t (B,) or (B, 1); a (B,) t goes in as a column when f's first layer takes one."""
     if t.dim() == 1 and _wants_column(f):
         t = t.unsqueeze(1)
-    _structure(f, structure)
+    why = _why_not(f, structure)
+    if why is not None:
+        return eager(why, again)
     g: Fn = f
     for _ in range(order):
         g = _along(g, torch.ones_like(t))
@@ -121,9 +165,12 @@ def _wants_column(f: Any) -> bool:
     return False
 
 
-def laplacian(f: Fn, x: Tensor, weight: Optional[Tensor], structure: str, create_graph: bool) -> Tensor:
+def laplacian(again: Callable[[], Any], f: Fn, x: Tensor, weight: Optional[Tensor], structure: str,
+              create_graph: bool) -> Tensor:
     """Sum over directions v of v^T (Hess f) v: the coordinates, or the columns of weight (D, R) / (B, D, R)."""
-    _structure(f, structure)
+    why = _why_not(f, structure)
+    if why is not None:
+        return eager(why, again)
     fn, z, out_shape = _flat(f, x)
     if weight is None:
         dirs = torch.eye(z.shape[1], dtype=z.dtype, device=z.device)[:, None, :].expand(-1, z.shape[0], -1)
@@ -135,18 +182,21 @@ def laplacian(f: Fn, x: Tensor, weight: Optional[Tensor], structure: str, create
     def second(v: Tensor) -> Tensor:
         return jvp(lambda w: jvp(fn, (w,), (v,))[1], (z,), (v,))[1]
 
-    total = vmap(second)(dirs).sum(0)
+    total = vmap(second, randomness="same")(dirs).sum(0)
     return _out(total.reshape(x.shape[0], *out_shape), create_graph)
 
 
-def jacobian(f: Fn, x: Tensor, *, wrt: Any, mode: str, batched: bool, structure: str,
+def jacobian(again: Callable[[], Any], f: Fn, x: Tensor, *, wrt: Any, mode: str, batched: bool, structure: str,
              create_graph: bool, flatten: bool) -> Union[Tensor, dict[str, Tensor]]:
     """The eager call's result shapes (see :func:`jacmode.jacobian`), from vmap over jvp or vjp."""
+    if batched and structure != "diagonal":
+        why = _why_not(f, structure)
+        if why is not None:
+            return eager(why, again)
     if wrt == "inputs":
         return _out(_input_jacobian(f, x, mode, batched, structure), create_graph)
     if not isinstance(f, nn.Module):
         raise TypeError(f"f: wrt='params' needs an nn.Module, got {type(f).__name__}.")
-    _structure(f, "independent" if not batched else structure)
     named = _selected(f, wrt)
     params = {n: p for n, p in named}
     rest = {n: t for n, t in [*f.named_parameters(), *f.named_buffers()] if n not in params}
@@ -155,7 +205,7 @@ def jacobian(f: Fn, x: Tensor, *, wrt: Any, mode: str, batched: bool, structure:
         return functional_call(f, {**rest, **p}, (xb,)).reshape(-1)
 
     if batched:
-        blocks = vmap(_jac_dict(lambda p, xb: one(p, xb[None]), mode), in_dims=(None, 0))(params, x)
+        blocks = vmap(_jac_dict(lambda p, xb: one(p, xb[None]), mode), in_dims=(None, 0), randomness="different")(params, x)
         lead: tuple[int, ...] = (x.shape[0], *tuple(f(x[:1]).shape[1:]))
     else:
         blocks = _jac_dict(one, mode)(params, x)
@@ -171,7 +221,7 @@ def _jac_dict(fn: Callable[[dict[str, Tensor], Tensor], Tensor], mode: str) -> C
     """Jacobian of fn (params dict, x) -> (Y,) with respect to the dict: {name: (Y, *shape)}."""
     def reverse(p: dict[str, Tensor], xb: Tensor) -> dict[str, Tensor]:
         out, pull = vjp(lambda q: fn(q, xb), p)[:2]
-        return vmap(lambda c: pull(c)[0])(torch.eye(out.shape[0], dtype=out.dtype, device=out.device))
+        return vmap(lambda c: pull(c)[0], randomness="same")(torch.eye(out.shape[0], dtype=out.dtype, device=out.device))
 
     def forward(p: dict[str, Tensor], xb: Tensor) -> dict[str, Tensor]:
         names = list(p)
@@ -184,7 +234,7 @@ def _jac_dict(fn: Callable[[dict[str, Tensor], Tensor], Tensor], mode: str) -> C
             tangents = {k: parts[i].reshape(p[k].shape) for i, k in enumerate(names)}
             return jvp(lambda q: fn(q, xb), (p,), (tangents,))[1]
 
-        cols = vmap(column)(torch.eye(total, dtype=ref.dtype, device=ref.device))  # (P, Y)
+        cols = vmap(column, randomness="same")(torch.eye(total, dtype=ref.dtype, device=ref.device))  # (P, Y)
         return {k: c.T for k, c in zip(names, cols.T.split(sizes, dim=1))}
 
     return forward if mode == "forward" else reverse
@@ -212,29 +262,29 @@ def _input_jacobian(f: Fn, x: Tensor, mode: str, batched: bool, structure: str) 
         return jac.reshape(*out.shape, *x.shape)
     if structure == "diagonal":
         return jvp(f, (x,), (torch.ones_like(x),))[1]
-    _structure(f, structure)
     fn, z, out_shape = _flat(f, x)
     n_in, n_out, batch = z.shape[1], math.prod(out_shape), z.shape[0]
     forward = mode == "forward" or (mode != "reverse" and n_in <= n_out)
     if forward:
         eye = torch.eye(n_in, dtype=z.dtype, device=z.device)[:, None, :].expand(-1, batch, -1)
-        cols = vmap(lambda e: jvp(fn, (z,), (e,))[1])(eye)  # (N, B, Y)
+        cols = vmap(lambda e: jvp(fn, (z,), (e,))[1], randomness="same")(eye)  # (N, B, Y)
         jac = cols.permute(1, 2, 0)
     else:
         out, pull = vjp(fn, z)[:2]
         eye = torch.eye(n_out, dtype=out.dtype, device=out.device)[:, None, :].expand(-1, batch, -1)
-        rows = vmap(lambda c: pull(c)[0])(eye)  # (Y, B, N)
+        rows = vmap(lambda c: pull(c)[0], randomness="same")(eye)  # (Y, B, N)
         jac = rows.permute(1, 0, 2)
     return jac.reshape(batch, *out_shape, *x.shape[1:])
 
 
-def per_sample_grads(f: nn.Module, x: Tensor, loss: Callable[..., Tensor], y: Optional[Tensor], wrt: Any,
-                     flatten: bool) -> Union[Tensor, dict[str, Tensor]]:
+def per_sample_grads(again: Callable[[], Any], f: nn.Module, x: Tensor, loss: Callable[..., Tensor],
+                     y: Optional[Tensor], wrt: Any, flatten: bool) -> Union[Tensor, dict[str, Tensor]]:
     """vmap over samples of grad of each sample's loss (a per-sample loss function, (B, *out) -> (B,))."""
     if isinstance(loss, nn.Module) and type(loss).__module__.startswith("torch."):
-        raise _refuse(f"a torch loss module ({type(loss).__name__}) in per_sample_grads",
-                      "Pass the per-sample loss as a function, e.g. lambda out, y: ((out - y) ** 2).sum(1).")
-    _structure(f, "auto")
+        return eager("loss module", again)
+    why = _why_not(f, "auto")
+    if why is not None:
+        return eager(why, again)
     named = _selected(f, wrt)
     params = {n: p for n, p in named}
     rest = {n: t for n, t in [*f.named_parameters(), *f.named_buffers()] if n not in params}
@@ -244,9 +294,9 @@ def per_sample_grads(f: nn.Module, x: Tensor, loss: Callable[..., Tensor], y: Op
         return (loss(out) if yb is None else loss(out, yb[None])).reshape(())
 
     if y is None:
-        grads = vmap(grad(lambda p, xb: one(p, xb, None)), in_dims=(None, 0))(params, x)
+        grads = vmap(grad(lambda p, xb: one(p, xb, None)), in_dims=(None, 0), randomness="different")(params, x)
     else:
-        grads = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
+        grads = vmap(grad(one), in_dims=(None, 0, 0), randomness="different")(params, x, y)
     if flatten:
         return torch.cat([grads[n].reshape(x.shape[0], -1) for n, _ in named], dim=1).detach()
     return {n: grads[n].detach() for n, _ in named}
