@@ -468,8 +468,11 @@ def check_rows_out(out: Any) -> Tensor:
 
 
 def check_outside_transforms(name: str, why: str, instead: str) -> None:
-    """``name`` cannot run inside torch.func transforms: say so rather than return a constant."""
-    if in_transform():
+    """``name`` cannot run inside torch.func transforms: say so rather than return a constant.
+
+    Not checked while Dynamo traces (``torch.compile``): there the interpreter stack always reads
+    as a transform, and the compiled path (``_engines/traceable.py``) is plain torch.func."""
+    if in_transform() and not torch.compiler.is_compiling():
         raise ValueError(
             f"f: jm.{name} cannot run inside a torch.func transform (grad, jacrev, jacfwd, jvp, vmap "
             f"around the call): {why}, so the transform could not differentiate or batch through it "

@@ -17,6 +17,7 @@ from . import _args, _operators
 from ._args import Argnums, InDims
 from ._cache import WeakCache
 from ._checks import Options
+from ._engines import traceable as _traceable  # inside a user's torch.compile (see its note)
 from ._operands import (
     SUM_PASS_BYTES,
     Target,
@@ -83,6 +84,13 @@ def derivative(
         >>> jm.derivative(u, torch.ones(5), t, argnums=1, order=2)   # u_tt = 6 x t
         tensor([0.0000, 1.5000, 3.0000, 4.5000, 6.0000])
     """
+    if torch.compiler.is_compiling():  # compile: the one-tensor form (no front: its caches do not trace)
+        o = args[1] if order is None and len(args) == 2 else (1 if order is None else order)
+        if not _traceable.simple(args, kwargs, argnums or 0, has_aux, trailing=1 if order is None else 0):
+            return _traceable.eager("several arguments", lambda: derivative(
+                f, *args, order=order, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux,
+                structure=structure, chunk_size=chunk_size, create_graph=create_graph))
+        return _derivative(f, args[0], o, structure, chunk_size, create_graph)
     # ---- front: the call of several arguments as one flat function (see _args.py) ----
     args, legacy = _args.legacy_trailing(f, args, order is not None, _is_int, "order", "jm.derivative(u, x, t, argnums=1, order=2)")
     order = legacy if legacy is not None else (1 if order is None else order)
@@ -106,6 +114,11 @@ def derivative(
     return _args.finish(call, call.outputs(result, (call.x.shape[0],)))
 
 
+def _named(dims: Any) -> bool:
+    """Whether coordinates are named (``"t"``, ``("x", 1)``): only the front reads names."""
+    return isinstance(dims, (tuple, list)) and any(isinstance(c, (str, tuple)) for c in dims)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -118,6 +131,9 @@ def _derivative(f: Fn, t: Tensor, order: int, structure: Any, chunk_size: Any, c
             f"t: expected one scalar per sample, shape (B,) or (B, 1), got {tuple(t.shape)}. "
             "For several input coordinates use jacmode.partial or jacmode.jacobian."
         )
+    if torch.compiler.is_compiling():  # compile: a traceable path
+        return _traceable.derivative(lambda: _derivative(f, t, order, structure, chunk_size, create_graph),
+                                     f, t, order, opts.structure, opts.create_graph)
     if t.dim() == 1 and t.shape[0] > 0 and _needs_column(f, t):
         t = t.unsqueeze(1)
     return _partial(f, t, (0,) * order, opts)
@@ -243,6 +259,19 @@ def partial(
         tensor([[2.],
                 [6.]])
     """
+    if torch.compiler.is_compiling():  # compile: a traceable path for the one-tensor form (no front)
+        d = args[1] if dims is None and len(args) == 2 else dims
+        if d is None or _named(d) or not _traceable.simple(args, kwargs, argnums or 0, has_aux,
+                                                          trailing=1 if dims is None else 0):
+            return _traceable.eager("several arguments", lambda: partial(
+                f, *args, dims=dims, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux,
+                structure=structure, chunk_size=chunk_size, create_graph=create_graph))
+        x = args[0]
+        opts = validated(f, x, "x", structure, chunk_size, create_graph)
+        again = lambda: (partial(f, x, dims=d, structure=structure, chunk_size=chunk_size,  # noqa: E731
+                                 create_graph=create_graph),)
+        return _traceable.partials(again, f, x, [check_dims(d, math.prod(x.shape[1:]))], opts.structure,
+                                   opts.create_graph)[0]
     # ---- front: the call of several arguments as one flat function (see _args.py) ----
     args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims, "dims",
                                          "jm.partial(u, x, t, dims=('x', 't'))")
@@ -329,6 +358,19 @@ def partials(
         tensor([[1., 4.],
                 [9., 2.]])
     """
+    if torch.compiler.is_compiling():  # compile: a traceable path for the one-tensor form (no front)
+        ds = args[1] if dims is None and len(args) == 2 else dims
+        if ds is None or any(_named(d) for d in ds) or not _traceable.simple(
+                args, kwargs, argnums or 0, has_aux, trailing=1 if dims is None else 0):
+            return _traceable.eager("several arguments", lambda: partials(
+                f, *args, dims=dims, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux,
+                structure=structure, chunk_size=chunk_size, create_graph=create_graph))
+        x = args[0]
+        opts = validated(f, x, "x", structure, chunk_size, create_graph)
+        return _traceable.partials(lambda: partials(f, x, dims=ds, structure=structure, chunk_size=chunk_size,
+                                                    create_graph=create_graph),
+                                   f, x, [check_dims(d, math.prod(x.shape[1:])) for d in ds], opts.structure,
+                                   opts.create_graph)
     # ---- front: the call of several arguments as one flat function (see _args.py) ----
     args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims_list, "dims",
                                          "jm.partials(u, x, t, dims=[('t',), ('x', 'x')])")
@@ -507,6 +549,14 @@ def laplacian(
         >>> jm.laplacian(u, x, torch.tensor([2.]), argnums=0)   # 6 (x0 + x1 + x2) t
         tensor([72.])
     """
+    if torch.compiler.is_compiling():  # compile: the one-tensor form (no front: its caches do not trace)
+        if not _traceable.simple(args, kwargs, argnums, has_aux):
+            return _traceable.eager("several arguments", lambda: laplacian(
+                f, *args, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux, weight=weight,
+                samples=samples, distribution=distribution, generator=generator, return_std=return_std,
+                structure=structure, chunk_size=chunk_size, create_graph=create_graph))
+        return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
+                          chunk_size, create_graph)
     # ---- front: the call of several arguments as one flat function (see _args.py) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     result = _laplacian(call.fn, call.x, weight, samples, distribution, generator, return_std, structure,
@@ -523,6 +573,15 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
                structure: Any, chunk_size: Any, create_graph: Any) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The body of :func:`laplacian` for a function of one tensor."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    if torch.compiler.is_compiling():  # compile: a traceable path
+        def again() -> Union[Tensor, tuple[Tensor, Tensor]]:
+            return laplacian(f, x, weight=weight, samples=samples, distribution=distribution, generator=generator,
+                             return_std=return_std, structure=structure, chunk_size=chunk_size,
+                             create_graph=create_graph)
+
+        if samples is not None or return_std:
+            return _traceable.eager("samples", again)
+        return _traceable.laplacian(again, f, x, weight, opts.structure, opts.create_graph)
     if weight is not None or samples is not None or return_std:
         return _operators.weighted_laplacian(f, x, opts, weight, samples, distribution, generator, return_std)
     def body(t: Target) -> Tensor:

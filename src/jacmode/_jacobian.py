@@ -185,6 +185,16 @@ def jacobian(
         >>> jm.jacobian(net, t, wrt="params").shape   # (B, Y, P)
         torch.Size([1000, 4, 124])
     """
+    if torch.compiler.is_compiling():  # inside the user's torch.compile: no front (its caches do not trace)
+        from ._engines import traceable as _traceable
+
+        if not _traceable.simple(args, kwargs, argnums, has_aux):
+            return _traceable.eager("several arguments", lambda: jacobian(
+                f, *args, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux, wrt=wrt, mode=mode,
+                batched=batched, structure=structure, chunk_size=chunk_size, max_memory=max_memory,
+                create_graph=create_graph, flatten=flatten, out=out))
+        return _jacobian(f, args[0], wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
+                         flatten, out)
     # ---- front: the call of several arguments as one flat function (see _args.py) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux, batched=batched,
                        floating=wrt == "inputs")
@@ -225,6 +235,20 @@ def _jacobian(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any,
               max_memory: Any, create_graph: Any, flatten: Any, out: Any) -> Result:
     """The body of :func:`jacobian` for a function of one tensor (the user's f, or ``_args.Flat``):
     the cached transform of f with these options (``_transform.py``), which runs :func:`_run`."""
+    if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path
+        opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
+                        chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
+                        flatten=flatten)
+        from ._engines import traceable as _traceable
+
+        def again() -> Result:
+            return _jacobian(f, x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten, out)
+
+        if opts.structure == "sparse" or out is not None or opts.mode == "autotune":
+            return _traceable.eager("jacobian option", again)
+        return _traceable.jacobian(again, f, x, wrt=opts.wrt if opts.param_names is None else list(opts.param_names),
+                                   mode=opts.mode, batched=opts.batched, structure=opts.structure,
+                                   create_graph=opts.create_graph, flatten=opts.flatten)
     options = dict(wrt=wrt, mode=mode, batched=batched, structure=structure, chunk_size=chunk_size,
                    max_memory=max_memory, create_graph=create_graph, flatten=flatten)
     return _transform.eager(jacobian, f, options).call(f, (x,), {} if out is None else {"out": out})

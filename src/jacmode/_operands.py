@@ -45,6 +45,7 @@ from ._args import Flat, inputs, rows_of, take
 from ._checks import Options
 from ._coupling import OPERATOR_WAYS_OUT
 from ._engines import capture as _capture
+from ._engines import codegen as _codegen
 from ._engines import nested as _nested
 from ._engines import taylor as _taylor
 from ._engines.capture import Program
@@ -102,8 +103,8 @@ class Target:
             self.fn, self.program = saved
 
     def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
-        if self.program is not None:
-            return getattr(_taylor, name)(self.program, z, self.in_shape, *args)
+        if self.program is not None:  # generated code where it applies (_engines/codegen.py)
+            return _codegen.run(name, self.program, z, self.in_shape, *args)
         engine = getattr(_nested, name)
         # torch's own formulas of some ops are wrong above first order (_rules/decompositions.py)
         with decompositions.exact(decompositions.wanted(_order(name, args))):

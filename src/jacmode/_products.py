@@ -273,6 +273,14 @@ def per_sample_grads(
     _checks.check_torch_loss(loss, y, "per_sample_grads")
     _checks.check_target(y, x.shape[0])
     names, params = [n for n, _ in selected], [p for _, p in selected]
+    if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path
+        from ._engines import traceable as _traceable
+
+        def again() -> Union[Tensor, dict[str, Tensor]]:
+            return per_sample_grads(f, x, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
+                                    max_memory=max_memory, progress=progress)
+
+        return _traceable.per_sample_grads(again, f, x, loss, y, names, flatten)
     n_params, batch = sum(p.numel() for p in params), x.shape[0]
     dtype = _engine.result_dtype(params)
     _checks.check_fits(batch * n_params * dtype.itemsize,

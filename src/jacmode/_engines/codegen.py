@@ -1,0 +1,317 @@
+"""Generated code for the Taylor engine: a captured program and its algebra as one straight-line graph.
+
+NOTE: [Generated code]
+The Taylor engine (``taylor.py``) interprets a captured :class:`~jacmode._engines.capture.Program`
+step by step: per step it resolves arguments, dispatches to a rule, and the rule loops over the
+coefficients of its algebra in Python. For one operator (``partials`` with its multisets,
+``laplacian`` with its directions, ...) and one signature (input shape, dtype, device, grad mode,
+the shapes of the tensors the program reads) that work is the same on every call, so
+:func:`run` traces it once with ``make_fx`` (fake tensors: no numbers are computed and none can be
+baked in; a rule that would branch on a value fails the trace, and the interpreter serves) into a
+``torch.fx.GraphModule`` of aten operations, which later calls run directly.
+
+Inputs of the generated code, read afresh on every call, exactly where the interpreter reads them:
+
+* z, the flat input;
+* the tensors of the program's reading steps (``get_attr``: parameters of traced-through modules,
+  tensors bound to f's closure, globals or defaults, see [Bound tensors] in ``bound.py``);
+* the parameters and buffers of the leaf modules whose rules read them (``nn.Linear.weight``), and
+  of modules the program calls plainly (on values that do not depend on the input), swapped in
+  with torch's ``_reparametrize_module`` during the trace.
+
+A reading step that yields anything but a tensor or a Python scalar (a container of tensors) keeps
+the call on the interpreter.
+
+So an optimizer step, ``W = W - lr * g`` on a closure tensor, or ``functional_call`` are followed,
+and ``create_graph=True`` records autograd through the generated aten ops as through the rules'
+torch ops. Anything else that would change the program (a bound tensor of another shape, a changed
+Python value or module) re-captures the program (``capture.program_for``) and with it the code.
+
+The graph is traced with grad mode on (the interpreter's in-place reuse of dead coefficients,
+``Program.run``, decides from storage reference counts, which a trace cannot see), then
+:func:`fuse` rewrites it: ``a + b * c`` as ``addcmul``, ``a * b + c * d`` keeps one temporary less,
+and, for code that runs without grad, elementwise results overwrite an operand that no later
+operation reads (in place where safe: same shape and dtype, not an input, not a view).
+
+Code is generated on the third call of a signature (``AFTER_CALLS``: the first calls keep today's
+cost; a training loop makes thousands), or on the first one inside :func:`generated`, which also
+compiles it (:func:`jacmode._engines.compiled.compiled`). Generating costs about one interpreted
+call plus 0.1-0.3 s of tracing for the networks of the benchmarks, and once per process the
+import of torch's fake-tensor machinery (3-6 s on the loaded 2-core machine).
+Not while a torch function or dispatch mode of the caller's is active, under torch.func
+transforms, in inference mode, or while Dynamo traces (``traceable.py`` serves those calls).
+``ENABLED`` is the internal switch the tests flip to compare both paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import operator
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .._transforms import in_transform
+from . import taylor as _taylor
+from .program import Program, Step
+
+ENABLED = True  # internal switch: False runs the interpreter always (tests compare the two)
+AFTER_CALLS = 3  # generate on this call of a signature (1: the first); see the note on first calls
+MAX_SIGNATURES = 16  # generated versions kept per program; further signatures are interpreted
+
+_MODE: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar("jacmode_codegen", default=None)
+
+
+@contextlib.contextmanager
+def generated(backend: Optional[str] = None, **compile_kwargs: Any) -> Iterator[None]:
+    """Inside the block, Taylor-path calls run generated code from their first call, compiled with
+    ``torch.compile(backend=backend, dynamic=False, **compile_kwargs)`` when a backend is given.
+
+    The entry point of the function transforms (``compile=True``): ``with generated("inductor"):
+    jm.partials(net, x, ...)``. Calls that take the generic torch.func engines are unaffected.
+    """
+    token = _MODE.set({"backend": backend, "kwargs": compile_kwargs})
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+@dataclasses.dataclass
+class _Layout:
+    """Where the program reads its tensors: reading steps, and (module, kind, name) of leaf modules."""
+
+    steps: list[int]
+    modules: list[tuple[nn.Module, list[tuple[nn.Module, str, str]]]]  # leaf, [(owner, "p"/"b", name)]
+
+    scalars: list[tuple[nn.Module, list[str]]] = dataclasses.field(default_factory=list)
+
+    def settings(self) -> tuple:
+        """The scalar attributes of the leaf modules, which their rules read at run time and the
+        generated code has frozen (``negative_slope``, ``eps``, ``stride``), and how many
+        attributes each module has (one added or removed is a change too)."""
+        out = []
+        for m, names in self.scalars:
+            d = m.__dict__
+            out.append((len(d), *(d.get(k, _GONE) for k in names)))
+        return tuple(out)
+
+    def read(self, program: Program) -> tuple[list[Any], list[Tensor]]:
+        values = [program.steps[i].fn() for i in self.steps]
+        tensors = [v for v in values if isinstance(v, Tensor)]
+        for _, slots in self.modules:
+            for owner, kind, name in slots:
+                t = (owner._parameters if kind == "p" else owner._buffers)[name]
+                if t is not None:
+                    tensors.append(t)
+        return values, tensors
+
+
+def _layout(program: Program) -> _Layout:
+    found = program.__dict__.get("_codegen_layout")
+    if found is None:
+        steps = [i for i, s in enumerate(program.steps) if not s.traced and not s.args and not s.kwargs]
+        leaves: dict[int, nn.Module] = {}
+        for s in program.steps:  # a rule's module (its first argument), or a module called plainly
+            for m in (s.args[0] if s.traced and s.args else None, s.fn):
+                if isinstance(m, nn.Module):
+                    leaves.setdefault(id(m), m)
+        modules = [(m, [(owner, kind, name) for owner in m.modules()
+                        for kind, d in (("p", owner._parameters), ("b", owner._buffers)) for name in d])
+                   for m in leaves.values()]
+        scalars = [(m, [k for k, v in m.__dict__.items() if _scalar(v)]) for m, _ in modules]
+        found = program.__dict__["_codegen_layout"] = _Layout(steps, modules, scalars)
+    return found
+
+
+_SCALARS = (bool, int, float, complex, str, type(None))
+_GONE = object()  # an attribute that is no longer there
+
+
+def _scalar(v: Any) -> bool:
+    return type(v) in _SCALARS or (type(v) is tuple and all(type(e) in _SCALARS for e in v))
+
+
+def _frozen(a: Any) -> Any:
+    if isinstance(a, (list, tuple, range)):
+        return tuple(_frozen(v) for v in a)
+    return a
+
+
+def _modes_active() -> bool:
+    """A torch function or dispatch mode of the caller's is active (a flop counter, a tracer): the
+    interpreter runs under it as the user expects, a trace could not."""
+    try:
+        return bool(torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack())
+    except AttributeError:  # another torch
+        return True
+
+
+def _meta(t: Tensor) -> tuple:
+    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args: Any) -> Tensor:
+    """``taylor.<name>(program, z, in_shape, *args)``, from generated code where it applies."""
+    interpret: Callable[..., Tensor] = getattr(_taylor, name)
+    if (not ENABLED or torch.compiler.is_compiling() or in_transform() or torch.is_inference_mode_enabled()
+            or z.layout != torch.strided or _modes_active()):
+        return interpret(program, z, in_shape, *args)
+    mode = _MODE.get()
+    layout = _layout(program)
+    values, tensors = layout.read(program)
+    if not all(isinstance(v, Tensor) or _scalar(v) for v in values):  # tensors in a container: not followed
+        return interpret(program, z, in_shape, *args)
+    grad = torch.is_grad_enabled()
+    backend = None if mode is None else mode["backend"]
+    key = (name, _frozen(args), in_shape, _meta(z), grad, backend, tuple(_meta(t) for t in tensors),
+           tuple(v if _scalar(v) else type(v) for v in values), layout.settings())
+    table: dict[tuple, Any] = program.__dict__.setdefault("_codegen", {})
+    entry = table.get(key)
+    if entry is None and len(table) >= MAX_SIGNATURES:
+        return interpret(program, z, in_shape, *args)
+    if entry is None or isinstance(entry, int):
+        calls = (entry or 0) + 1
+        if calls < (1 if mode is not None else AFTER_CALLS):
+            table[key] = calls
+            return interpret(program, z, in_shape, *args)
+        entry = table[key] = _generate(name, program, layout, values, z, in_shape, args, grad, mode)
+    if isinstance(entry, str):  # could not be generated: why, and the interpreter serves
+        return interpret(program, z, in_shape, *args)
+    return entry(z, *tensors)
+
+
+def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z: Tensor,
+              in_shape: tuple[int, ...], args: tuple, grad: bool, mode: Optional[dict[str, Any]]) -> Any:
+    """The generated code of one signature, or the reason it could not be made."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    interpret: Callable[..., Tensor] = getattr(_taylor, name)
+    tensor_steps = [i for i, v in zip(layout.steps, values) if isinstance(v, Tensor)]
+    n_steps = len(tensor_steps)
+
+    def traced(zz: Tensor, *tensors: Tensor) -> Tensor:
+        steps = list(program.steps)
+        for i, t in zip(tensor_steps, tensors[:n_steps]):
+            steps[i] = Step(_constant(t), (), {}, False, steps[i].name)
+        copy = dataclasses.replace(program, steps=steps, checked={})
+        rest = iter(tensors[n_steps:])
+        with contextlib.ExitStack() as stack:
+            for m, slots in layout.modules:
+                swap = {}
+                for owner, kind, attr in slots:
+                    if (owner._parameters if kind == "p" else owner._buffers)[attr] is not None:
+                        prefix = next(n for n, mm in m.named_modules(remove_duplicate=False) if mm is owner)
+                        swap[f"{prefix}.{attr}" if prefix else attr] = next(rest)
+                stack.enter_context(_reparametrize_module(m, swap))
+            return interpret(copy, zz, in_shape, *args)
+
+    _, tensors = layout.read(program)
+    try:
+        with torch.enable_grad():  # see the note: no in-place reuse decided from reference counts
+            gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
+    except Exception as err:  # noqa: BLE001 -- a rule that branches on values, an op fake tensors lack
+        return f"make_fx could not trace the program ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
+    fuse(gm, in_place=not grad)
+    if mode is not None and mode["backend"] is not None:
+        from .compiled import compiled
+
+        return compiled(gm, mode["backend"], **mode["kwargs"])
+    return gm
+
+
+def _constant(t: Tensor) -> Callable[[], Tensor]:
+    return lambda: t
+
+
+_aten = torch.ops.aten
+_ELEMENTWISE = {_aten.add.Tensor, _aten.sub.Tensor, _aten.mul.Tensor, _aten.div.Tensor, _aten.neg.default,
+                _aten.tanh.default, _aten.sigmoid.default, _aten.tanh_backward.default,
+                _aten.sigmoid_backward.default, _aten.addcmul.default, _aten.exp.default, _aten.sin.default,
+                _aten.cos.default, _aten.reciprocal.default, _aten.square.default if hasattr(_aten, "square") else None,
+                _aten.pow.Tensor_Scalar, _aten.relu.default, _aten.silu.default}
+_IN_PLACE = {_aten.add.Tensor: _aten.add_.Tensor, _aten.sub.Tensor: _aten.sub_.Tensor,
+             _aten.mul.Tensor: _aten.mul_.Tensor, _aten.div.Tensor: _aten.div_.Tensor,
+             _aten.addcmul.default: _aten.addcmul_.default, _aten.tanh.default: _aten.tanh_.default,
+             _aten.neg.default: _aten.neg_.default}
+
+
+def _val(n: Any) -> Optional[Tensor]:
+    v = n.meta.get("val") if isinstance(n, fx.Node) else None
+    return v if isinstance(v, Tensor) else None
+
+
+def _dtype(n: Any) -> Optional[torch.dtype]:
+    v = _val(n)
+    return None if v is None else v.dtype
+
+
+def fuse(gm: fx.GraphModule, in_place: bool) -> None:
+    """Fewer passes over memory (see the note): ``addcmul`` for ``a + b * c`` and, without grad,
+    elementwise results written into a dead operand of the same shape and dtype."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs:
+            continue
+        a, b = node.args[:2]
+        for acc, prod in ((a, b), (b, a)):
+            if (isinstance(prod, fx.Node) and prod.target is _aten.mul.Tensor and len(prod.users) == 1
+                    and not prod.kwargs and all(isinstance(v, fx.Node) for v in prod.args)
+                    and isinstance(acc, fx.Node) and _same(_val(acc), _val(node))
+                    and all(_dtype(v) == _dtype(node) for v in prod.args)):
+                with graph.inserting_before(node):
+                    new = graph.call_function(_aten.addcmul.default, (acc, *prod.args))
+                new.meta = dict(node.meta)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+                graph.erase_node(prod)
+                break
+    if in_place:
+        _overwrite_dead(graph)
+    graph.lint()
+    gm.recompile()
+
+
+def _same(a: Optional[Tensor], b: Optional[Tensor]) -> bool:
+    return (a is not None and b is not None and a.shape == b.shape and a.dtype == b.dtype
+            and a.is_contiguous() and b.is_contiguous())
+
+
+def _overwrite_dead(graph: fx.Graph) -> None:
+    """Elementwise ops whose first operand dies there, is a fresh (non-view, non-input) tensor of the
+    result's shape and dtype: run in place on it."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    fresh = {n for n in graph.nodes if n.op == "call_function" and _fresh_op(n)}
+    for node in list(graph.nodes):
+        target = _IN_PLACE.get(node.target) if node.op == "call_function" else None
+        if target is None or node.kwargs or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        first = node.args[0]
+        if first not in fresh or len(first.users) != 1 or not _same(_val(first), _val(node)):
+            continue
+        if any(isinstance(a, fx.Node) and a is first for a in node.args[1:]):
+            continue
+        if any(order[u] > order[node] for u in first.users if u is not node):
+            continue
+        node.target = target
+        fresh.add(node)
+        # the result aliases its operand: nothing reads the operand afterwards (single user)
+    del order
+
+
+_VIEWS = {"view", "reshape", "expand", "permute", "transpose", "t", "slice", "select", "unsqueeze", "squeeze",
+          "as_strided", "alias", "_unsafe_view", "unfold", "diagonal", "detach", "split", "unbind", "chunk"}
+
+
+def _fresh_op(n: fx.Node) -> bool:
+    """The op makes a new tensor of its own (not a view of another, not an input)."""
+    target = n.target
+    name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
+    if name in _VIEWS or target is operator.getitem:
+        return False
+    return target in _ELEMENTWISE or target in set(_IN_PLACE.values()) or name in ("mm", "addmm", "bmm", "clone")

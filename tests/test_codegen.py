@@ -1,0 +1,239 @@
+"""Generated code for the Taylor engine (``_engines/codegen.py``) against the interpreter and float64
+torch.func oracles: the same numbers, parameters and closure tensors followed between calls, and
+create_graph through the generated code."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.func import jvp
+
+import jacmode as jm
+from jacmode._engines import capture, codegen
+from jacmode._engines.compiled import compiled
+
+
+class Pinn(nn.Module):
+    def __init__(self, d: int = 2, h: int = 10) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(d, h), nn.Linear(h, h), nn.Linear(h, 1)
+
+    def forward(self, x):
+        x = torch.tanh(self.fc1(x))
+        x = torch.sigmoid(self.fc2(x)) * x
+        return self.out(x)
+
+
+@contextlib.contextmanager
+def interpreter():
+    codegen.ENABLED = False
+    try:
+        yield
+    finally:
+        codegen.ENABLED = True
+
+
+def _generated(f) -> list:
+    program = capture.program_for(f)
+    return [v for v in getattr(program, "_codegen", {}).values() if callable(v)]
+
+
+def _oracle_partial(f, x, dims):
+    g = f
+    for d in dims:
+        e = torch.zeros_like(x)
+        e[:, d] = 1
+        g = (lambda h, e: lambda z: jvp(h, (z,), (e,))[1])(g, e)
+    return g(x)
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_generated_code_equals_interpreter_and_oracle(create_graph):
+    torch.manual_seed(0)
+    net = Pinn(3).double()
+    x = torch.rand(7, 3, dtype=torch.float64)
+    targets = [(0,), (1, 1), (0, 2, 2)]
+    for _ in range(codegen.AFTER_CALLS + 1):
+        got = jm.partials(net, x, targets, create_graph=create_graph)
+        lap = jm.laplacian(net, x, create_graph=create_graph)
+        d3 = jm.derivative(Pinn(1).double(), x[:, :1], order=3)
+    assert len(_generated(net)) == 2
+    with interpreter():
+        want = jm.partials(net, x, targets, create_graph=create_graph)
+        lap_want = jm.laplacian(net, x, create_graph=create_graph)
+    for g, w, dims in zip(got, want, targets):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g, _oracle_partial(net, x, dims).detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lap, lap_want, rtol=1e-12, atol=1e-12)
+    assert d3.shape == (7, 1)
+
+
+def test_create_graph_gradients_through_generated_code_and_an_optimizer_step():
+    torch.manual_seed(1)
+    net = Pinn().double()
+    x = torch.rand(9, 2, dtype=torch.float64)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+
+    def loss():
+        u_t, u_xx = jm.partials(net, x, [(0,), (1, 1)], create_graph=True)
+        return (u_t - 0.1 * u_xx).square().mean()
+
+    for step in range(4):  # steps 2.. run generated code; each follows the optimizer's update
+        opt.zero_grad()
+        value = loss()
+        value.backward()
+        grads = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+        with interpreter():
+            opt.zero_grad()
+            want = loss()
+            want.backward()
+            grads_want = [p.grad.clone() for p in net.parameters() if p.grad is not None]
+        torch.testing.assert_close(value, want, rtol=1e-12, atol=1e-14)
+        for a, b in zip(grads, grads_want):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+        opt.step()
+    assert _generated(net)
+
+
+def test_closure_tensor_and_functional_call_are_inputs_not_constants():
+    torch.manual_seed(2)
+    net = Pinn().double()
+    W = torch.rand(2, 2, dtype=torch.float64)
+    f = lambda x: net(x @ W) * torch.tanh(x[:, :1])  # noqa: E731
+    x = torch.rand(5, 2, dtype=torch.float64)
+    for _ in range(codegen.AFTER_CALLS):
+        jm.laplacian(f, x)
+    assert _generated(f)
+    W = W + 0.5  # rebinding the closure's tensor: the generated code reads the new one
+    with interpreter():
+        want = jm.laplacian(f, x)
+    torch.testing.assert_close(jm.laplacian(f, x), want, rtol=1e-12, atol=1e-12)
+    with torch.no_grad():
+        net.fc1.weight.mul_(2.0)  # an in-place update of a leaf module's parameter
+    with interpreter():
+        want2 = jm.laplacian(f, x)
+    assert not torch.allclose(want, want2)
+    torch.testing.assert_close(jm.laplacian(f, x), want2, rtol=1e-12, atol=1e-12)
+    params = {k: v * 1.5 for k, v in net.named_parameters()}
+    g = lambda x: torch.func.functional_call(net, params, (x,))  # noqa: E731
+    for _ in range(codegen.AFTER_CALLS):
+        got = jm.laplacian(g, x)
+    with interpreter():
+        torch.testing.assert_close(got, jm.laplacian(g, x), rtol=1e-12, atol=1e-12)
+
+
+def test_generated_code_inside_generated_block_and_shapes():
+    torch.manual_seed(3)
+    net = Pinn().double()
+    with codegen.generated():
+        for b in (4, 6, 4):  # a new shape is a new signature, never code made for another
+            x = torch.rand(b, 2, dtype=torch.float64)
+            got = jm.partial(net, x, (1, 1))
+            with interpreter():
+                torch.testing.assert_close(got, jm.partial(net, x, (1, 1)), rtol=1e-12, atol=1e-12)
+    assert len(_generated(net)) == 2
+
+
+def test_fuse_keeps_results():
+    gm = torch.fx.experimental.proxy_tensor.make_fx(lambda a, b, c: (a + b * c).tanh() * 2.0,
+                                                    tracing_mode="fake")(*torch.rand(3, 4).unbind(0))
+    codegen.fuse(gm, in_place=True)
+    names = [str(n.target) for n in gm.graph.nodes]
+    assert any("addcmul" in n for n in names) and any("tanh_" in n or "mul_" in n for n in names)
+    a, b, c = torch.rand(3, 4).unbind(0)
+    torch.testing.assert_close(gm(a, b, c), (a + b * c).tanh() * 2.0)
+
+
+def test_compiled_falls_back_with_a_warning():
+    fn = lambda a: a * 2  # noqa: E731
+    with pytest.warns(jm.JacmodeWarning, match="failed"):
+        run = compiled(fn, backend="no-such-backend")
+    assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
+
+    def broken(gm, inputs):
+        raise RuntimeError("the backend broke")
+
+    run = compiled(fn, backend=broken)
+    with pytest.warns(jm.JacmodeWarning, match="the backend broke"):
+        assert torch.equal(run(torch.ones(2)), torch.full((2,), 2.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(run(torch.ones(3)), torch.full((3,), 2.0))  # once: later calls run fn quietly
+
+
+def test_compiled_generated_code_recompiles_on_new_shapes():
+    torch.manual_seed(4)
+    net = Pinn().double()
+    with codegen.generated("aot_eager"):
+        for dtype, b in ((torch.float64, 3), (torch.float64, 5), (torch.float32, 3)):
+            n = net.to(dtype)
+            x = torch.rand(b, 2, dtype=dtype)
+            got = jm.partials(n, x, [(0,), (1, 1)], create_graph=True)
+            with interpreter():
+                want = jm.partials(n, x, [(0,), (1, 1)], create_graph=True)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+            (gw,) = torch.autograd.grad(got[1].sum(), [n.fc1.weight])
+            (ww,) = torch.autograd.grad(want[1].sum(), [n.fc1.weight])
+            torch.testing.assert_close(gw, ww)
+
+
+def test_leaf_module_settings_are_followed():
+    torch.manual_seed(5)
+    act = nn.LeakyReLU(0.1)
+    net = nn.Sequential(nn.Linear(2, 6), nn.Softplus(beta=2.0), nn.Linear(6, 6), act, nn.Linear(6, 1)).double()
+    x = torch.rand(5, 2, dtype=torch.float64) - 0.5
+    for _ in range(codegen.AFTER_CALLS):
+        jm.partial(net, x, (0, 1))
+    assert _generated(net)
+    net[1].beta = 3.0
+    act.negative_slope = 0.3
+    got = jm.partial(net, x, (0, 1))
+    with interpreter():
+        torch.testing.assert_close(got, jm.partial(net, x, (0, 1)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.compile
+def test_generated_code_compiled_with_inductor():
+    if shutil.which("g++") is None and shutil.which("c++") is None and shutil.which("clang++") is None:
+        pytest.skip("no C++ compiler for inductor")
+    torch.manual_seed(6)
+    net = Pinn(2, 6)
+    x = torch.rand(16, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", jm.JacmodeWarning)  # compiled, not fallen back
+        with codegen.generated("inductor"):
+            got = jm.laplacian(net, x)
+    with interpreter():
+        torch.testing.assert_close(got, jm.laplacian(net, x), rtol=1e-4, atol=1e-5)
+
+
+class _Scaled(nn.Module):
+    """A module called on a constant (not on the input): its parameters are inputs of the code too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.fc = nn.Linear(1, 4), nn.Linear(2, 4)
+
+    def forward(self, x):
+        c = self.emb(torch.ones(1, 1, dtype=x.dtype))
+        return (torch.tanh(self.fc(x)) * c).sum(1, keepdim=True)
+
+
+def test_module_called_on_a_constant_follows_its_parameters():
+    torch.manual_seed(7)
+    net = _Scaled().double()
+    x = torch.rand(4, 2, dtype=torch.float64)
+    for _ in range(codegen.AFTER_CALLS):
+        jm.partial(net, x, (1, 1))
+    assert _generated(net)
+    with torch.no_grad():
+        net.emb.bias.add_(1.0)
+    got = jm.partial(net, x, (1, 1))
+    with interpreter():
+        torch.testing.assert_close(got, jm.partial(net, x, (1, 1)), rtol=1e-12, atol=1e-12)
