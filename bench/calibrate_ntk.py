@@ -102,7 +102,7 @@ def measure(repeat: int = 3) -> list[dict]:
 
 
 def _sizes(model: nn.Module, x1: Tensor, x2: Tensor, n_out: int) -> model_ntk.Sizes:
-    from jacmode._engines import layerio
+    from jacmode._probes import layerio
     from jacmode._planning.footprint import measure as footprint
 
     fp = footprint(model, x1[:1], 1)

@@ -11,7 +11,7 @@ the first call of every entry point (profile, capture, checks) is timed once aft
 All cases are timed in rounds (each case ten calls in a row, the cases in a new random order
 every round), 1 thread, so that the load of the machine affects them alike; medians in microseconds.
 
-Run: ``PYTHONPATH=src python bench/callpath.py [--rounds N]``.
+Run: ``PYTHONPATH=src python -m bench.callpath [--rounds N]``.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from jacmode._checks import check_options
 from jacmode._operands import target
 from jacmode._planning.decide import execute
 from jacmode._problem import again
-from jacmode._engines import layerio
-from jacmode._engines import products as _products_engine
-from jacmode.tools.baselines import MLP, PinnNet, params_hand_rule, params_loop
+from jacmode._probes import layerio
+from jacmode._probes import products as _products_engine
+from bench.baselines import MLP, PinnNet, params_hand_rule, params_loop
 
 
 def _profile_of(f: Any, op: str, kind: str) -> Any:

@@ -8,7 +8,7 @@ and each workload's reference (a no-grad forward pass, nested backprop, the auto
 The first call of each variant (fresh model: capture, check, code generation, compilation) is
 timed on its own.
 
-    PYTHONPATH=src python bench/compile.py [threads] [B for net_x, default 100000] [sections]
+    PYTHONPATH=src python -m bench.compile [threads] [B for net_x, default 100000] [sections]
 
 sections: a comma list of netx, lap, train (all by default).
 """
@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 import jacmode as jm
-from jacmode._engines import codegen
-from jacmode.tools.baselines import PinnNet
+from jacmode._capture import codegen
+from bench.baselines import PinnNet
 
 warnings.filterwarnings("ignore")
 

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import jacmode as jm
 from jacmode import _args
-from jacmode._engines import capture as _capture
+from jacmode._capture import capture as _capture
 from jacmode._errors import CoupledBatchError
 
 DT = torch.float64

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 import jacmode as jm
 from jacmode import _problem
-from jacmode._engines import capture
+from jacmode._capture import capture
 from bench.baselines import NetX, PinnNet
 from conftest import Opaque, assert_unchanged, snapshot
 from test_derivatives import ref_divergence, ref_hessian, ref_partial

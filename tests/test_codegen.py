@@ -1,4 +1,4 @@
-"""Generated code for the Taylor engine (``_engines/codegen.py``) against the interpreter and float64
+"""Generated code for the Taylor engine (``_capture/codegen.py``) against the interpreter and float64
 torch.func oracles: the same numbers, parameters and closure tensors followed between calls, and
 create_graph through the generated code."""
 
@@ -14,8 +14,8 @@ from torch import nn
 from torch.func import jvp
 
 import jacmode as jm
-from jacmode._engines import capture, codegen
-from jacmode._engines.compiled import compiled
+from jacmode._capture import capture, codegen
+from jacmode._capture.compiled import compiled
 
 
 class Pinn(nn.Module):

@@ -1,4 +1,4 @@
-"""jacmode's operators inside a user's torch.compile region (``_engines/traceable.py``).
+"""jacmode's operators inside a user's torch.compile region (``_autodiff/traceable.py``).
 
 Backends "eager" and "aot_eager" need no C++ compiler and are fast; the few inductor tests are
 marked ``compile`` and skip where no compiler is found. Oracles: float64 eager jacmode results

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 import jacmode as jm
 from jacmode import _problem
-from jacmode._engines import taylor as _taylor
+from jacmode._capture import taylor as _taylor
 from conftest import Opaque, assert_unchanged, snapshot
 
 DT = torch.float64

@@ -10,7 +10,7 @@ from torch import nn
 
 import jacmode as jm
 from jacmode import JacmodeWarning
-from jacmode._engines.fallback import classify
+from jacmode._autodiff.fallback import classify
 from conftest import ref_input_jacobian, ref_param_jacobian
 
 
@@ -172,7 +172,7 @@ def test_classify_leaves_other_errors_alone():
 def blind_probe(monkeypatch):
     """A capability probe that foresees nothing: gaps are found by the engines while running."""
     from jacmode._planning import decide as _decide
-    from jacmode._engines import fallback as _fallback
+    from jacmode._autodiff import fallback as _fallback
 
     monkeypatch.setattr(_decide._fallback, "capabilities", lambda f, key, p: _fallback.Caps())
     jm.clear_cache()

@@ -1,4 +1,4 @@
-"""Repeated calls (``_profile.py``) and the repeated-rows pullback (``_engines/layerwise.py``)."""
+"""Repeated calls (``_profile.py``) and the repeated-rows pullback (``_probes/layerwise.py``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from torch import nn
 
 import jacmode as jm
 from jacmode import _profile
-from jacmode._engines import layerwise
+from jacmode._probes import layerwise
 from bench.baselines import MLP
 
 

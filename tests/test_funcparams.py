@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 
 import jacmode as jm
 from jacmode import _problem, _profile
-from jacmode._engines import layerio
+from jacmode._probes import layerio
 from _zoo_models import one_intra_op_thread  # noqa: F401 -- tiny tensors: one thread
 from conftest import assert_unchanged, snapshot
 

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, jvp, vmap
 
 import jacmode as jm
-from jacmode._engines import capture as _capture
-from jacmode._engines.program import Program
+from jacmode._capture import capture as _capture
+from jacmode._capture.program import Program
 from _zoo_models import one_intra_op_thread  # noqa: F401 -- tiny tensors: one thread
 
 DT = torch.float64

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 from torch.func import jacfwd, jacrev
 
 import jacmode as jm
-from jacmode._engines import capture
-from jacmode._engines.program import _refs
+from jacmode._capture import capture
+from jacmode._capture.program import _refs
 
 DT = torch.float64
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import torch
 from torch import nn
 
-from jacmode._engines.probes import coverage, record
+from jacmode._probes.probes import coverage, record
 from jacmode._rules.base import has
 from jacmode._rules.modules import rule_for
 

@@ -299,7 +299,7 @@ def test_model_left_as_found_when_loss_raises() -> None:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_probes_serve_every_model_but_the_tied_one(name: str) -> None:
-    from jacmode._engines import layerio
+    from jacmode._probes import layerio
 
     model, x = make(name)
     usable = layerio.usable(model, x, list(model.named_parameters()))

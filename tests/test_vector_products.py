@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jacrev, jvp, vjp, vmap
 
 import jacmode as jm
-from jacmode._engines import probes
+from jacmode._probes import probes
 
 DT = torch.float64
 

@@ -124,7 +124,7 @@ class Flat:
 
 
 def traced_body(call: "Call") -> Callable[[Any, Any], Any]:
-    """The flat function as ``body(z, riders)`` for graph capture (``_engines/capture.py``): the
+    """The flat function as ``body(z, riders)`` for graph capture (``_capture/capture.py``): the
     riders (:func:`inputs`) are an argument, so the captured program reads them on every run."""
     order = list(call.riders)
 

@@ -471,7 +471,7 @@ def check_outside_transforms(name: str, why: str, instead: str) -> None:
     """``name`` cannot run inside torch.func transforms: say so rather than return a constant.
 
     Not checked while Dynamo traces (``torch.compile``): there the interpreter stack always reads
-    as a transform, and the compiled path (``_engines/traceable.py``) is plain torch.func."""
+    as a transform, and the compiled path (``_autodiff/traceable.py``) is plain torch.func."""
     if in_transform() and not torch.compiler.is_compiling():
         raise ValueError(
             f"f: jm.{name} cannot run inside a torch.func transform (grad, jacrev, jacfwd, jvp, vmap "

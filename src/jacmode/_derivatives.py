@@ -17,7 +17,7 @@ from . import _args, _operators
 from ._args import Argnums, InDims
 from ._cache import WeakCache
 from ._checks import Options
-from ._engines import traceable as _traceable  # inside a user's torch.compile (see its note)
+from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
 from ._operands import (
     SUM_PASS_BYTES,
     Target,

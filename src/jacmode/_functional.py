@@ -16,7 +16,7 @@ the module itself, run while the module *holds* the dict's tensors:
   entry as ``functional_call``'s ``tie_weights=True`` does) and swaps the module's own back on exit,
   also when the call raises. Inside, ``module.weight`` IS the dict's tensor, so everything that
   reads the module -- the selection (``_checks.check_param_selection`` returns the bound tensors,
-  in the dict's order), the probe engines' hooks (``_engines/probes.py`` checks that the tensor a
+  in the dict's order), the probe engines' hooks (``_probes/probes.py`` checks that the tensor a
   module holds is the selected one), the generic engines' ``functional_call`` over the flat
   vector -- differentiates the dict's values, and ``create_graph=True`` gives gradients to them.
   Two dict entries that are one tensor object (for names that are not tied in the module) are

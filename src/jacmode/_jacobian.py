@@ -186,7 +186,7 @@ def jacobian(
         torch.Size([1000, 4, 124])
     """
     if torch.compiler.is_compiling():  # inside the user's torch.compile: no front (its caches do not trace)
-        from ._engines import traceable as _traceable
+        from ._autodiff import traceable as _traceable
 
         if not _traceable.simple(args, kwargs, argnums, has_aux):
             return _traceable.eager("several arguments", lambda: jacobian(
@@ -239,7 +239,7 @@ def _jacobian(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any,
         opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
                         chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
                         flatten=flatten)
-        from ._engines import traceable as _traceable
+        from ._autodiff import traceable as _traceable
 
         def again() -> Result:
             return _jacobian(f, x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten, out)

@@ -1,7 +1,7 @@
 """What the derivative operators differentiate, with which engine, and in which passes.
 
 A :class:`Target` holds the user's function in flat form (z of shape (B, N) to (B, Y)) and picks
-the engine: ``_taylor`` (Taylor mode over the captured graph, ``_engines/capture.py``) when every
+the engine: ``_taylor`` (Taylor mode over the captured graph, ``_capture/capture.py``) when every
 operation the input flows through has a rule, ``_nested`` (nested forward mode, or nested reverse
 mode for operations without a forward-mode rule) for any other callable. Both engines have the
 same functions and shapes. Operations with rules treat every sample on its own and change no
@@ -44,11 +44,11 @@ from . import _checks, _profile
 from ._args import Flat, inputs, rows_of, take
 from ._checks import Options
 from ._coupling import OPERATOR_WAYS_OUT
-from ._engines import capture as _capture
-from ._engines import codegen as _codegen
-from ._engines import nested as _nested
-from ._engines import taylor as _taylor
-from ._engines.capture import Program
+from ._capture import capture as _capture
+from ._capture import codegen as _codegen
+from ._autodiff import nested as _nested
+from ._capture import taylor as _taylor
+from ._capture.capture import Program
 from ._jacobian import _options
 from ._problem import captured, connected, describe, riders_independent
 from ._rules import decompositions
@@ -103,7 +103,7 @@ class Target:
             self.fn, self.program = saved
 
     def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
-        if self.program is not None:  # generated code where it applies (_engines/codegen.py)
+        if self.program is not None:  # generated code where it applies (_capture/codegen.py)
             return _codegen.run(name, self.program, z, self.in_shape, *args)
         engine = getattr(_nested, name)
         # torch's own formulas of some ops are wrong above first order (_rules/decompositions.py)

@@ -3,10 +3,10 @@
 ``operator(f, x, terms)`` computes L u = sum_k c_k D^(|a_k|) u [v_(a_k)] per sample, where a term
 (c_k, a_k) names the coordinates (or the rows of ``directions``) to differentiate along and c_k is
 a number, one number per sample (B,), or a tensor (1 | B, *out) weighting the output components.
-On the Taylor path it runs collapsed (``_engines/collapsed.py``): the highest-order coefficients
+On the Taylor path it runs collapsed (``_capture/collapsed.py``): the highest-order coefficients
 are summed as they are formed, so the pass carries one coefficient per distinct lower-order
 sub-multiset of the terms, not one per term; on the generic path every term is nested forward
-mode (``_engines/directional.py``), exact for any f. The Laplacian, the weighted Laplacian
+mode (``_autodiff/directional.py``), exact for any f. The Laplacian, the weighted Laplacian
 tr(S S^T Hess u), the biharmonic operator and the divergence are instances.
 
 NOTE: [Randomised estimators]
@@ -33,9 +33,9 @@ from torch import Tensor
 from . import _args, _checks
 from ._args import Argnums, InDims
 from ._checks import Options
-from ._engines import collapsed as _collapsed
-from ._engines import directional as _directional
-from ._engines.taylor import Key, _sub_keys
+from ._capture import collapsed as _collapsed
+from ._autodiff import directional as _directional
+from ._capture.taylor import Key, _sub_keys
 from ._operands import SUM_PASS_BYTES, Target, direction_chunks, evaluate, missing_derivative, validated
 from ._problem import captured
 from ._rules import decompositions

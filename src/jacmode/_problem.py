@@ -24,10 +24,10 @@ from ._args import Flat, inputs, rows_of
 from ._cache import WeakCache, problem_key
 from ._checks import Options
 from ._coupling import WAYS_OUT, probe
-from ._engines import capture as _capture
-from ._engines import layerwise as _layerwise
-from ._engines import taylor as _taylor
-from ._engines.probes import Coverage, coverage
+from ._capture import capture as _capture
+from ._probes import layerwise as _layerwise
+from ._capture import taylor as _taylor
+from ._probes.probes import Coverage, coverage
 from ._functional import bound_values, refreshed, selection_key
 from ._rules.local import LOCAL
 from ._transforms import in_transform
@@ -99,7 +99,7 @@ def describe(f: Callable[[Tensor], Tensor], x: Tensor, opts: Options, ways_out: 
         return _checks.check_output(out, batched=batched, n_in=n)
 
     # a captured graph treats every sample on its own by construction (each rule raises where
-    # samples would mix, see _engines/capture.py), so it needs no probe; it is made here anyway
+    # samples would mix, see _capture/capture.py), so it needs no probe; it is made here anyway
     program, why = captured(f, x) if opts.wrt == "inputs" and batched and structure == "independent" else (None, "")
     if program is not None:
         out_shape = _capture.check(program, f, x, _taylor.value)

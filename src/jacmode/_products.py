@@ -2,8 +2,8 @@
 
 Each validates, checks that samples are independent (``_coupling``), keeps the model as found
 (``_state``), then runs a per-layer engine where the selected parameters live in covered layers
-(``_engines/layerio.py``) or the generic one otherwise (see ``_engines/products.py`` and
-``_engines/ntk.py``).
+(``_probes/layerio.py``) or the generic one otherwise (see ``_probes/products.py`` and
+``_probes/ntk.py``).
 
 NOTE: [Several arguments of a model]
 ``x`` may be a tuple of the model's positional arguments (``model(x, mask)``), with ``kwargs=``
@@ -33,11 +33,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from . import _args, _checks, _data, _losses, _profile
 from ._checks import Options, Wrt
 from ._coupling import PRODUCT_WAYS_OUT, probe
-from ._engines import layerio, probes
-from ._engines import ntk as _ntk
-from ._engines import products as _engine
-from ._engines.fallback import classify
-from ._engines.layerwise import columns
+from ._probes import layerio, probes
+from ._probes import ntk as _ntk
+from ._probes import products as _engine
+from ._autodiff.fallback import classify
+from ._probes.layerwise import columns
 from ._functional import accepts_params_dict, per_sample_grads_transformed
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
@@ -274,7 +274,7 @@ def per_sample_grads(
     _checks.check_target(y, x.shape[0])
     names, params = [n for n, _ in selected], [p for _, p in selected]
     if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path
-        from ._engines import traceable as _traceable
+        from ._autodiff import traceable as _traceable
 
         def again() -> Union[Tensor, dict[str, Tensor]]:
             return per_sample_grads(f, x, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,

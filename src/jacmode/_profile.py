@@ -139,8 +139,8 @@ def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list
 def fresh(program: Any, x: Tensor) -> bool:
     """Whether a captured program a profile holds still serves inputs like ``x``: it reads what f
     reads (the tensors and Python values it took from f's closure, globals and modules are
-    unchanged, ``_engines/bound.py``: a rebound name or a changed scalar is not in the key), and no
-    engine rejected it for this input signature since (``_engines/capture.reject``)."""
+    unchanged, ``_capture/bound.py``: a rebound name or a changed scalar is not in the key), and no
+    engine rejected it for this input signature since (``_capture/capture.reject``)."""
     if program is None:
         return True
     if not isinstance(program.checked.get((tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):

@@ -110,7 +110,7 @@ def without_mkldnn() -> Iterator[None]:
     """torch's native CPU kernels instead of mkldnn's for a block (counted across threads, as above).
 
     For reverse mode under ``torch.inference_mode()``, where grad mode cannot be switched on (see
-    [Grad mode of the reverse engines] in ``_engines/reverse.py``) and the mkldnn RNN kernels then
+    [Grad mode of the reverse engines] in ``_autodiff/reverse.py``) and the mkldnn RNN kernels then
     keep no workspace for their backward.
     """
     with _KERNELS_LOCK:

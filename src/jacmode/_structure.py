@@ -5,12 +5,12 @@ elementwise diagonal. Forward mode fills columns n, reverse mode fills rows y.
 
 * broadcast: independent samples; direction d is e_d on every sample at once, so D tangents
   (or Y cotangents) give every diagonal block (see design.md, "structure is compression").
-  When the model's captured graph has a rule for every operation (``_engines/capture.py``),
+  When the model's captured graph has a rule for every operation (``_capture/capture.py``),
   forward mode pushes the tangents op by op (``_forward.layerwise_columns``), the PINN networks'
   fast path.
 * per-sample: vmap over samples of vmap over outputs of vjp (parameters, independent samples);
   for parameters that the per-module rules cover, the layer-wise probe engine
-  (``_engines/layerwise.py``), with the generic engine for the parameters no rule covers.
+  (``_probes/layerwise.py``), with the generic engine for the parameters no rule covers.
 * whole-batch: the batch is one point; directions are one-hot over (b, d) or (b, y) and only the
   diagonal block of each product is kept. Exact with coupled samples. For parameters in forward
   mode, each tangent is shared by all samples and gives a whole column at once.
@@ -30,10 +30,10 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from ._engines import layerwise
-from ._engines.capture import reject
-from ._engines.forward import forward_columns, layerwise_columns
-from ._engines.reverse import per_sample_rows, reverse_rows
+from ._probes import layerwise
+from ._capture.capture import reject
+from ._autodiff.forward import forward_columns, layerwise_columns
+from ._autodiff.reverse import per_sample_rows, reverse_rows
 from ._planning.plan import Plan
 from ._problem import Problem
 from ._rules.base import NotCovered, Unsupported

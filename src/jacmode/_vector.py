@@ -1,7 +1,7 @@
 """jvp, vjp, hvp, linearize and the Gauss-Newton-vector product: products without the Jacobian.
 
 The fronts validate every argument once (errors name it), describe the differentiated tensors as
-lists of leaves and restore torch.func's layout; the engines are in ``_engines/vector.py`` (see
+lists of leaves and restore torch.func's layout; the engines are in ``_autodiff/vector.py`` (see
 its note [Vector products]).
 
 Conventions (docs/products.md, "Vector products"):
@@ -32,7 +32,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from . import _checks, _losses
 from ._coupling import probe
-from ._engines import vector as _eng
+from ._autodiff import vector as _eng
 from ._problem import _has_random_layers
 from ._state import preserved_state
 from ._transforms import in_transform

@@ -22,8 +22,8 @@ import torch
 
 from .._cache import WeakCache, rng_kept
 from .._checks import Options
-from .._engines.forward import forward_columns, layerwise_columns
-from .._engines.reverse import per_sample_rows, reverse_rows
+from .._autodiff.forward import forward_columns, layerwise_columns
+from .._autodiff.reverse import per_sample_rows, reverse_rows
 from .._problem import Problem
 from .._structure import _SEEDS, run
 from .plan import MODES, Plan, with_reason

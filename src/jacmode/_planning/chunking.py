@@ -31,8 +31,8 @@ def engine(p: Problem, mode: str, strategy: str) -> str:
     """Which calibrated engine runs a candidate: "forward", "reverse", or their "-layerwise" kin.
 
     Through a captured graph whose operations all have rules, forward mode over broadcast seeds
-    pushes the tangents op by op (``_engines/taylor.py``); per-sample parameter Jacobians of modules
-    with rules run the probe engine (``_engines/layerwise.py``): no dual tensors, no vmap, and their
+    pushes the tangents op by op (``_capture/taylor.py``); per-sample parameter Jacobians of modules
+    with rules run the probe engine (``_probes/layerwise.py``): no dual tensors, no vmap, and their
     own measured costs.
     """
     if strategy == "per-sample" and getattr(p, "probes", None) is not None:

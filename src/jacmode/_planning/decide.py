@@ -2,7 +2,7 @@
 
 ``decide`` is what :func:`jacmode.plan` returns and what :func:`jacmode.jacobian` runs, so the
 two never disagree; ``execute`` runs a plan and, under ``mode="auto"``, re-plans around an engine
-gap that the capability probe could not foresee (see the note in ``_engines/fallback.py``).
+gap that the capability probe could not foresee (see the note in ``_autodiff/fallback.py``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from torch import Tensor
 from .._args import take
 from .._cache import problem_key, rng_kept
 from .._checks import Options
-from .._engines import fallback as _fallback
-from .._engines import loops as _loops
-from .._engines.fallback import Caps
+from .._autodiff import fallback as _fallback
+from .._autodiff import loops as _loops
+from .._autodiff.fallback import Caps
 from .._problem import Problem
 from .._structure import run
 from . import autotune as _autotune

@@ -70,7 +70,7 @@ class Plan:
         workspace_bytes: estimated peak memory on top of the result.
         budget_bytes: the workspace budget the chunk sizes were chosen for.
         loop: None for the vectorised engines; "samples" for a Python loop over samples,
-            "autograd" for plain ``torch.autograd.grad`` loops (fallbacks, see ``_engines/fallback.py``).
+            "autograd" for plain ``torch.autograd.grad`` loops (fallbacks, see ``_autodiff/fallback.py``).
         reason: one line on why this mode and strategy were chosen.
         coloring: for strategy "sparse", the :class:`jacmode.Coloring` used (colours, lower
             bound, partition; see docs/sparse.md), else None.
@@ -185,7 +185,7 @@ def make_plan(
         mode: "auto", "forward" or "reverse".
         chunk_size: the user's cap on directions (x samples, per-sample) per pass, or None.
         budget: workspace bytes allowed on top of the result.
-        allowed: the modes that ``f`` supports (see ``_engines/fallback.py``).
+        allowed: the modes that ``f`` supports (see ``_autodiff/fallback.py``).
         loops: mode -> the fallback engine it must use ("samples", "autograd"), if any.
         why: what the fallback was; appended to the reason.
     """
@@ -271,7 +271,7 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
 
 
 def _captured(program: Any) -> str:
-    """What the captured graph runs, and the tensors of f it reads again on each call (``_engines/bound.py``)."""
+    """What the captured graph runs, and the tensors of f it reads again on each call (``_capture/bound.py``)."""
     wheres = [b.where for b in program.bound]
     shown = ", ".join(wheres[:3]) + (f" and {len(wheres) - 3} more" if len(wheres) > 3 else "")
     reads = f"; reads f's tensors {shown} on each call" if wheres else ""

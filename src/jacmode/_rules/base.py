@@ -1,6 +1,6 @@
 """The vocabulary of the rules, for both engine families.
 
-Input derivatives (Taylor mode over a captured graph, ``_engines/taylor.py``): a :class:`Traced` is
+Input derivatives (Taylor mode over a captured graph, ``_capture/taylor.py``): a :class:`Traced` is
 one tensor of the captured graph that depends on the input: its ``value`` (B, *shape) and its Taylor
 coefficients ``coef[key]`` of shape (L, 1 or B, *shape), one leading dimension of directions (L = 1
 for a single multiset coefficient, K directions, P pairs) and the batch dimension, 1 where the
@@ -13,7 +13,7 @@ the map to every coefficient. A Taylor rule raises :class:`Unsupported` when its
 what the engines assume (the batch stays dimension 0 and samples stay independent); the whole call
 then takes the generic engine. They are listed in ``table.py``, by spelling.
 
-Parameter Jacobians (the probe engine, ``_engines/probes.py``): a :class:`Rule` knows, for one
+Parameter Jacobians (the probe engine, ``_probes/probes.py``): a :class:`Rule` knows, for one
 module type, how the module's parameters enter its output. Given what the probe engine recorded for
 one call of the module, its inputs and the cotangents G (K, B, *out) of its output for K
 directions, it returns the per-sample blocks

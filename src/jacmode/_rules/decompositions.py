@@ -1,6 +1,6 @@
 """Primitive-op decompositions for torch functions whose own higher derivatives are wrong or missing.
 
-The generic engines (nested jvp / vjp in ``_engines/nested.py``, and every engine of
+The generic engines (nested jvp / vjp in ``_autodiff/nested.py``, and every engine of
 ``jacobian(..., create_graph=True)`` whose graph the user differentiates again) lean on torch's
 derivative formulas. For a few fused ops those formulas are wrong above first order, without a
 word; for others they raise (no forward-AD formula for a backward kernel, an in-place update inside

@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 from torch.func import grad, jvp, vjp
 
-from .._engines.forward import pushforward
-from .._engines.reverse import pullback, recording
+from .._autodiff.forward import pushforward
+from .._autodiff.reverse import pullback, recording
 from .coloring import Coloring
 from .pattern import SparsityPattern
 

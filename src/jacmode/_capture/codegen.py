@@ -1,7 +1,7 @@
 """Generated code for the Taylor engine: a captured program and its algebra as one straight-line graph.
 
 NOTE: [Generated code]
-The Taylor engine (``taylor.py``) interprets a captured :class:`~jacmode._engines.capture.Program`
+The Taylor engine (``taylor.py``) interprets a captured :class:`~jacmode._capture.capture.Program`
 step by step: per step it resolves arguments, dispatches to a rule, and the rule loops over the
 coefficients of its algebra in Python. For one operator (``partials`` with its multisets,
 ``laplacian`` with its directions, ...) and one signature (input shape, dtype, device, grad mode,
@@ -35,7 +35,7 @@ operation reads (in place where safe: same shape and dtype, not an input, not a 
 
 Code is generated on the third call of a signature (``AFTER_CALLS``: the first calls keep today's
 cost; a training loop makes thousands), or on the first one inside :func:`generated`, which also
-compiles it (:func:`jacmode._engines.compiled.compiled`). Generating costs about one interpreted
+compiles it (:func:`jacmode._capture.compiled.compiled`). Generating costs about one interpreted
 call plus 0.1-0.3 s of tracing for the networks of the benchmarks, and once per process the
 import of torch's fake-tensor machinery (3-6 s on the loaded 2-core machine).
 Not while a torch function or dispatch mode of the caller's is active, under torch.func

@@ -1,6 +1,6 @@
 """Taylor mode over a captured graph: derivative coefficients pushed op by op with plain torch ops.
 
-The captured :class:`~jacmode._engines.capture.Program` of any traceable module (an
+The captured :class:`~jacmode._capture.capture.Program` of any traceable module (an
 ``nn.Sequential`` is one more) is run with :class:`~jacmode._rules.base.Traced` tensors that carry
 Taylor coefficients; the rules of ``_rules/`` say how each operation transforms them. Plain torch
 operations keep the results differentiable with respect to the parameters and the input
@@ -49,7 +49,7 @@ from torch import Tensor
 from .._rules.base import Traced, Unsupported
 from .._rules.elementwise import Jet, combine
 from .capture import Program
-from .nested import seeds
+from .._autodiff.nested import seeds
 
 Key = tuple[int, ...]  # a multiset of coordinates, sorted
 Term = tuple[int, int, tuple[Key, ...]]  # (how many partitions, order of s, blocks)

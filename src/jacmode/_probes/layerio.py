@@ -1,7 +1,7 @@
 """Per-layer products from the probe engine: which layers serve, and their per-sample reductions.
 
 NOTE: [Layer products]
-The probe engine (``_engines/probes.py``) gives, for each call of a covered module, its inputs and
+The probe engine (``_probes/probes.py``) gives, for each call of a covered module, its inputs and
 the cotangents G (K, B, *out_layer) of K output cotangents. Per-sample gradients, the GGN diagonal
 and NTK blocks need three reductions of the per-sample blocks J (B, K, *param):
 ``write`` (the blocks themselves, K = 1), ``sq_sum`` (sum over B, K of s * J^2) and ``gram``
@@ -11,7 +11,7 @@ per-sample block is formed; otherwise, and for a module called more than once (i
 before they are squared), they are computed here from ``per_sample``.
 
 ``usable`` says which selected parameters the probes serve (the completeness check of
-``_engines/layerwise.py`` must pass, cached per model and signature); the callers run the generic
+``_probes/layerwise.py`` must pass, cached per model and signature); the callers run the generic
 engine for the others (per-sample gradients, GGN diagonal) or for everything (NTK).
 """
 
@@ -34,7 +34,7 @@ _COVERAGE = WeakCache("products coverage")
 def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverage]:
     """The probe engine's coverage (``uncovered`` may be non-empty), or None when it serves nothing.
 
-    Completeness of the covered parameters is ``_engines/layerwise.py``'s check on a few samples;
+    Completeness of the covered parameters is ``_probes/layerwise.py``'s check on a few samples;
     the verdict and the coverage are cached per model, per-sample signature and selection.
     """
     if x.shape[0] == 0:

@@ -1,7 +1,7 @@
 """Forward engine: push chunks of tangents through ``fn`` with ``vmap(jvp)``.
 
 NOTE: [Forward and reverse engines]
-``forward_columns`` and ``reverse_rows`` (in ``_engines/reverse.py``) are mirror images with the same
+``forward_columns`` and ``reverse_rows`` (in ``_autodiff/reverse.py``) are mirror images with the same
 signature: a pure function ``fn`` of one tensor ``primal``, ``n`` directions, a ``seeds(start, stop)``
 callback that builds the chunk of tangents (or cotangents) with a leading direction dimension, and a
 ``place(start, stop, block)`` callback that writes the chunk's Jacobian-vector products into the
@@ -36,8 +36,8 @@ from torch.func import jvp, vmap
 
 from .._state import RngReplay
 from .._transforms import in_transform
-from . import taylor as _taylor
-from .capture import Program
+from .._capture import taylor as _taylor
+from .._capture.capture import Program
 
 Seeds = Callable[[int, int], Tensor]
 Place = Callable[[int, int, Tensor], None]
@@ -94,7 +94,7 @@ def forward_columns(
 def layerwise_columns(
     program: Program, in_shape: tuple[int, ...], primal: Tensor, n: int, place: Place, chunk_size: int
 ) -> None:
-    """Forward mode over a captured graph (``_engines/capture.py``) whose operations all have rules.
+    """Forward mode over a captured graph (``_capture/capture.py``) whose operations all have rules.
 
     The tangents e_d, shared by all samples, are pushed op by op with plain torch operations
     (``_taylor.first``): no dual tensors, no vmap, and the first layer's product W e_d stays one

@@ -1,7 +1,7 @@
 """Per-sample parameter Jacobians (B, Y, P) of any module graph from the probe engine and the rules.
 
 NOTE: [Layer-wise reverse mode for parameters]
-One probed forward pass (``_engines/probes.py``) and one reverse pass of the Y one-hot output
+One probed forward pass (``_probes/probes.py``) and one reverse pass of the Y one-hot output
 directions, shared by all samples and vectorised over Y, give every covered module call its output
 cotangents G (Y, B, *out_layer); its rule writes the per-sample blocks straight into their columns
 of the (B, Y, P) result or of ``out=`` (a module called twice adds its second call). Parameters no
@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from .._rules.base import NotCovered
 from .._rules.local import LOCAL
 from .probes import Call, Coverage, Recording, record
-from .reverse import per_sample_rows
+from .._autodiff.reverse import per_sample_rows
 
 if TYPE_CHECKING:
     from .._planning.plan import Plan

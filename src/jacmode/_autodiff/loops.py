@@ -1,4 +1,4 @@
-"""Slow but sure engines for the fallbacks (see the note in ``_engines/fallback.py``).
+"""Slow but sure engines for the fallbacks (see the note in ``_autodiff/fallback.py``).
 
 * ``sample_loop``: per-sample parameter Jacobians with a Python loop over samples, each with vmap
   over chunks of output directions (for ``f`` that vmap cannot batch over samples).

@@ -1,6 +1,6 @@
 """Generic path: nested forward mode (``torch.func.jvp`` inside ``torch.func.jvp``) for any f.
 
-The mirror image of the Taylor fast path in ``_engines/taylor.py``: the same functions (``partial``,
+The mirror image of the Taylor fast path in ``_capture/taylor.py``: the same functions (``partial``,
 ``first``, ``pairs``, ``laplacian``) with the same shapes, for any callable ``fn`` mapping
 z (B, D) to (B, Y) instead of a known stack of layers.
 

@@ -1,6 +1,6 @@
 """Graph capture: trace a model once with ``torch.fx`` and keep its computation as a :class:`Program`.
 
-The Taylor engine (``_engines/taylor.py``) runs a Program with coefficients instead of plain
+The Taylor engine (``_capture/taylor.py``) runs a Program with coefficients instead of plain
 tensors; every operation the input flows through must have a rule (``_rules/table.py``).
 
 NOTE: [Capture]

@@ -31,7 +31,7 @@ input modified in place after the call is detected by its version counter (``Cal
 module that holds another tensor than the selected parameter when it runs (``functional_call``
 inside forward) by the hook itself, which raises NotCovered: the generic engine then runs.
 Parameters that a rule covers but the model also uses elsewhere (``x @ emb.weight.T``) are not
-visible to hooks; ``_engines/layerwise.py`` therefore checks completeness once per model and
+visible to hooks; ``_probes/layerwise.py`` therefore checks completeness once per model and
 signature. Hooks do not fire inside ``torch.func`` transforms: run this engine outside them.
 """
 

@@ -1,6 +1,6 @@
 """Reverse engine: pull chunks of cotangents back through ``fn`` with ``vmap(vjp)``.
 
-The mirror image of ``_engines/forward.py`` (see the note there): same signature, with the one forward
+The mirror image of ``_autodiff/forward.py`` (see the note there): same signature, with the one forward
 pass and its tape shared by all chunks. ``per_sample_rows`` adds the outer ``vmap`` over samples
 that parameter Jacobians need, since parameters are shared by all samples.
 

@@ -9,7 +9,7 @@ K[b1, b2, y1, y2] = J(x1)[b1, y1, :] . J(x2)[b2, y2, :], a sum over the P parame
   jvp over the whole second batch, giving a column block K[b1, :, y1, :] without forming J(x2).
   Costs one Jacobian and B1*Y jvps over B2 samples; wins when a forward pass costs little next to
   Y*P (wide outputs) and loses with weight sharing (convolutions: forward flops >> P).
-* structured: per layer (probed layers, see ``_engines/layerio.py``). For a Linear layer with
+* structured: per layer (probed layers, see ``_probes/layerio.py``). For a Linear layer with
   inputs A (B, I) and output cotangents G (Y, B, O) of both batches, the weight block is
   (G1 G2^T) * (A1 A2^T) elementwise and the bias block G1 G2^T: never a P-sized row, about
   B1*B2*(Y^2*O + I) multiply-adds per layer after one reverse pass of Y cotangents per batch.

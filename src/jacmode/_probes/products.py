@@ -2,7 +2,7 @@
 
 NOTE: [Products without the Jacobian]
 Per-sample gradients are J_b^T g_b with g_b = d loss_b / d f(x_b): for covered layers (see
-``_engines/layerio.py``) one forward pass and one reverse pass of sum_b loss_b give each layer's
+``_probes/layerio.py``) one forward pass and one reverse pass of sum_b loss_b give each layer's
 cotangent G (B, O) (samples are independent, so row b only depends on loss_b), and the weight
 gradient of sample b is G_b (x) a_b, written straight into its slice of the (B, P) result
 (Opacus's method). The parameters no rule covers get ``vmap(grad)`` of the per-sample loss over
@@ -32,7 +32,7 @@ from .._checks import check_hessians
 from .._errors import JacmodeWarning
 from .._rules.base import NotCovered
 from . import layerio, layerwise, probes
-from .reverse import recording
+from .._autodiff.reverse import recording
 
 Factor = tuple[Tensor, Optional[Tensor]]  # L (B, Y, K), signs (B, K) or None (all +1)
 

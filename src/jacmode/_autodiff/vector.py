@@ -10,7 +10,7 @@ function of those lists; the fronts (``_vector.py``) validate and restore the la
   vjp of g in direction v is J v (two reverse passes, no Jacobian).
 * vjp: reverse mode, one recorded forward; ``vjp_fn`` replays the backward with ``retain_graph``.
   Per-sample products over parameters, u_b^T J_b (B, P), are per-sample gradients of the linear
-  loss u . f(x): the probe engine's rows (``_engines/layerio.py``: one reverse pass of u gives
+  loss u . f(x): the probe engine's rows (``_probes/layerio.py``: one reverse pass of u gives
   each covered layer's cotangents, sample b's weight row is G_b (x) a_b), the others by
   ``vmap(grad)``, as ``per_sample_grads`` does.
 * hvp: reverse over reverse (the gradient of g . v, g the gradient recorded with its graph; the
@@ -34,8 +34,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from .._rules.base import NotCovered
-from . import layerio, layerwise, probes
-from . import products as _products
+from .._probes import layerio, layerwise, probes
+from .._probes import products as _products
 
 Fn = Callable[[list[Tensor]], tuple[list[Tensor], Any]]  # leaves -> (output leaves, extra)
 

@@ -1,7 +1,7 @@
 """A captured computation (:class:`Program`), how it runs, and the check of it against ``f``.
 
-``_engines/capture.py`` builds a Program from the torch.fx graph of a model; the Taylor engine
-(``_engines/taylor.py``) runs it with coefficients. Before a Program serves inputs of a new shape,
+``_capture/capture.py`` builds a Program from the torch.fx graph of a model; the Taylor engine
+(``_capture/taylor.py``) runs it with coefficients. Before a Program serves inputs of a new shape,
 :func:`check` runs it on three samples and compares its value with ``f`` itself (see the note in
 ``capture.py``).
 """

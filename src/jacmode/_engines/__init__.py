@@ -1,1 +1,0 @@
-"""Engines: forward and reverse (mirror images), Taylor mode, nested modes, layer-wise probes for parameters, loops, fallbacks."""
