@@ -130,8 +130,17 @@ def jacobian(
     computed without the off-diagonal zeros (D tangents or Y cotangents in all, not B*D or B*Y).
 
     Args:
-        f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out).
-        x: the input, shape (B, *in); one point of any shape when ``batched=False``.
+        f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out); or any
+            ``f(*args)`` returning a tensor or a pytree of tensors (docs/torchfunc.md).
+        *args: x, the input, shape (B, *in) (one point of any shape when ``batched=False``); or
+            all of f's positional arguments, tensors or pytrees of tensors.
+        argnums: which positional arguments are differentiated (an int or a tuple, torch.func's
+            convention; default 0). A tuple gives a tuple of Jacobians per output leaf.
+        in_dims: how the other tensors are passed: 0 (batched along dim 0 with the samples,
+            vmap's default) or None (broadcast); for all, per positional argument (a tuple), or
+            by name or position (a dict).
+        kwargs: keyword arguments for f, passed through (tensors treated as ``in_dims`` says).
+        has_aux: f returns ``(output, aux)``; the result is then ``(jacobian, aux)``.
         wrt: "inputs" (d out / d x), "params" (d out / d every trainable parameter of the module
             ``f``), or a list of parameter names (a subset; the others are held constant), or a
             dict name -> tensor: the module evaluated at those values, as ``functional_call``

@@ -300,7 +300,8 @@ def transform(op: Callable[..., Any], f: Any, *, compile: bool = False, **option
         f: the function or ``nn.Module`` to differentiate.
         compile: ask for a compiled engine; accepted and stored, runs eagerly with a
             ``JacmodeWarning`` in this build.
-        **options: the entry point's options, e.g. ``wrt="params"`` or ``dims=[(0,), (1, 1)]``.
+        options: the entry point's keyword options, e.g. ``wrt="params"``, ``argnums=(0, 1)`` or
+            ``dims=[(0,), (1, 1)]``.
 
     Returns:
         A :class:`Transformed`: ``t(x)`` returns what ``op(f, x, **options)`` returns.
