@@ -111,12 +111,29 @@ def test_per_call_data_goes_to_the_entry_point() -> None:
     assert k(X, X[:2]).shape == (5, 2, 3, 3)
 
 
-def test_compile_is_stored_and_runs_eagerly_with_a_warning() -> None:
+def test_compile_runs_the_generated_code_of_the_taylor_operators_compiled() -> None:
     f = _net()
-    with pytest.warns(jm.JacmodeWarning, match="compile=True.*eagerly"):
-        t = jm.transform(jm.laplacian, f, compile=True)
+    t = jm.transform(jm.laplacian, f, compile="aot_eager")  # a backend that needs no C++ compiler
+    assert t.compile == "aot_eager"
+    for _ in range(2):
+        torch.testing.assert_close(t(X), jm.laplacian(f, X), rtol=1e-12, atol=1e-12)
+    p = jm.transform(jm.partials, f, dims=[(0,), (1, 1)], compile="aot_eager", create_graph=True)
+    got, want = p(X), jm.partials(f, X, [(0,), (1, 1)], create_graph=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    params = list(f.parameters())[:-1]  # the last bias does not enter the derivatives
+    g1 = torch.autograd.grad(sum(r.sum() for r in got), params)
+    g2 = torch.autograd.grad(sum(r.sum() for r in want), params)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_compile_of_an_entry_point_without_generated_code_runs_eagerly_with_a_warning() -> None:
+    f = _net()
+    with pytest.warns(jm.JacmodeWarning, match="jacobian has no generated code.*runs eagerly"):
+        t = jm.jacfn(f, wrt="params", compile=True)
     assert t.compile
-    assert torch.equal(t(X), jm.laplacian(f, X))
+    assert torch.equal(t(X), jm.jacobian(f, X, wrt="params"))
 
 
 def test_bad_options_raise_at_creation_with_the_usual_errors() -> None:
@@ -145,7 +162,7 @@ def test_bad_options_raise_at_creation_with_the_usual_errors() -> None:
         jm.transform(torch.sin, f)
     with pytest.raises(TypeError, match="f: expected an nn.Module or a callable"):
         jm.jacfn(3)
-    with pytest.raises(TypeError, match="compile: expected True or False"):
+    with pytest.raises(TypeError, match="compile: expected True, False or a torch.compile backend"):
         jm.jacfn(f, compile="yes")
 
 

@@ -12,19 +12,22 @@ Each entry point registers a :class:`Spec` (how to validate its options without 
 it on a call); the entry points without a profiled path get a generic one that binds their
 options against their signature and calls them.
 
-The single place where ``compile=True`` plugs in is :meth:`Transformed._runner` (marked
-``COMPILE HOOK``): today it runs eagerly and says so with one ``JacmodeWarning`` per transform.
+``compile=True`` (or a backend name) plugs in at one place, :meth:`Transformed._runner`: the
+Taylor-mode operators then run inside ``_capture.codegen.generated(backend)``, which turns each
+captured program into straight-line code and compiles it (see that module's note); the other
+entry points run eagerly and say so with one ``JacmodeWarning`` per transform.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 
 from torch import Tensor, nn
 
@@ -59,6 +62,9 @@ class Spec:
 
 _SPECS: dict[Any, Spec] = {}
 _FRONT = ("argnums", "in_dims", "has_aux")
+# the entry points whose engine is Taylor mode over a captured program: compile=True runs their
+# generated code (_capture/codegen.py) through torch.compile
+_GENERATED = ("derivative", "partial", "partials", "hessian", "laplacian", "divergence", "operator", "biharmonic")
 _TOKENS: dict[Hashable, int] = {}
 _FRESH = itertools.count(1 << 40)
 
@@ -210,7 +216,7 @@ class Transformed:
         compile: whether ``compile=True`` was asked (see the note in ``_transform.py``).
     """
 
-    def __init__(self, spec: Spec, f: Any, options: dict[str, Any], compile: bool, strong: bool = True,
+    def __init__(self, spec: Spec, f: Any, options: dict[str, Any], compile: Union[bool, str], strong: bool = True,
                  op: Optional[Callable[..., Any]] = None) -> None:
         self._spec = spec
         self._op = op
@@ -234,14 +240,34 @@ class Transformed:
         run = self._spec.run
         if not self.compile:
             return run
-        # ---- COMPILE HOOK: the compile helper's ``compiled(fn, backend)`` plugs in here ----
-        warnings.warn(f"jacmode: transform({self.op}, ..., compile=True): compiling is not available in this "
-                      "build yet; the transform runs eagerly (same results).", JacmodeWarning,
-                      stacklevel=user_stacklevel())
-        return run
+        # ---- compile: the Taylor-mode operators run generated code, compiled (_capture/codegen.py) ----
+        if self.op not in _GENERATED:
+            warnings.warn(f"jacmode: transform({self.op}, ..., compile={self.compile!r}): {self.op} has no generated "
+                          "code in this build (only the Taylor-mode operators: "
+                          f"{', '.join(_GENERATED)}); it runs eagerly, with the same results.", JacmodeWarning,
+                          stacklevel=user_stacklevel())
+            return run
+        from ._capture import codegen
+
+        backend = "inductor" if self.compile is True else str(self.compile)
+
+        def compiled_run(t: "Transformed", f: Any, x: Tensor, data: dict[str, Any]) -> Any:
+            with codegen.generated(backend):
+                return run(t, f, x, data)
+
+        self._backend = backend
+        return compiled_run
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.call(self._f, args, kwargs)
+
+    def _generated(self) -> ContextManager[None]:
+        backend = getattr(self, "_backend", None)
+        if backend is None:
+            return contextlib.nullcontext()
+        from ._capture import codegen
+
+        return codegen.generated(backend)
 
     def call(self, f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the entry point on ``f`` (the eager wrappers pass f, which they hold weakly)."""
@@ -265,8 +291,9 @@ class Transformed:
             if self._op is None:  # pragma: no cover -- every transform is made with its entry point
                 raise TypeError(f"{self.op}: several arguments need the entry point; use jm.transform(op, f, ...).")
             pos = args if not spec.positional else args[:1]
-            return self._op(f, *pos, **({"kwargs": kwargs} if kwargs else {}), **self._front, **self.options,
-                            **data)
+            with self._generated():
+                return self._op(f, *pos, **({"kwargs": kwargs} if kwargs else {}), **self._front, **self.options,
+                                **data)
         return self._run(self, f, args[0], data)
 
     def __repr__(self) -> str:
@@ -283,7 +310,7 @@ def _bind(op: str, spec: Spec, state: Any, f: Any, kwargs: dict[str, Any]) -> An
     return functools.partial(f, **kwargs)
 
 
-def transform(op: Callable[..., Any], f: Any, *, compile: bool = False, **options: Any) -> Transformed:
+def transform(op: Callable[..., Any], f: Any, *, compile: Union[bool, str] = False, **options: Any) -> Transformed:
     """Bind a jacmode entry point and its options to ``f``; the result is called with f's input.
 
     The options are the entry point's keyword options, validated here once (positional
@@ -298,8 +325,12 @@ def transform(op: Callable[..., Any], f: Any, *, compile: bool = False, **option
         op: one of jacmode's entry points (``jm.jacobian``, ``jm.partials``, ``jm.laplacian``,
             ``jm.per_sample_grads``, ...).
         f: the function or ``nn.Module`` to differentiate.
-        compile: ask for a compiled engine; accepted and stored, runs eagerly with a
-            ``JacmodeWarning`` in this build.
+        compile: True (Inductor) or a ``torch.compile`` backend name: the Taylor-mode operators
+            (derivative, partial(s), hessian, laplacian, divergence, operator, biharmonic) run
+            their generated code compiled (the first call per input signature compiles: seconds
+            with Inductor); shapes or dtypes that change compile again, and a compilation that fails
+            falls back to the uncompiled code with a ``JacmodeWarning``. Other entry points run
+            eagerly, with a ``JacmodeWarning`` when the transform is made.
         options: the entry point's keyword options, e.g. ``wrt="params"``, ``argnums=(0, 1)`` or
             ``dims=[(0,), (1, 1)]``.
 
@@ -320,15 +351,16 @@ def transform(op: Callable[..., Any], f: Any, *, compile: bool = False, **option
         torch.Size([4, 2])
     """
     spec = _spec(op)
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile: expected True or False, got {type(compile).__name__} ({compile!r}).")
+    if not isinstance(compile, (bool, str)) or compile in ("", "yes", "no", "true", "false"):
+        raise TypeError(f"compile: expected True, False or a torch.compile backend name such as 'inductor' or "
+                        f"'aot_eager', got {type(compile).__name__} ({compile!r}).")
     from ._checks import check_function
 
     check_function(f)
     return Transformed(spec, f, options, compile, op=op)
 
 
-def jacfn(f: Any, *, compile: bool = False, **options: Any) -> Transformed:
+def jacfn(f: Any, *, compile: Union[bool, str] = False, **options: Any) -> Transformed:
     """``transform(jacobian, f, **options)``: the per-sample Jacobian of f as a function of x.
 
     Example:
