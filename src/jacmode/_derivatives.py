@@ -18,8 +18,8 @@ from ._args import Argnums, InDims
 from ._cache import WeakCache
 from ._checks import Options
 from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
+from . import _operands
 from ._operands import (
-    DEFAULT_PASS_BYTES,
     SUM_PASS_BYTES,
     Target,
     check_dims,
@@ -514,7 +514,7 @@ def _hessian_rows(t: Target, x: Tensor, opts: Options) -> Tensor:
     """The Hessian as D rows per output (``_autodiff/nested.rows``), the rows chunked as the pairs are."""
     n, n_out = math.prod(t.in_shape), math.prod(t.out_shape)
     # a row carries Y gradients (one per output) through the pass: Y times a pair's widest tensor
-    chunks, width = direction_chunks(t, n, opts.chunk_size, DEFAULT_PASS_BYTES // max(n_out, 1))
+    chunks, width = direction_chunks(t, n, opts.chunk_size, _operands.DEFAULT_PASS_BYTES // max(n_out, 1))
     def block(c: range) -> Tensor:
         return t.over_samples(width, (len(c), n), lambda z, s: t.run("rows", z, list(c), scale=s))
 
