@@ -24,7 +24,7 @@ from conftest import Opaque
 from _zoo_models import CubeNoJvp
 
 DT = torch.float64
-ENGINES = {"pairs": 1e30, "rows": 0.0}
+ENGINES = {"pairs": 1e30, "rows": 0.0}  # ROW_COST, which scales both rules
 
 
 @pytest.fixture(params=sorted(ENGINES))
@@ -68,6 +68,9 @@ def test_the_rule_keeps_the_pairs_for_small_inputs_and_takes_the_rows_for_wide_o
     assert _derivatives.by_rows(4, 1) and _derivatives.by_rows(100, 1)
     assert not _derivatives.by_rows(8, 4) and _derivatives.by_rows(16, 4)
     assert not _derivatives.by_rows(100, 64)  # many outputs: the pairs give all outputs at once
+    # the generic engine's pairs (nested jvps) cost more than Taylor mode's: the rows sooner
+    assert _derivatives.by_rows(1, 1, captured=False) and _derivatives.by_rows(3, 1, captured=False)
+    assert not _derivatives.by_rows(2, 4, captured=False) and _derivatives.by_rows(3, 4, captured=False)
 
 
 @settings(max_examples=12, deadline=None)

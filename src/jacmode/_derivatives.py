@@ -417,9 +417,9 @@ def hessian(
     """Per-sample Hessian of every output with respect to the sample's input.
 
     Computes the D (D + 1) / 2 distinct second derivatives (Taylor mode or nested forward mode,
-    vectorised over the pairs) and mirrors them for small D; for wider inputs (D > 2 Y + 1, see the
-    note [Rows or pairs]) the D rows per output by forward over reverse (a jvp of per-sample
-    gradients, vectorised over the D directions).
+    vectorised over the pairs) and mirrors them for small D; for wider inputs (D > 2 Y + 1 with
+    Taylor mode, sooner for other f, see the note [Rows or pairs]) the D rows per output by forward
+    over reverse (a jvp of per-sample gradients, vectorised over the D directions).
 
     Args:
         f: maps x of shape (B, D) (or (B, *in)) to (B, *out); or any f(*args).
@@ -477,7 +477,7 @@ def _hessian(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: An
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     def body(t: Target) -> Tensor:
         n = math.prod(t.in_shape)
-        if by_rows(n, math.prod(t.out_shape)):
+        if by_rows(n, math.prod(t.out_shape), t.program is not None):
             return _hessian_rows(t, x, opts)
         ii, jj = torch.triu_indices(n, n).tolist()
         chunks, width = direction_chunks(t, len(ii), opts.chunk_size)
@@ -501,13 +501,20 @@ def _hessian(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: An
 # B = 1024, float32, Taylor pairs over the captured program): for Y = 1 the rows win from D = 4
 # (D = 3: 9 ms pairs, 21 ms rows; D = 4: 31 against 9; D = 32: 979 against 46), for Y = 4 from
 # D = 8 to 16 (D = 8: 55 against 50; D = 16: 268 against 51). ROW_COST = 1 puts the switch at
-# D > 2 Y + 1. Small D (the PINN's 2 or 3 coordinates) keeps the pairs, whose passes are cheaper.
+# D > 2 Y + 1: small D (the PINN's 2 or 3 coordinates) keeps the Taylor pairs, whose passes are
+# cheaper. The generic engine's pairs are nested jvps, dearer than Taylor's (D = 2: 24 ms, rows
+# 9 ms; D = 32: 5.2 s against 42 ms; Y = 4, D = 2: 15 against 16, D = 3: 22 against 20, with
+# --opaque): a row costs GENERIC_ROW_FACTOR = 0.3 times as many of those pairs, the rows from
+# D = 1 for Y = 1 and from D = 3 for Y = 4.
 ROW_COST = 1.0
+GENERIC_ROW_FACTOR = 0.3
 
 
-def by_rows(n: int, n_out: int) -> bool:
-    """Whether the Hessian of n inputs and n_out outputs is cheaper as forward-over-reverse rows."""
-    return n * (n_out + 1) * ROW_COST < n * (n + 1) / 2
+def by_rows(n: int, n_out: int, captured: bool = True) -> bool:
+    """Whether the Hessian of n inputs and n_out outputs is cheaper as forward-over-reverse rows
+    (``captured``: against Taylor mode's pairs, else against nested forward mode's)."""
+    cost = ROW_COST * (1.0 if captured else GENERIC_ROW_FACTOR)
+    return n * (n_out + 1) * cost < n * (n + 1) / 2
 
 
 def _hessian_rows(t: Target, x: Tensor, opts: Options) -> Tensor:
