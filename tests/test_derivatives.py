@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import jacmode as jm
-from jacmode import _problem
+from jacmode import _derivatives, _problem
+from jacmode._autodiff import nested as _nested
 from jacmode._capture import taylor as _taylor
 from conftest import Opaque, assert_unchanged, snapshot
 
@@ -415,5 +416,12 @@ def test_default_passes_stay_within_the_memory_budget(monkeypatch: pytest.Monkey
     original = _taylor.pairs
     monkeypatch.setattr(_taylor, "pairs", lambda *a: calls.append(len(a[3])) or original(*a))
     monkeypatch.setattr(_operands, "DEFAULT_PASS_BYTES", 3 * 16 * 8 * 8)  # three pairs of width 8
+    monkeypatch.setattr(_derivatives, "ROW_COST", 1e30)  # the pairs (D = 4 would take the rows)
     torch.testing.assert_close(jm.hessian(net, x), expected)
     assert calls == [3, 3, 3, 1]
+    # the rows (forward over reverse, see [Rows or pairs]): three rows of width 8 per pass, as well
+    rows, original_rows = [], _nested.rows
+    monkeypatch.setattr(_nested, "rows", lambda *a: rows.append(len(a[2])) or original_rows(*a))
+    monkeypatch.setattr(_derivatives, "ROW_COST", 0.0)
+    torch.testing.assert_close(jm.hessian(net, x), expected)
+    assert rows == [3, 1]

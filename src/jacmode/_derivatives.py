@@ -18,6 +18,7 @@ from ._args import Argnums, InDims
 from ._cache import WeakCache
 from ._checks import Options
 from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
+from . import _operands
 from ._operands import (
     SUM_PASS_BYTES,
     Target,
@@ -416,7 +417,9 @@ def hessian(
     """Per-sample Hessian of every output with respect to the sample's input.
 
     Computes the D (D + 1) / 2 distinct second derivatives (Taylor mode or nested forward mode,
-    vectorised over the pairs) and mirrors them.
+    vectorised over the pairs) and mirrors them for small D; for wider inputs (D > 2 Y + 1 with
+    Taylor mode, sooner for other f, see the note [Rows or pairs]) the D rows per output by forward
+    over reverse (a jvp of per-sample gradients, vectorised over the D directions).
 
     Args:
         f: maps x of shape (B, D) (or (B, *in)) to (B, *out); or any f(*args).
@@ -431,7 +434,7 @@ def hessian(
             "coupled" differentiates each sample with the others held fixed (B times the work);
             "sparse": x is one point and f scalar, the (N, N) sparse CSR Hessian from one
             Hessian-vector product per star colour (see :func:`jacmode.sparse_hessian`).
-        chunk_size: width of one vectorised pass (see the note in ``_operands.py``).
+        chunk_size: width of one vectorised pass, in pairs or rows (see the note in ``_operands.py``).
         create_graph: keep the result differentiable with respect to parameters and input;
             always so inside torch.func transforms.
 
@@ -474,6 +477,8 @@ def _hessian(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: An
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     def body(t: Target) -> Tensor:
         n = math.prod(t.in_shape)
+        if by_rows(n, math.prod(t.out_shape), t.program is not None):
+            return _hessian_rows(t, x, opts)
         ii, jj = torch.triu_indices(n, n).tolist()
         chunks, width = direction_chunks(t, len(ii), opts.chunk_size)
         pairs = [(ii[c.start : c.stop], jj[c.start : c.stop]) for c in chunks]
@@ -486,6 +491,45 @@ def _hessian(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: An
         return full.reshape(x.shape[0], *t.out_shape, *t.in_shape, *t.in_shape)
 
     return evaluate(f, x, opts, body)
+
+
+# NOTE: [Rows or pairs]
+# The pairs (Taylor mode, or nested forward mode) push D (D + 1) / 2 second-order directions and
+# get all Y outputs from each; forward over reverse pushes D directions, each through Y gradients
+# (one vjp per output) and a jvp of them. In units of one pair, a row costs about
+# ROW_COST * (Y + 1): measured with bench/hessian_engines.py (1 thread, tanh MLP D -> 64 -> 64 -> Y,
+# B = 1024, float32, Taylor pairs over the captured program): for Y = 1 the rows win from D = 4
+# (D = 3: 9 ms pairs, 21 ms rows; D = 4: 31 against 9; D = 32: 979 against 46), for Y = 4 from
+# D = 8 to 16 (D = 8: 55 against 50; D = 16: 268 against 51). ROW_COST = 1 puts the switch at
+# D > 2 Y + 1: small D (the PINN's 2 or 3 coordinates) keeps the Taylor pairs, whose passes are
+# cheaper. The generic engine's pairs are nested jvps, dearer than Taylor's (D = 2: 24 ms, rows
+# 9 ms; D = 32: 5.2 s against 42 ms; Y = 4, D = 2: 15 against 16, D = 3: 22 against 20, with
+# --opaque): a row costs GENERIC_ROW_FACTOR = 0.3 times as many of those pairs, the rows from
+# D = 1 for Y = 1 and from D = 3 for Y = 4.
+ROW_COST = 1.0
+GENERIC_ROW_FACTOR = 0.3
+
+
+def by_rows(n: int, n_out: int, captured: bool = True) -> bool:
+    """Whether the Hessian of n inputs and n_out outputs is cheaper as forward-over-reverse rows
+    (``captured``: against Taylor mode's pairs, else against nested forward mode's)."""
+    cost = ROW_COST * (1.0 if captured else GENERIC_ROW_FACTOR)
+    return n * (n_out + 1) * cost < n * (n + 1) / 2
+
+
+def _hessian_rows(t: Target, x: Tensor, opts: Options) -> Tensor:
+    """The Hessian as D rows per output (``_autodiff/nested.rows``), the rows chunked as the pairs are."""
+    n, n_out = math.prod(t.in_shape), math.prod(t.out_shape)
+    # a row carries Y gradients (one per output) through the pass: Y times a pair's widest tensor
+    chunks, width = direction_chunks(t, n, opts.chunk_size, _operands.DEFAULT_PASS_BYTES // max(n_out, 1))
+    def block(c: range) -> Tensor:
+        return t.over_samples(width, (len(c), n), lambda z, s: t.run("rows", z, list(c), scale=s))
+
+    blocks = [block(c) for c in chunks]
+    rows = torch.cat(blocks) if blocks else t.z.new_zeros(0, n, x.shape[0], n_out)  # (D, D, B, Y)
+    full = rows.permute(2, 3, 0, 1)  # (B, Y, D, D)
+    full = (full + full.transpose(-1, -2)) / 2  # exactly symmetric, as the pairs are
+    return full.reshape(x.shape[0], *t.out_shape, *t.in_shape, *t.in_shape)
 
 
 def laplacian(

@@ -13,8 +13,9 @@ ones with inputs of that shape, to the generic path (:func:`evaluate`).
 
 NOTE: [Chunks of the derivative operators]
 ``chunk_size`` bounds the width of one vectorised pass, as in :func:`jacmode.jacobian`. laplacian
-and divergence vectorise the D coordinate directions, hessian the D (D + 1) / 2 pairs of them, so
-there it counts directions (pairs); derivative and partial push a single direction shared by all
+and divergence vectorise the D coordinate directions, hessian the D (D + 1) / 2 pairs of them, or
+for wide inputs its D rows (forward over reverse, see _derivatives.py), so there it counts
+directions (pairs or rows); derivative and partial push a single direction shared by all
 samples, so there it counts samples. With ``structure="coupled"`` every sample needs tangents of its
 own (vmapped over samples, B times the work), and chunk_size counts samples x directions.
 By default a pass carries as many directions as keep its widest tensor under
@@ -60,6 +61,7 @@ Fn = Callable[[Tensor], Tensor]
 DEFAULT_PASS_BYTES = 256 * 2**20
 SUM_PASS_BYTES = 16 * 2**20  # see the note on chunks
 _NO_FORWARD_AD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions that need reverse mode
+_GENERIC_ONLY = frozenset({"rows"})  # engine functions that Taylor mode does not have (forward over reverse)
 
 
 def missing_derivative(err: BaseException, markers: tuple[str, ...], what: str, fix: str) -> Optional[ValueError]:
@@ -103,21 +105,25 @@ class Target:
             self.fn, self.program = saved
 
     def run(self, name: str, z: Tensor, *args: Any, scale: Optional[Tensor] = None) -> Tensor:
-        if self.program is not None:  # generated code where it applies (_capture/codegen.py)
-            return _codegen.run(name, self.program, z, self.in_shape, *args)
+        fn = self.fn
+        if self.program is not None:
+            if name not in _GENERIC_ONLY:  # generated code where it applies (_capture/codegen.py)
+                return _codegen.run(name, self.program, z, self.in_shape, *args)
+            # a program's f is pure and keeps samples apart (its rules say so): torch.func over f itself
+            fn = _flat_fn(self.fn, self.in_shape, math.prod(self.out_shape))
         engine = getattr(_nested, name)
         # torch's own formulas of some ops are wrong above first order (_rules/decompositions.py)
         with decompositions.exact(decompositions.wanted(_order(name, args))):
             if self.key not in _NO_FORWARD_AD:
                 try:
-                    return engine(self.fn, z, *args, scale)
+                    return engine(fn, z, *args, scale)
                 except NotImplementedError as err:  # an op without a forward-mode rule: see _nested
                     if "forward" not in str(err).lower() and "jvp" not in str(err).lower():
                         raise
                     with contextlib.suppress(TypeError):
                         _NO_FORWARD_AD.add(self.key)
             try:
-                return engine(self.fn, z, *args, scale, reverse=True)
+                return engine(fn, z, *args, scale, reverse=True)
             except (NotImplementedError, RuntimeError) as err:  # no derivative of this order in torch
                 clear = missing_derivative(
                     err, ("not implemented", "not supported"),

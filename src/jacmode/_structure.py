@@ -25,7 +25,7 @@ so that the allocator re-uses their memory from chunk to chunk.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -71,6 +71,22 @@ class _Result:
     def keep(self, block: Tensor) -> None:
         self.value = block
 
+    def put(self, key: Any, block: Tensor, view: Optional[tuple[int, ...]] = None) -> None:
+        """``target()[key] = block`` (``target().view(view)[key]`` when ``view`` is given).
+
+        Inside a torch.func transform (a user's vmap over calls of jacmode) the block may be batched
+        by that transform while the result, allocated from the unbatched parameters, is not; an
+        in-place write of the one into the other is refused by vmap, so there the block goes in
+        out of place (``index_put`` over the flat positions of ``key``), which vmap batches.
+        """
+        t = self.target()
+        if not in_transform() or self.out is not None:
+            (t if view is None else t.view(view))[key] = block
+            return
+        where = torch.arange(t.numel(), device=t.device).view(t.shape if view is None else view)[key]
+        flat = t.reshape(-1).index_put((where.reshape(-1),), block.expand(where.shape).reshape(-1))
+        self.value = flat.view(t.shape)
+
 
 def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
     """Run the plan's strategy and return the flat result (see module docstring)."""
@@ -97,7 +113,7 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
 
         def place_rows(b0: int, b1: int, y0: int, y1: int, blk: Tensor) -> None:
             if not (b0 == 0 and b1 == B and y0 == 0 and y1 == Y and res.whole(blk)):
-                res.target()[b0:b1, y0:y1] = blk
+                res.put((slice(b0, b1), slice(y0, y1)), blk)
 
         assert p.sample_fn is not None and plan.sample_chunk is not None
         per_sample_rows(p.sample_fn, z, p.x, Y, place_rows, plan.sample_chunk, step, rng)
@@ -158,7 +174,7 @@ def _broadcast_forward(p: Problem, res: _Result, n: int) -> Layout:
     def place(s: int, e: int, blk: Tensor) -> None:
         blk = blk.permute(1, 2, 0)
         if not (s == 0 and e == n and res.whole(blk)):
-            res.target()[:, :, s:e] = blk
+            res.put((slice(None), slice(None), slice(s, e)), blk)
 
     return seeds, place
 
@@ -171,7 +187,7 @@ def _broadcast_reverse(p: Problem, res: _Result, n: int) -> Layout:
     def place(s: int, e: int, blk: Tensor) -> None:
         blk = blk.transpose(0, 1)
         if not (s == 0 and e == n and res.whole(blk)):
-            res.target()[:, s:e] = blk
+            res.put((slice(None), slice(s, e)), blk)
 
     return seeds, place
 
@@ -184,7 +200,7 @@ def _whole_batch_forward(p: Problem, res: _Result, n: int) -> Layout:
     def place(s: int, e: int, blk: Tensor) -> None:
         j = torch.arange(s, e, device=blk.device)
         b, d = j // p.n_in, j % p.n_in
-        res.target()[b, :, d] = blk[torch.arange(e - s, device=blk.device), b]
+        res.put((b, slice(None), d), blk[torch.arange(e - s, device=blk.device), b])
 
     return seeds, place
 
@@ -198,9 +214,9 @@ def _whole_batch_reverse(p: Problem, res: _Result, n: int) -> Layout:
         j = torch.arange(s, e, device=blk.device)
         b, y = j // p.n_out, j % p.n_out
         if p.kind == "params":  # parameters are shared: the product is the whole row
-            res.target().view(-1, p.n_in)[s:e] = blk
+            res.put(slice(s, e), blk, view=(-1, p.n_in))
         else:
-            res.target()[b, y] = blk[torch.arange(e - s, device=blk.device), b]
+            res.put((b, y), blk[torch.arange(e - s, device=blk.device), b])
 
     return seeds, place
 
@@ -213,7 +229,7 @@ def _params_forward(p: Problem, res: _Result, n: int) -> Layout:
     def place(s: int, e: int, blk: Tensor) -> None:
         blk = blk.permute(1, 2, 0) if p.batched else blk.transpose(0, 1)
         if not (s == 0 and e == n and res.whole(blk)):
-            res.target()[..., s:e] = blk
+            res.put((Ellipsis, slice(s, e)), blk)
 
     return seeds, place
 
@@ -225,7 +241,7 @@ def _full_forward(p: Problem, res: _Result, n: int) -> Layout:
     def place(s: int, e: int, blk: Tensor) -> None:
         blk = blk.transpose(0, 1)
         if not (s == 0 and e == n and res.whole(blk)):
-            res.target()[:, s:e] = blk
+            res.put((slice(None), slice(s, e)), blk)
 
     return seeds, place
 
@@ -236,7 +252,7 @@ def _full_reverse(p: Problem, res: _Result, n: int) -> Layout:
 
     def place(s: int, e: int, blk: Tensor) -> None:
         if not (s == 0 and e == n and res.whole(blk)):
-            res.target()[s:e] = blk
+            res.put(slice(s, e), blk)
 
     return seeds, place
 

@@ -25,10 +25,6 @@ class Known:
 
 
 KNOWN: list[Known] = [
-    Known("NEW", "jacobian(wrt='params') under vmap with a chunk_size: the chunked fallback ends in autograd.grad "
-          "loops inside vmap, a raw 'does not require grad' or 'no engine could run f' (also on main; surfaced when "
-          "the grammar drew call forms)",
-          lambda c: c.entry == "jacobian_params" and c.convention == "vmap" and c.options.get("chunk_size") is not None),
 ]
 
 

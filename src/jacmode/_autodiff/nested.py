@@ -97,3 +97,35 @@ def laplacian(fn: Fn, z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = 
               reverse: bool = False) -> Tensor:
     """Sum over d in ``dims`` of d^2 f / dx_d^2: (B, Y)."""
     return pairs(fn, z, dims, dims, scale, reverse).sum(0)
+
+
+def rows(fn: Fn, z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = None,
+         reverse: bool = False) -> Tensor:
+    """Rows d (for d in ``dims``) of every output's per-sample Hessian, forward over reverse:
+    (k, D, B, Y), entry [i, e, b, y] = d^2 f_y / dx_(dims[i]) dx_e at sample b.
+
+    One vjp per output with the cotangent e_y on every sample gives each sample's gradient of f_y
+    (the gradient of the sum over independent samples; with ``scale`` the cotangent sits on one
+    sample only, so coupled samples get their own block); a jvp of those gradients along e_d gives
+    row d. ``reverse``: a second vjp with the cotangent e_d per output instead of the jvp, for
+    operations without a forward-mode rule.
+    """
+    def grads(y: Tensor) -> Tensor:  # (Y, B, D)
+        out, pull = vjp(fn, y)[:2]
+        cot = tangents(out, range(out.shape[-1]), scale)  # (Y, B, Y)
+        return vmap(lambda c: pull(c)[0])(cot)
+
+    k, (batch, n) = len(dims), z.shape
+    if not reverse:
+        r = vmap(lambda u: jvp(grads, (z,), (u,))[1], randomness="same")(tangents(z, dims, scale))
+        return r.permute(0, 3, 2, 1)  # (k, Y, B, D) -> (k, D, B, Y)
+    g, pull2 = vjp(grads, z)[:2]
+    n_out = g.shape[0]
+    cot = z.new_zeros(k, n_out, n_out, 1, n)
+    ks, ys = torch.meshgrid(torch.arange(k), torch.arange(n_out), indexing="ij")
+    cot[ks, ys, ys, 0, torch.as_tensor(list(dims), dtype=torch.long)[ks]] = 1
+    cot = cot.expand(k, n_out, n_out, batch, n)
+    if scale is not None:
+        cot = cot * scale
+    r = vmap(lambda c: pull2(c)[0])(cot.reshape(k * n_out, n_out, batch, n))  # (k Y, B, D)
+    return r.reshape(k, n_out, batch, n).permute(0, 3, 2, 1)
