@@ -174,3 +174,17 @@ def test_input_jvp_and_vjp_leave_batchnorm_running_statistics(spelling: str) -> 
     torch.testing.assert_close(jv, torch.func.jvp(g, (x,), (v,))[1], rtol=1e-12, atol=1e-12)
     xl = x.clone().requires_grad_(True)
     torch.testing.assert_close(gx, torch.autograd.grad(g(xl).sum(), xl)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_forward_over_reverse_hvp_of_torchs_mse_loss() -> None:
+    """torch's forward formula of mse_loss_backward writes into a ZeroTensor (torch.func.jvp(grad(...))
+    raises 'ZeroTensors are immutable' too): hvp(mode="forward") now takes reverse over reverse there."""
+    torch.manual_seed(0)
+    net = nn.Linear(1, 1).double()
+    x, y = torch.randn(3, 1, dtype=torch.float64), torch.randn(3, 1, dtype=torch.float64)
+    v = torch.randn(2, dtype=torch.float64)
+    want = jm.hvp(net, x, v, wrt="params", loss=nn.MSELoss(), y=y, mode="reverse")
+    torch.testing.assert_close(jm.hvp(net, x, v, wrt="params", loss=nn.MSELoss(), y=y, mode="forward"), want,
+                               rtol=1e-12, atol=1e-12)
+    w = torch.cat([x, torch.ones_like(x)], 1)  # L = mean((w @ theta - y)^2): H = 2 w^T w / B
+    torch.testing.assert_close(want, 2 * w.T @ w @ v / 3, rtol=1e-12, atol=1e-12)
