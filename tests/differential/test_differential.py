@@ -73,7 +73,7 @@ def test_every_drawn_call_form_is_exact_or_a_clear_error(case: G.Case) -> None:
     judge(case)
 
 
-VECTOR_EXAMPLES = int(os.environ.get("JACMODE_DIFF_VECTOR_EXAMPLES", str(max(50, CI_EXAMPLES // 5))))
+VECTOR_EXAMPLES = int(os.environ.get("JACMODE_DIFF_VECTOR_EXAMPLES", str(max(100, int(CI_EXAMPLES // 2.5)))))
 
 
 @settings(max_examples=VECTOR_EXAMPLES, derandomize=True, **RELAXED)
