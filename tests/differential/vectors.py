@@ -102,7 +102,7 @@ def expected_error(case: G.Case) -> Optional[str]:
         return None
     if case.entry in ("hvp", "ggn_v", "jacobian_dict", "psg_dict", "jacobian_functional"):
         return "coupled samples"
-    if case.entry in ("vjp_params",) and case.options["per_sample"]:
+    if case.entry in ("vjp_params", "linearize_params") and case.options["per_sample"]:
         return "coupled samples"
     return None
 
