@@ -37,7 +37,8 @@ KNOWN: list[Known] = [
     Known("NEW", "EmbeddingBag parameters: torch has no forward formula for _embedding_bag and no derivative of "
           "_embedding_bag_backward, so J v over them (jvp wrt=params, ggn(v=), linearize(wrt=params)) and hvp wrt=params "
           "end in torch's raw NotImplementedError (torch.func cannot either; jm.jacobian / jm.ggn without v work)",
-          lambda c: c.head == "embeddingbag" and c.entry in ("jvp_params", "ggn_v", "linearize_params", "hvp_params")),
+          lambda c: c.head == "embeddingbag" and c.entry in ("jvp_params", "ggn_v", "linearize_params", "hvp_params")
+          and c.convention != "inference_mode" and c.options.get("mode") != "forward" and not c.coupled),
 ]
 
 
