@@ -34,6 +34,7 @@ from . import _checks, _losses
 from ._coupling import probe
 from ._autodiff import vector as _eng
 from ._problem import _has_random_layers
+from ._rules.embedding import forward_gap
 from ._state import preserved_state
 from ._transforms import in_transform
 
@@ -286,6 +287,7 @@ def jvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         torch.Size([5, 2])
     """
     _checks.check_function(f)
+    _check_grad_mode("jvp")
     _check_flag(has_aux, "has_aux")
     _check_flag(create_graph, "create_graph")
     kw = _kwargs(kwargs)
@@ -296,8 +298,9 @@ def jvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
                      "tangents", "primals")
         if in_transform():
             return torch.func.jvp(lambda *a: f(*a, **kw), args, tuple(tree_unflatten(tans, spec)), has_aux=has_aux)
-        outs, jv, aux = _eng.jvp_any(flat, leaves if create_graph else [t.detach() for t in leaves],
-                                     tans if create_graph else [t.detach() for t in tans], create_graph)
+        with preserved_state(f):  # also a model behind a lambda: BatchNorm's running statistics stay
+            outs, jv, aux = _eng.jvp_any(flat, leaves if create_graph else [t.detach() for t in leaves],
+                                         tans if create_graph else [t.detach() for t in tans], create_graph)
     else:
         sel = params_of(f, wrt, tangents)
         args = _as_args(primals)
@@ -307,10 +310,27 @@ def jvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
             return torch.func.jvp(lambda *p: sel.call(list(p), args, kw), tuple(sel.values), tuple(tans),
                                   has_aux=has_aux)
         with preserved_state(f):
-            outs, jv, aux = _eng.jvp_any(flat, sel.primals(create_graph), tans, create_graph)
+            outs, jv, aux = _jvp_params(sel, flat, sel.primals(create_graph), tans, create_graph)
     assert flat.spec is not None
     res = (tree_unflatten(outs, flat.spec), tree_unflatten(jv, flat.spec))
     return (*res, aux) if has_aux else res
+
+
+def _jvp_params(sel: Params, flat: _Flat, primals: list[Tensor], tangents: list[Tensor],
+                create_graph: bool) -> tuple[list[Tensor], list[Tensor], Any]:
+    """J v over parameters: forward mode, or the reverse route where forward mode runs but is not exact
+    for a selected parameter (torch's forward formula of embedding ignores padding_idx)."""
+    if forward_gap(sel.model, sel.names) is not None:
+        return _eng.jvp_reverse(flat, primals, tangents, create_graph)
+    return _eng.jvp_any(flat, primals, tangents, create_graph)
+
+
+def _check_grad_mode(what: str) -> None:
+    """The vector products record autograd graphs (or dual tensors), which torch.inference_mode() turns off."""
+    if torch.is_inference_mode_enabled() and not in_transform():
+        raise ValueError(f"{what}: runs autograd (a recorded forward pass, dual tensors), which "
+                         "torch.inference_mode() switches off, so its products would be zeros or torch's errors. "
+                         "Call it outside inference_mode (torch.no_grad() is fine).")
 
 
 # ---- vjp --------------------------------------------------------------------------------------
@@ -355,6 +375,7 @@ def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool
         True
     """
     _checks.check_function(f)
+    _check_grad_mode("vjp")
     _check_flag(has_aux, "has_aux")
     _check_flag(create_graph, "create_graph")
     kw = _kwargs(kwargs)
@@ -367,7 +388,8 @@ def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool
         flat, leaves, spec = _inputs_flat(f, args, kw, has_aux)
         if in_transform():
             return torch.func.vjp(lambda *a: f(*a, **kw), *args, has_aux=has_aux)
-        rec = _eng.Recorded(flat, leaves, create_graph)
+        with preserved_state(f):  # as jvp: the model's buffers (BatchNorm's running statistics) stay
+            rec = _eng.Recorded(flat, leaves, create_graph)
         assert flat.spec is not None
         out_spec, outs = flat.spec, rec.outs
 
@@ -491,6 +513,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         True
     """
     _checks.check_function(f)
+    _check_grad_mode("hvp")
     _check_flag(create_graph, "create_graph")
     _check_flag(batched, "batched")
     if mode not in ROUTES:
@@ -574,6 +597,10 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
     args = _as_args(primals)
     vs = sel.vector(tangents, "tangents")
     total = _loss_of(loss, y, args)
+    gap = forward_gap(sel.model, sel.names)
+    if mode == "forward" and gap is not None:
+        raise ValueError(f"mode: 'forward' (forward over reverse) is not exact for {gap}. Use mode='auto' or "
+                         "'reverse'.")
 
     def scalar_m(ls: list[Tensor]) -> Tensor:
         return total(sel.call(ls, args, kw))
@@ -644,6 +671,7 @@ def ggn_vector(f: nn.Module, x: Any, loss: Any, y: Optional[Tensor], v: Any, wrt
     """G v = sum_b J_b^T H_b J_b v: one jvp, the loss Hessians, one vjp (see :func:`jacmode.ggn`)."""
     from ._products import bind, release
 
+    _check_grad_mode("ggn")
     kw = _kwargs(kwargs)
     sel = params_of(f, wrt, v)
     vs = sel.vector(v, "v")
@@ -666,7 +694,7 @@ def _ggn_vector(f: nn.Module, g: Any, xx: Tensor, loss: Any, y: Optional[Tensor]
             probe(g, xx, check=xx.shape[0] > 1, ways_out=PRODUCT_WAYS_OUT,
                   validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
         flat = _params_flat(sel, args, kw, False)
-        outs, jv, _ = _eng.jvp_any(flat, sel.primals(False), vs, False)
+        outs, jv, _ = _jvp_params(sel, flat, sel.primals(False), vs, False)
         if len(outs) != 1:
             raise TypeError("f: ggn needs a model with one tensor output.")
         hjv = output_hessian_times(loss, outs[0], jv[0], y)
@@ -752,6 +780,7 @@ def linearize(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", kwargs:
         torch.Size([5, 3])
     """
     _checks.check_function(f)
+    _check_grad_mode("linearize")
     _check_flag(create_graph, "create_graph")
     kw = _kwargs(kwargs)
     args = _as_args(primals)

@@ -8,6 +8,7 @@ result where an error is due (coupled samples, integer inputs differentiated).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -18,6 +19,7 @@ from typing import Any, Callable, Optional
 import grammar as G
 import oracles as O
 import torch
+import vectors as V
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -305,6 +307,8 @@ def reference(case: G.Case, f64: Callable[[Tensor], Tensor], net64: nn.Module, x
 
 
 def order(case: G.Case) -> int:
+    if case.entry in V.VECTOR_ENTRIES:
+        return V.order(case)
     o = case.options
     if case.entry == "derivative":
         return o["order"]
@@ -451,6 +455,8 @@ def compare(got: Any, want: Any, case: G.Case, net: nn.Module, what: str = "resu
         except AssertionError as err:
             return f"{what}: {err}"
         want = want.reshape(*lead, want.shape[-1])
+    if isinstance(got, str):
+        return f"{what}: {got}"
     if not isinstance(got, Tensor):
         return f"{what}: expected a tensor, got {type(got).__name__}"
     if tuple(got.shape) != tuple(want.shape):
@@ -471,6 +477,8 @@ def compare(got: Any, want: Any, case: G.Case, net: nn.Module, what: str = "resu
 
 def run_case(case: G.Case) -> Outcome:
     """Build the model, run jacmode and the oracle, and judge."""
+    if case.entry in V.VECTOR_ENTRIES:
+        return run_vector_case(case)
     gen = torch.Generator().manual_seed(case.seed)
     net = G.build(case).to(case.dtype)
     net64 = G.build(case, primitive=True)
@@ -500,6 +508,48 @@ def run_case(case: G.Case) -> Outcome:
         got, want = got[1:], want[1:]
     bad = compare(got, want, case, net)
     return Outcome("mismatch", bad) if bad else Outcome("match")
+
+
+def run_vector_case(case: G.Case) -> Outcome:
+    """A case of the vector products or functional parameters (vectors.py); also checks the model is
+    left as found (one parameter holds a .grad before the call)."""
+    gen = torch.Generator().manual_seed(case.seed)
+    net = G.build(case).to(case.dtype)
+    net64 = G.build(case, primitive=True)
+    x64 = G.make_input(case, gen)
+    params64 = effective_params(case, net64)
+    first = next(iter(net.parameters()), None)
+    if first is not None:
+        first.grad = torch.ones_like(first)
+    before = V.state_of(net)
+    owed = V.expected_error(case)
+    try:
+        thunk, want_of = V.run(case, net, net64, x64, gen, params64)
+        with _context(case):
+            got = thunk()
+    except Exception as err:  # noqa: BLE001 -- judged below
+        changed = V.state_changed(before, net)
+        why = clear_error(err)
+        if why is not None:
+            return Outcome("raw_error", f"{type(err).__name__}: {err} [{why}]\n{_where(err)}")
+        if changed:
+            return Outcome("state", f"{changed} (after a clear error: {str(err)[:120]})")
+        return Outcome("expected_error" if owed else "clear_error", f"{type(err).__name__}: {str(err)[:200]}")
+    changed = V.state_changed(before, net)
+    if changed:
+        return Outcome("state", changed)
+    if owed:
+        return Outcome("no_error", f"expected an error ({owed}), got a result")
+    bad = compare(got, want_of(), case, net)
+    return Outcome("mismatch", bad) if bad else Outcome("match")
+
+
+def _context(case: G.Case) -> Any:
+    if case.convention == "no_grad":
+        return torch.no_grad()
+    if case.convention == "inference_mode":
+        return torch.inference_mode()
+    return contextlib.nullcontext()
 
 
 def _where(err: BaseException) -> str:

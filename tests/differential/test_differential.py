@@ -23,8 +23,10 @@ import oracles as O
 import pytest
 import runner as R
 import torch
+import vectors as V
 from conftest import DIFFERENTIAL
 from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 from tally import Tally
 from torch import nn
 from torch.func import jacfwd, jacrev
@@ -48,7 +50,7 @@ def _tally(request: pytest.FixtureRequest) -> Any:
 
 
 def judge(case: G.Case, raise_on_failure: bool = True) -> None:
-    assume(R.valid(case))
+    assume(R.valid(case) and V.valid(case))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fallbacks warn (JacmodeWarning); the numbers are judged
         outcome = R.run_case(case)
@@ -71,6 +73,16 @@ def test_every_drawn_call_form_is_exact_or_a_clear_error(case: G.Case) -> None:
     judge(case)
 
 
+VECTOR_EXAMPLES = int(os.environ.get("JACMODE_DIFF_VECTOR_EXAMPLES", str(max(100, int(CI_EXAMPLES // 2.5)))))
+
+
+@settings(max_examples=VECTOR_EXAMPLES, derandomize=True, **RELAXED)
+@given(V.vector_cases())
+def test_every_drawn_vector_product_is_exact_or_a_clear_error(case: G.Case) -> None:
+    """jvp, vjp, hvp, ggn(v=), linearize, wrt=<dict> and fn(params, x) (vectors.py), model left as found."""
+    judge(case)
+
+
 def test_soak(soak_minutes: Optional[float]) -> None:
     """Random draws for --soak MINUTES; every failure is collected and listed at the end."""
     if not soak_minutes:
@@ -79,7 +91,7 @@ def test_soak(soak_minutes: Optional[float]) -> None:
     before = len(TALLY.failures)
 
     @settings(max_examples=100, derandomize=False, phases=["generate"], **RELAXED)
-    @given(G.cases())
+    @given(st.one_of(G.cases(), V.vector_cases()))
     def batch(case: G.Case) -> None:
         if time.monotonic() < stop:
             judge(case, raise_on_failure=False)

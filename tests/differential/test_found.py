@@ -116,3 +116,75 @@ def test_coupled_hessian_through_batchnorm_training() -> None:
         want.append(jacrev(jacrev(g))(x[b]))
     got = jm.hessian(lambda z: (bn(z) @ w).unsqueeze(1), x, structure="coupled")
     torch.testing.assert_close(got, torch.stack(want), rtol=1e-9, atol=1e-9)
+
+
+# ---- found by the vector-product draws (vectors.py) ------------------------------------------
+
+
+def _padded_embedding_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(4, 2, padding_idx=0), nn.Flatten(), nn.Linear(6, 1)).double()
+
+
+def test_parameter_jvp_and_ggn_vector_through_an_embedding_with_padding_idx() -> None:
+    """torch's forward formula of embedding ignores padding_idx: jvp(wrt="params") and ggn(v=) gave the
+    padding row a tangent (off by O(1)); settled by the (B, Y, P) Jacobian of autograd loops."""
+    net = _padded_embedding_net()
+    x = torch.tensor([[0, 1, 2], [0, 0, 3]])
+    want = torch.cat([_loop_param_jacobian(net, x[b : b + 1]) for b in range(2)])  # (B, Y, P)
+    v = torch.randn(want.shape[-1], dtype=torch.float64)
+    torch.testing.assert_close(jm.jvp(net, x, v, wrt="params")[1], want @ v, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(jm.ggn(net, x, "mse", v=v), torch.einsum("byp,byq,q->p", want, want, v),
+                               rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="mode: 'forward'.*padding_idx"):
+        jm.hvp(net, x, v, wrt="params", loss=lambda o: (o**2).sum(1), mode="forward")
+
+
+@pytest.mark.parametrize("entry", ["jvp", "vjp", "hvp", "linearize", "ggn"])
+def test_vector_products_refuse_inference_mode(entry: str) -> None:
+    """Under torch.inference_mode() autograd and dual tensors are off: the products were zeros (jvp, vjp,
+    linearize, ggn(v=)) or torch's 'does not require grad' (hvp). A clear error now."""
+    net = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1)).double()
+    x = torch.randn(2, 2, dtype=torch.float64)
+    calls = {"jvp": lambda: jm.jvp(net, x, x), "vjp": lambda: jm.vjp(net, x),
+             "hvp": lambda: jm.hvp(lambda z: net(z).sum(1), x, x), "linearize": lambda: jm.linearize(net, x),
+             "ggn": lambda: jm.ggn(net, x, "mse", v=torch.ones(13, dtype=torch.float64))}
+    with torch.inference_mode(), pytest.raises(ValueError, match=f"{entry}: .*inference_mode"):
+        calls[entry]()
+
+
+@pytest.mark.parametrize("spelling", ["module", "lambda"])
+def test_input_jvp_and_vjp_leave_batchnorm_running_statistics(spelling: str) -> None:
+    """jvp and vjp with respect to the inputs ran f outside preserved_state: a BatchNorm in training mode
+    updated its running statistics (the model was left changed)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Tanh(), nn.Linear(3, 1)).double()
+    f = net if spelling == "module" else (lambda z: net(z))
+    x, v = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    mean, var, count = (t.clone() for t in (net[1].running_mean, net[1].running_var, net[1].num_batches_tracked))
+    out, jv = jm.jvp(f, x, v)
+    _, vjp_fn = jm.vjp(f, x)
+    (gx,) = vjp_fn(torch.ones(4, 1, dtype=torch.float64))
+    assert torch.equal(net[1].running_mean, mean) and torch.equal(net[1].running_var, var)
+    assert torch.equal(net[1].num_batches_tracked, count)
+    def g(z: Tensor) -> Tensor:  # the same function without touching the buffers
+        h = nn.functional.batch_norm(net[0](z), None, None, net[1].weight, net[1].bias, training=True, eps=net[1].eps)
+        return net[3](torch.tanh(h))
+
+    torch.testing.assert_close(jv, torch.func.jvp(g, (x,), (v,))[1], rtol=1e-12, atol=1e-12)
+    xl = x.clone().requires_grad_(True)
+    torch.testing.assert_close(gx, torch.autograd.grad(g(xl).sum(), xl)[0], rtol=1e-12, atol=1e-12)
+
+
+def test_forward_over_reverse_hvp_of_torchs_mse_loss() -> None:
+    """torch's forward formula of mse_loss_backward writes into a ZeroTensor (torch.func.jvp(grad(...))
+    raises 'ZeroTensors are immutable' too): hvp(mode="forward") now takes reverse over reverse there."""
+    torch.manual_seed(0)
+    net = nn.Linear(1, 1).double()
+    x, y = torch.randn(3, 1, dtype=torch.float64), torch.randn(3, 1, dtype=torch.float64)
+    v = torch.randn(2, dtype=torch.float64)
+    want = jm.hvp(net, x, v, wrt="params", loss=nn.MSELoss(), y=y, mode="reverse")
+    torch.testing.assert_close(jm.hvp(net, x, v, wrt="params", loss=nn.MSELoss(), y=y, mode="forward"), want,
+                               rtol=1e-12, atol=1e-12)
+    w = torch.cat([x, torch.ones_like(x)], 1)  # L = mean((w @ theta - y)^2): H = 2 w^T w / B
+    torch.testing.assert_close(want, 2 * w.T @ w @ v / 3, rtol=1e-12, atol=1e-12)
