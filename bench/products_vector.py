@@ -34,20 +34,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, jvp, linearize, vjp, vmap
 
 import jacmode as jm
-
-
-class MLP(nn.Module):
-    """Problem 1's class (../shared/problems.md)."""
-
-    def __init__(self, input_size: int, hidden_size: int, output_size: int) -> None:
-        super().__init__()
-        self.fc1 = nn.Linear(input_size, hidden_size)
-        self.relu = nn.ReLU()
-        self.fc2 = nn.Linear(hidden_size, output_size)
-
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.fc1(x)
-        return self.fc2(self.relu(h))
+from bench.baselines import MLP  # problem 1's class
 
 
 def race(methods: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:

@@ -97,6 +97,9 @@ def test_keyword_arguments_of_the_call_go_to_f_as_in_torch_func() -> None:
     lap = jm.transform(jm.laplacian, f)(X, scale=scale)
     torch.testing.assert_close(lap, jm.laplacian(f, X, kwargs={"scale": scale}), rtol=0, atol=0)  # one path
     torch.testing.assert_close(lap, jm.laplacian(lambda x: f(x, scale=scale), X), rtol=1e-12, atol=1e-12)
+    # the two jacmode paths differ by rounding (5e-17); an independent float64 oracle settles both
+    hess = torch.func.vmap(torch.func.hessian(lambda xb, sb: f(xb[None], scale=sb[None])[0]))(X, scale)
+    torch.testing.assert_close(lap, hess.diagonal(dim1=-2, dim2=-1).sum(-1), rtol=1e-12, atol=1e-12)
 
 
 def test_per_call_data_goes_to_the_entry_point() -> None:

@@ -260,19 +260,15 @@ def partial(
         tensor([[2.],
                 [6.]])
     """
-    if torch.compiler.is_compiling():  # compile: a traceable path for the one-tensor form (no front)
+    if torch.compiler.is_compiling():  # compile: the one-tensor form is partials of one entry (see there)
         d = args[1] if dims is None and len(args) == 2 else dims
-        if d is None or _named(d) or not _traceable.simple(args, kwargs, argnums or 0, has_aux,
-                                                          trailing=1 if dims is None else 0):
-            return _traceable.eager("several arguments", lambda: partial(
-                f, *args, dims=dims, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux,
-                structure=structure, chunk_size=chunk_size, create_graph=create_graph))
-        x = args[0]
-        opts = validated(f, x, "x", structure, chunk_size, create_graph)
-        again = lambda: (partial(f, x, dims=d, structure=structure, chunk_size=chunk_size,  # noqa: E731
-                                 create_graph=create_graph),)
-        return _traceable.partials(again, f, x, [check_dims(d, math.prod(x.shape[1:]))], opts.structure,
-                                   opts.create_graph)[0]
+        if d is not None and not _named(d) and _traceable.simple(args, kwargs, argnums or 0, has_aux,
+                                                                trailing=1 if dims is None else 0):
+            return partials(f, args[0], dims=[d], structure=structure, chunk_size=chunk_size,
+                            create_graph=create_graph)[0]
+        return _traceable.eager("several arguments", lambda: partial(
+            f, *args, dims=dims, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux,
+            structure=structure, chunk_size=chunk_size, create_graph=create_graph))
     # ---- front: the call of several arguments as one flat function (see _args.py) ----
     args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims, "dims",
                                          "jm.partial(u, x, t, dims=('x', 't'))")

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
-from typing import Any, Callable, Optional, Union, cast
+from typing import Any, Callable, Iterator, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -126,6 +126,16 @@ def bind(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any, name: s
         if g.training != f.training:
             g.training = f.training
     return g, torch.arange(call.batch, device=dev)
+
+
+@contextlib.contextmanager
+def bound(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any) -> Iterator[tuple[Any, Any]]:
+    """:func:`bind` for the block, and :func:`release` after it (also on error)."""
+    g, idx = bind(f, x, kwargs, in_dims)
+    try:
+        yield g, idx
+    finally:
+        release(g)
 
 
 def release(g: Any) -> None:
@@ -256,13 +266,9 @@ def per_sample_grads(
         True
     """
     if several(x) or kwargs:  # model(*x, **kwargs): see the note [Several arguments of a model]
-        g, idx = bind(f, x, kwargs, in_dims)
-        try:
-            with preserved_state(f):
-                return per_sample_grads(g, idx, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
-                                        max_memory=max_memory)
-        finally:
-            release(g)
+        with bound(f, x, kwargs, in_dims) as (g, idx), preserved_state(f):
+            return per_sample_grads(g, idx, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
+                                    max_memory=max_memory)
     if _data.is_batches(x):  # a data set: batch by batch, rows in order (docs/datasets.md)
         return _data.per_sample_grads_over(per_sample_grads, f, x, loss, y=y, flatten=flatten, progress=progress,
                                            wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
@@ -549,13 +555,9 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
                              "`sum(jm.ggn(model, xb, loss, y=yb, v=v) for xb, yb in loader)`.")
         return ggn_vector(f, x, loss, y, v, wrt, kwargs, in_dims)
     if several(x) or kwargs:  # see the note [Several arguments of a model]
-        g, idx = bind(f, x, kwargs, in_dims)
-        try:
-            with preserved_state(f):
-                return ggn(g, idx, loss, y=y, wrt=wrt, diagonal=diagonal, chunk_size=chunk_size,
-                           max_memory=max_memory)
-        finally:
-            release(g)
+        with bound(f, x, kwargs, in_dims) as (g, idx), preserved_state(f):
+            return ggn(g, idx, loss, y=y, wrt=wrt, diagonal=diagonal, chunk_size=chunk_size,
+                       max_memory=max_memory)
     if _data.is_batches(x):  # a data set: summed batch by batch (docs/datasets.md)
         return _data.ggn_over(ggn, f, x, loss, y=y, diagonal=diagonal, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)

@@ -21,7 +21,6 @@ entry points run eagerly and say so with one ``JacmodeWarning`` per transform.
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import itertools
 import warnings
@@ -300,14 +299,6 @@ class Transformed:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options.items())
         name = getattr(self._f, "__name__", type(self._f).__name__)
         return f"transform({self.op}, {name}{', ' if opts else ''}{opts}{', compile=True' if self.compile else ''})"
-
-
-def _bind(op: str, spec: Spec, state: Any, f: Any, kwargs: dict[str, Any]) -> Any:
-    """f with keyword arguments bound (torch.func's ``jacrev(f)(x, mask=m)``)."""
-    if spec.module or isinstance(f, nn.Module) and getattr(getattr(state, "opts", None), "wrt", "") == "params":
-        raise TypeError(f"{op}: keyword arguments for f ({', '.join(kwargs)}) are not supported for this entry "
-                        "point yet (it needs the module itself); bind them in a wrapper module.")
-    return functools.partial(f, **kwargs)
 
 
 def transform(op: Callable[..., Any], f: Any, *, compile: Union[bool, str] = False, **options: Any) -> Transformed:

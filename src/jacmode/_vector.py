@@ -669,18 +669,15 @@ def output_hessian_times(loss: Any, out: Tensor, u: Tensor, y: Optional[Tensor])
 def ggn_vector(f: nn.Module, x: Any, loss: Any, y: Optional[Tensor], v: Any, wrt: Any,
                kwargs: Optional[dict[str, Any]], in_dims: Any) -> Vector:
     """G v = sum_b J_b^T H_b J_b v: one jvp, the loss Hessians, one vjp (see :func:`jacmode.ggn`)."""
-    from ._products import bind, release
+    from ._products import bound
 
     _check_grad_mode("ggn")
     kw = _kwargs(kwargs)
     sel = params_of(f, wrt, v)
     vs = sel.vector(v, "v")
     args = _as_args(x, "x")
-    g, xx = bind(f, x, kw or None, in_dims)
-    try:
+    with bound(f, x, kw or None, in_dims) as (g, xx):
         return _ggn_vector(f, g, xx, loss, y, sel, vs, args, kw)
-    finally:
-        release(g)
 
 
 def _ggn_vector(f: nn.Module, g: Any, xx: Tensor, loss: Any, y: Optional[Tensor], sel: Params, vs: list[Tensor],
