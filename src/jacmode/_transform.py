@@ -63,7 +63,8 @@ _SPECS: dict[Any, Spec] = {}
 _FRONT = ("argnums", "in_dims", "has_aux")
 # the entry points whose engine is Taylor mode over a captured program: compile=True runs their
 # generated code (_capture/codegen.py) through torch.compile
-_GENERATED = ("derivative", "partial", "partials", "hessian", "laplacian", "divergence", "operator", "biharmonic")
+_GENERATED = ("jacobian", "derivative", "partial", "partials", "hessian", "laplacian", "divergence", "operator",
+              "biharmonic")
 _TOKENS: dict[Hashable, int] = {}
 _FRESH = itertools.count(1 << 40)
 

@@ -242,9 +242,10 @@ ENTRIES = (*INPUT_ENTRIES, "jacobian_params", *PRODUCTS)
 # with params equal to / different from net's; no_grad, inference_mode: the call inside that context;
 # grad_create_graph: autograd.grad of a create_graph=True result wrt x and net's parameters;
 # fcall_autograd: the same wrt leaf tensors passed through functional_call; func_grad: torch.func.grad
-# over those parameters; vmap: torch.func.vmap over two stacked batches; jacrev: torch.func.jacrev wrt x.
+# over those parameters; vmap: torch.func.vmap over two stacked batches; jacrev: torch.func.jacrev wrt x;
+# repeated: the same call made until its generated code runs (codegen.AFTER_CALLS calls), the last judged.
 CONVENTIONS = ("module", "lambda", "fcall_same", "fcall_other", "no_grad", "inference_mode",
-               "grad_create_graph", "fcall_autograd", "func_grad", "vmap", "jacrev")
+               "grad_create_graph", "fcall_autograd", "func_grad", "vmap", "jacrev", "repeated")
 INT_HEADS = ("embedding", "embeddingbag")
 
 
@@ -456,11 +457,12 @@ def _conventions(entry: str, options: dict, head: str) -> list[str]:
         return ["module", "no_grad", "inference_mode"]
     if entry == "jacobian_params":  # torch.func transforms over x (integer ids: nothing to differentiate)
         around = (["vmap"] * options["batched"] + ["jacfwd", "jacrev_nograph"]) * options["flatten"]
-        return ["module", "no_grad", "inference_mode"] + around * (head not in (*INT_HEADS, "rnn", "gru", "lstm"))
+        return (["module", "no_grad", "inference_mode", "repeated"]
+                + around * (head not in (*INT_HEADS, "rnn", "gru", "lstm")))
     if head in INT_HEADS:  # differentiating integer inputs: the error is the answer
         return ["module", "lambda", "no_grad", "inference_mode"]
     conv = ["module", "lambda", "fcall_same", "fcall_other", "no_grad", "inference_mode", "grad_create_graph",
-            "fcall_autograd", "func_grad", "vmap", "jacrev", "jacrev_nograph", "jacfwd"]
+            "fcall_autograd", "func_grad", "vmap", "jacrev", "jacrev_nograph", "jacfwd", "repeated"]
     if (entry == "jacobian" and not options["batched"]) or head in ("rnn", "gru", "lstm"):
         conv.remove("vmap")  # nothing to stack over; torch.func has no batching rule for RNNs
     if head in ("rnn", "gru", "lstm"):

@@ -1,0 +1,257 @@
+"""Generated code for the probe engine: a parameter Jacobian's record, pull-back and write as one graph.
+
+NOTE: [Generated probe code]
+For a model, a selection of parameters and one signature (input shape, dtype and device, the
+result's layout, the parameters' and buffers' shapes), the probe engine does the same work on
+every call: hooks record each covered module's inputs, one reverse pass pulls the Y output
+directions back to the probes, and the rules write the blocks into views of the (B, Y, P)
+result (``layerwise.fill``). At B = 2 on problem 1's class that Python (module calls, hooks,
+autograd's graph, views and narrows) costs three times the kernels. :func:`fill` therefore traces
+the whole step once with ``make_fx`` (fake tensors: no value is computed or baked in; a forward
+that branches on values fails the trace) into a ``torch.fx.GraphModule`` of aten operations that
+later calls run directly, without grad.
+
+Inputs of the graph, read afresh on every call: x, the result (written in place; ``out=`` works),
+and every parameter and buffer of the model, swapped in with torch's ``_reparametrize_module``
+during the trace. The graph applies only while it describes the model exactly:
+
+* the model is a captured program (``capture.program_for``): its ``forward`` is straight-line code,
+  and the Python values it read from its closure, globals and modules are guarded; a recapture (a
+  value changed) is a new program and generates anew. The leaf modules' scalar attributes
+  (``negative_slope``, ``eps``, ``stride``), which fx does not see, are part of the key;
+* the trace holds no tensor it did not receive as an input (a tensor from a closure or a global
+  would be frozen): such a graph is refused;
+* on the call that generates it, the graph's result is compared with the interpreted engine's;
+  a mismatch refuses the signature.
+
+Passes: the probes (``out + zeros_like(out)``) are dropped, subgraphs that read no input (the
+identity seeds, ``eye``) are computed once, and dead nodes are removed. Code is generated on the
+third call of a signature (``codegen.AFTER_CALLS``), or on the first inside
+``codegen.generated(backend)``, which also compiles it. Not under a torch.func transform, inference
+mode, Dynamo, a caller's torch function or dispatch mode, or with grad enabled
+(``create_graph``): the interpreted engine serves those calls, as it serves any refused one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch import Tensor, nn
+from torch.nn.utils.stateless import _reparametrize_module
+
+from .._capture import codegen
+from .._transforms import in_transform
+from . import layerwise
+from .probes import Coverage
+
+ENABLED = True  # internal switch: False always interprets (tests compare the two)
+MAX_SIGNATURES = 16
+
+Entry = Union[int, str, Callable[..., Tensor]]  # calls so far, why not, or the generated code
+
+
+def fill(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, result: Tensor,
+         repeat: bool) -> bool:
+    """Write the (B, Y, P) ``result`` from generated code; False when it does not apply (see the note).
+
+    Every selected parameter must be covered (the caller fills nothing else).
+    """
+    if (not ENABLED or not codegen.ENABLED or torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or in_transform() or torch.is_inference_mode_enabled() or codegen._modes_active()
+            or x.layout != torch.strided or result.layout != torch.strided or cov.uncovered):
+        return False
+    from .._capture.capture import program_for
+
+    program = program_for(model)
+    if isinstance(program, str):
+        return False
+    owners = program.__dict__.get("_probe_owners")
+    if owners is None:  # the module tree is the program's (a new tree is a new program)
+        owners = program.__dict__["_probe_owners"] = [
+            (f"{prefix}." if prefix else "", m) for prefix, m in model.named_modules(remove_duplicate=False)]
+    slots = [(prefix + n, t) for prefix, m in owners for d in (m._parameters, m._buffers)
+             for n, t in d.items() if t is not None]
+    mode = codegen._MODE.get()
+    backend = None if mode is None else mode["backend"]
+    key = (tuple(n for n, _ in named), _meta(x), _meta(result), repeat, backend,
+           tuple((n, _meta(t)) for n, t in slots), codegen._layout(program).settings())
+    table: dict[tuple, Entry] = program.__dict__.setdefault("_probe_codegen", {})
+    entry = table.get(key)
+    if entry is None and len(table) >= MAX_SIGNATURES:
+        return False
+    if entry is None or isinstance(entry, int):
+        calls = (entry or 0) + 1
+        if calls < (1 if mode is not None else codegen.AFTER_CALLS):
+            table[key] = calls
+            return False
+        entry = table[key] = _generate(model, x, named, cov, result, repeat, slots, mode)
+        return not isinstance(entry, str)  # the generating call wrote result (checked)
+    if isinstance(entry, str):
+        return False
+    entry(x, result, *(t for _, t in slots))
+    return True
+
+
+def _meta(t: Tensor) -> tuple:
+    return (*codegen._meta(t), t.storage_offset())
+
+
+def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, result: Tensor,
+              repeat: bool, slots: list[tuple[str, Tensor]], mode: Optional[dict[str, Any]]) -> Entry:
+    """The checked graph of one signature, having written ``result``; or why there is none (result unwritten)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    names = [n for n, _ in slots]
+    selected = {n for n, _ in named}
+
+    def traced(xx: Tensor, res: Tensor, *tensors: Tensor) -> Tensor:
+        swap = dict(zip(names, tensors))
+        held = Coverage(cov.covered, cov.uncovered, cov.rules,
+                        {n: swap[n] for n in cov.tensors if n in swap and n in selected})
+        with _reparametrize_module(model, swap), torch.enable_grad():
+            layerwise.fill(model, xx, named, held, res, repeat=False)  # no fixed cost to save here
+        return res
+
+    tensors = [t.detach() for _, t in slots]
+    try:
+        gm = make_fx(traced, tracing_mode="fake")(x.detach(), result, *tensors)
+    except Exception as err:  # noqa: BLE001 -- a forward that branches on values, an op fake tensors lack
+        return f"make_fx could not trace the probe engine ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
+    if any(n.op == "get_attr" for n in gm.graph.nodes):
+        return "the trace holds a tensor that is not an input (a closure or global tensor would be frozen)"
+    _drop_probes(gm.graph)
+    _fold_constants(gm)
+    _collapse_views(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    code: Callable[..., Tensor] = gm
+    if mode is not None and mode["backend"] is not None:
+        from .._capture.compiled import compiled
+
+        code = compiled(gm, mode["backend"], **mode["kwargs"])
+    layerwise.fill(model, x, named, cov, result, repeat=repeat)  # the interpreted engine: this call's answer
+    check = torch.empty_like(result)
+    try:
+        code(x, check, *(t for _, t in slots))
+    except Exception as err:  # noqa: BLE001 -- the generated code is only an optimisation
+        return f"the generated probe code failed ({type(err).__name__})"
+    tol = 1e-5 if result.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-12
+    if not torch.allclose(check, result, rtol=tol, atol=tol * max(1.0, float(result.abs().max()))):
+        return "the generated probe code disagrees with the interpreted engine"
+    return code
+
+
+_aten = torch.ops.aten
+
+
+def _drop_probes(graph: fx.Graph) -> None:
+    """``a + zeros_like(a)`` (a probe on a module output) is ``a`` outside autograd."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _aten.add.Tensor or len(node.args) != 2 or node.kwargs:
+            continue
+        a, z = node.args
+        if isinstance(z, fx.Node) and z.target is _aten.zeros_like.default and z.args[:1] == (a,):
+            node.replace_all_uses_with(a)
+            graph.erase_node(node)
+
+
+def _fold_constants(gm: fx.GraphModule) -> None:
+    """Compute once the pure nodes that read no input (``eye`` and its views), kept as attributes.
+
+    Not a node that a mutating operation reads, nor anything it is computed from.
+    """
+    graph = gm.graph
+    pure: dict[fx.Node, bool] = {}
+    for node in graph.nodes:
+        target = node.target
+        ok = (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+              and not target._schema.is_mutable and not _random(target)
+              and all(pure.get(a, False) for a in node.all_input_nodes))
+        pure[node] = ok
+    for node in graph.nodes:  # what a mutating op writes stays computed per call, with its ancestors
+        target = node.target
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:
+            stack = _written(node)
+            while stack:
+                n = stack.pop()
+                if pure.get(n):
+                    pure[n] = False
+                    stack.extend(n.all_input_nodes)
+    values: dict[fx.Node, Any] = {}
+    for k, node in enumerate(list(graph.nodes)):
+        if not pure.get(node):
+            continue
+        args = fx.node.map_arg(node.args, lambda n: values[n])
+        kwargs = fx.node.map_arg(node.kwargs, lambda n: values[n])
+        values[node] = node.target(*args, **kwargs)
+        if all(pure.get(u) for u in node.users) or not isinstance(values[node], Tensor):
+            continue
+        name = f"_jacmode_constant{k}"
+        gm.register_buffer(name, values[node], persistent=False)
+        with graph.inserting_before(node):
+            const = graph.get_attr(name)
+        const.meta = dict(node.meta)
+        for u in [u for u in node.users if not pure.get(u)]:
+            u.replace_input_with(node, const)
+
+
+def _written(node: fx.Node) -> list[fx.Node]:
+    """The nodes a mutating op writes into (``self`` of ``copy_``, ``out=``), by its schema."""
+    out = []
+    schema = node.target._schema  # type: ignore[union-attr]
+    for k, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = node.kwargs.get(arg.name) if arg.kwarg_only or k >= len(node.args) else node.args[k]
+        out.extend(v for v in (value if isinstance(value, (list, tuple)) else [value]) if isinstance(v, fx.Node))
+    return out
+
+
+_VIEW_OPS = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "select", "slice", "narrow", "unsqueeze",
+             "squeeze", "expand", "detach", "alias", "diagonal", "as_strided"}
+
+
+def _is_view(node: fx.Node) -> bool:
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.overloadpacket.__name__ in _VIEW_OPS and isinstance(node.meta.get("val"), Tensor)
+            and not target._schema.is_mutable)
+
+
+def _collapse_views(graph: fx.Graph) -> None:
+    """A chain of two or more views is one ``as_strided`` of its base (sizes, strides and offsets are
+    fixed by the signature, storage offsets of the inputs included)."""
+    for node in list(graph.nodes):
+        if not _is_view(node) or all(_is_view(u) for u in node.users):
+            continue
+        base, length = node, 0
+        while _is_view(base) and isinstance(base.args[0], fx.Node):
+            base, length = base.args[0], length + 1
+        val = node.meta["val"]
+        if length < 2 or base.op == "get_attr":
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(_aten.as_strided.default,
+                                      (base, list(val.shape), list(val.stride()), val.storage_offset()))
+        new.meta = dict(node.meta)
+        node.replace_all_uses_with(new)
+
+
+def _random(target: Any) -> bool:
+    return getattr(target, "is_random", False) or "rand" in target._schema.name or "bernoulli" in target._schema.name
+
+
+@contextlib.contextmanager
+def disabled() -> Any:
+    """Inside the block the probe engine always interprets (tests compare the two paths)."""
+    global ENABLED
+    old, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = old
