@@ -11,9 +11,10 @@ the whole step once with ``make_fx`` (fake tensors: no value is computed or bake
 that branches on values fails the trace) into a ``torch.fx.GraphModule`` of aten operations that
 later calls run directly, without grad.
 
-Inputs of the graph, read afresh on every call: x, the result (written in place; ``out=`` works),
-and every parameter and buffer of the model, swapped in with torch's ``_reparametrize_module``
-during the trace. The graph applies only while it describes the model exactly:
+Inputs of the graph, read afresh on every call: x, ``out=`` when the call has one (the graph then
+writes into it; otherwise it allocates the result), and every parameter and buffer of the model,
+swapped in with torch's ``_reparametrize_module`` during the trace. The graph applies only while it
+describes the model exactly:
 
 * the model is a captured program (``capture.program_for``): its ``forward`` is straight-line code,
   and the Python values it read from its closure, globals and modules are guarded; a recapture (a
@@ -27,7 +28,9 @@ during the trace. The graph applies only while it describes the model exactly:
 Passes: the probes (``out + zeros_like(out)``) are dropped, subgraphs that read no input (the
 identity seeds, ``eye``) are computed once, and dead nodes are removed. Code is generated on the
 third call of a signature (``codegen.AFTER_CALLS``), or on the first inside
-``codegen.generated(backend)``, which also compiles it. Not under a torch.func transform, inference
+``codegen.generated(backend)``, which also compiles it: with Inductor straight from the graph
+(``torch._inductor.compile``; at B = 2 Dynamo's guards on every call would cost more than the
+kernels, and the key above is the guard). Not under a torch.func transform, inference
 mode, Dynamo, a caller's torch function or dispatch mode, or with grad enabled
 (``create_graph``): the interpreted engine serves those calls, as it serves any refused one.
 """
@@ -53,21 +56,21 @@ MAX_SIGNATURES = 16
 Entry = Union[int, str, Callable[..., Tensor]]  # calls so far, why not, or the generated code
 
 
-def fill(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, result: Tensor,
-         repeat: bool) -> bool:
-    """Write the (B, Y, P) ``result`` from generated code; False when it does not apply (see the note).
-
-    Every selected parameter must be covered (the caller fills nothing else).
+def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, out: Optional[Tensor],
+             like: Tensor, shape: tuple[int, int, int], repeat: bool) -> Optional[Tensor]:
+    """The (B, Y, P) Jacobian (in ``out`` when given) from generated code, or None when it does not
+    apply (see the note); ``like`` gives the result's dtype and device. Every selected parameter
+    must be covered (the caller fills nothing else).
     """
     if (not ENABLED or not codegen.ENABLED or torch.is_grad_enabled() or torch.compiler.is_compiling()
             or in_transform() or torch.is_inference_mode_enabled() or codegen._modes_active()
-            or x.layout != torch.strided or result.layout != torch.strided or cov.uncovered):
-        return False
+            or x.layout != torch.strided or (out is not None and out.layout != torch.strided) or cov.uncovered):
+        return None
     from .._capture.capture import program_for
 
     program = program_for(model)
     if isinstance(program, str):
-        return False
+        return None
     owners = program.__dict__.get("_probe_owners")
     if owners is None:  # the module tree is the program's (a new tree is a new program)
         owners = program.__dict__["_probe_owners"] = [
@@ -76,48 +79,62 @@ def fill(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: 
              for n, t in d.items() if t is not None]
     mode = codegen._MODE.get()
     backend = None if mode is None else mode["backend"]
-    key = (tuple(n for n, _ in named), _meta(x), _meta(result), repeat, backend,
-           tuple((n, _meta(t)) for n, t in slots), codegen._layout(program).settings())
+    key = (tuple(n for n, _ in named), _meta(x), None if out is None else _meta(out), shape, like.dtype, like.device,
+           repeat, backend, tuple((n, _meta(t)) for n, t in slots), codegen._layout(program).settings())
     table: dict[tuple, Entry] = program.__dict__.setdefault("_probe_codegen", {})
     entry = table.get(key)
     if entry is None and len(table) >= MAX_SIGNATURES:
-        return False
+        return None
+    tensors = [t for _, t in slots]
     if entry is None or isinstance(entry, int):
         calls = (entry or 0) + 1
         if calls < (1 if mode is not None else codegen.AFTER_CALLS):
             table[key] = calls
-            return False
-        entry = table[key] = _generate(model, x, named, cov, result, repeat, slots, mode)
-        return not isinstance(entry, str)  # the generating call wrote result (checked)
+            return None
+        result = out if out is not None else like.new_empty(shape)
+        layerwise.fill(model, x, named, cov, result, repeat=repeat)  # the interpreted engine: this call's answer
+        table[key] = _generate(model, x, named, cov, out, like, shape, slots, mode, result)
+        return result
     if isinstance(entry, str):
-        return False
-    entry(x, result, *(t for _, t in slots))
-    return True
+        return None
+    return entry(x, *tensors) if out is None else entry(x, out, *tensors)
 
 
 def _meta(t: Tensor) -> tuple:
     return (*codegen._meta(t), t.storage_offset())
 
 
-def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, result: Tensor,
-              repeat: bool, slots: list[tuple[str, Tensor]], mode: Optional[dict[str, Any]]) -> Entry:
-    """The checked graph of one signature, having written ``result``; or why there is none (result unwritten)."""
+def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, out: Optional[Tensor],
+              like: Tensor, shape: tuple[int, int, int], slots: list[tuple[str, Tensor]],
+              mode: Optional[dict[str, Any]], want: Tensor) -> Entry:
+    """The graph of one signature, checked against ``want`` (the interpreted engine's result), or why there is none.
+
+    Without ``out`` the graph allocates its result (``code(x, *tensors)``); with it, it writes into
+    it (``code(x, out, *tensors)``).
+    """
     from torch.fx.experimental.proxy_tensor import make_fx
 
     names = [n for n, _ in slots]
     selected = {n for n, _ in named}
 
-    def traced(xx: Tensor, res: Tensor, *tensors: Tensor) -> Tensor:
+    def write(xx: Tensor, res: Tensor, tensors: tuple[Tensor, ...]) -> Tensor:
         swap = dict(zip(names, tensors))
         held = Coverage(cov.covered, cov.uncovered, cov.rules,
                         {n: swap[n] for n in cov.tensors if n in swap and n in selected})
         with _reparametrize_module(model, swap), torch.enable_grad():
-            layerwise.fill(model, xx, named, held, res, repeat=False)  # no fixed cost to save here
+            layerwise.fill(model, xx, named, held, res, repeat=False)  # no fixed cost to save in a graph
         return res
 
+    def into(xx: Tensor, res: Tensor, *tensors: Tensor) -> Tensor:
+        return write(xx, res, tensors)
+
+    def fresh(xx: Tensor, *tensors: Tensor) -> Tensor:
+        return write(xx, torch.empty(shape, dtype=like.dtype, device=like.device), tensors)
+
     tensors = [t.detach() for _, t in slots]
+    inputs = [x.detach(), *([] if out is None else [out]), *tensors]
     try:
-        gm = make_fx(traced, tracing_mode="fake")(x.detach(), result, *tensors)
+        gm = make_fx(fresh if out is None else into, tracing_mode="fake")(*inputs)
     except Exception as err:  # noqa: BLE001 -- a forward that branches on values, an op fake tensors lack
         return f"make_fx could not trace the probe engine ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
     if any(n.op == "get_attr" for n in gm.graph.nodes):
@@ -130,19 +147,40 @@ def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], 
     gm.recompile()
     code: Callable[..., Tensor] = gm
     if mode is not None and mode["backend"] is not None:
-        from .._capture.compiled import compiled
-
-        code = compiled(gm, mode["backend"], **mode["kwargs"])
-    layerwise.fill(model, x, named, cov, result, repeat=repeat)  # the interpreted engine: this call's answer
-    check = torch.empty_like(result)
+        code = _compiled(gm, inputs, mode["backend"], mode["kwargs"], out is None)
+    check_out = None if out is None else torch.empty_like(out)
     try:
-        code(x, check, *(t for _, t in slots))
+        check = code(*inputs) if out is None else code(inputs[0], check_out, *tensors)
     except Exception as err:  # noqa: BLE001 -- the generated code is only an optimisation
         return f"the generated probe code failed ({type(err).__name__})"
-    tol = 1e-5 if result.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-12
-    if not torch.allclose(check, result, rtol=tol, atol=tol * max(1.0, float(result.abs().max()))):
+    tol = 1e-5 if want.dtype in (torch.float32, torch.float16, torch.bfloat16) else 1e-12
+    if check.shape != want.shape or not torch.allclose(check, want, rtol=tol, atol=tol * max(1.0, float(want.abs().max()))):
         return "the generated probe code disagrees with the interpreted engine"
     return code
+
+
+def _compiled(gm: fx.GraphModule, inputs: list[Tensor], backend: Any, kwargs: dict[str, Any],
+              functional: bool) -> Callable[..., Tensor]:
+    """Inductor straight on the graph (no Dynamo, whose guards would cost more than the kernels at
+    B = 2: the key above is the guard), other backends through ``torch.compile``; a failed
+    compilation falls back to the graph with a warning (``_capture/compiled.py``)."""
+    from .._capture.compiled import _warn, compiled
+
+    if backend != "inductor" or kwargs or not functional:
+        return compiled(gm, backend, **kwargs)
+    try:
+        import torch._inductor
+
+        run = torch._inductor.compile(gm, list[Any](inputs))
+    except Exception as err:  # noqa: BLE001 -- no C++ compiler, an inductor error: the graph serves
+        _warn(backend, err)
+        return gm
+
+    def call(*args: Tensor) -> Tensor:
+        got = run(*args)
+        return got[0] if isinstance(got, (list, tuple)) else got
+
+    return call
 
 
 _aten = torch.ops.aten
@@ -201,7 +239,7 @@ def _fold_constants(gm: fx.GraphModule) -> None:
 
 def _written(node: fx.Node) -> list[fx.Node]:
     """The nodes a mutating op writes into (``self`` of ``copy_``, ``out=``), by its schema."""
-    out = []
+    out: list[fx.Node] = []
     schema = node.target._schema  # type: ignore[union-attr]
     for k, arg in enumerate(schema.arguments):
         info = arg.alias_info

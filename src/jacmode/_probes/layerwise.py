@@ -214,13 +214,15 @@ def jacobian(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
     if torch.is_grad_enabled():  # create_graph: differentiable blocks, every parameter covered
         flat = blocks(p.model, p.x, named, p.probes)
         return out.copy_(flat) if out is not None else flat
-    result = out if out is not None else p.z.new_empty(B, Y, N)
     step_b = plan.sample_chunk or B
     repeat = not p.random and B > 1 and plan.costs.get("reverse", 1.0) < REPEAT_COST
-    from . import generated  # (it imports this module)
+    if step_b >= B and not p.random:
+        from . import generated  # (it imports this module)
 
-    if step_b >= B and not p.random and generated.fill(p.model, p.x, named, p.probes, result, repeat):
-        return result  # see [Generated probe code]
+        found = generated.jacobian(p.model, p.x, named, p.probes, out, p.z, (B, Y, N), repeat)
+        if found is not None:  # see [Generated probe code]
+            return found
+    result = out if out is not None else p.z.new_empty(B, Y, N)
     for b0 in range(0, B, step_b):  # chunks of samples: max_memory
         fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b], repeat=repeat)
     rest = [n for n, _ in named if n in p.probes.uncovered]
