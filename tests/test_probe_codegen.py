@@ -231,3 +231,18 @@ def test_compiled_probe_code():
         for _ in range(2):
             got = jac(x)
     torch.testing.assert_close(got, _interpreted(model, x), rtol=1e-5, atol=1e-6)
+
+
+def test_model_with_generated_code_can_be_garbage_collected():
+    import gc
+    import weakref
+
+    model = MODELS["mlp"][0]()
+    x = torch.randn(4, 5)
+    for _ in range(CALLS):
+        jm.jacobian(model, x, wrt="params", mode="reverse")
+    assert _codes(model)
+    refs = [weakref.ref(model), weakref.ref(x)]
+    del model, x
+    gc.collect()
+    assert all(r() is None for r in refs)

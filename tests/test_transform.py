@@ -133,10 +133,10 @@ def test_compile_runs_the_generated_code_of_the_taylor_operators_compiled() -> N
 
 def test_compile_of_an_entry_point_without_generated_code_runs_eagerly_with_a_warning() -> None:
     f = _net()
-    with pytest.warns(jm.JacmodeWarning, match="jacobian has no generated code.*runs eagerly"):
-        t = jm.jacfn(f, wrt="params", compile=True)
+    with pytest.warns(jm.JacmodeWarning, match="ntk has no generated code.*runs eagerly"):
+        t = jm.transform(jm.ntk, f, compile=True)
     assert t.compile
-    assert torch.equal(t(X), jm.jacobian(f, X, wrt="params"))
+    assert torch.equal(t(X), jm.ntk(f, X))
 
 
 def test_bad_options_raise_at_creation_with_the_usual_errors() -> None:

@@ -72,10 +72,11 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
     if isinstance(program, str):
         return None
     owners = program.__dict__.get("_probe_owners")
-    if owners is None:  # the module tree is the program's (a new tree is a new program)
+    if owners is None:  # the module tree is the program's (a new tree is a new program); not the
+        # model itself, which the program's cache holds weakly
         owners = program.__dict__["_probe_owners"] = [
-            (f"{prefix}." if prefix else "", m) for prefix, m in model.named_modules(remove_duplicate=False)]
-    slots = [(prefix + n, t) for prefix, m in owners for d in (m._parameters, m._buffers)
+            (f"{prefix}.", m) for prefix, m in model.named_modules(remove_duplicate=False) if prefix]
+    slots = [(prefix + n, t) for prefix, m in (("", model), *owners) for d in (m._parameters, m._buffers)
              for n, t in d.items() if t is not None]
     mode = codegen._MODE.get()
     backend = None if mode is None else mode["backend"]
