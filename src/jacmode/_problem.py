@@ -203,11 +203,14 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
     """
     if p.kind == "inputs":
         return _inputs_problem(f, x, opts, p)
-    names = [n for n, _ in p.params]
     if bound_values(f) is not None:  # a dict's tensors: this call's (see _functional.py)
-        selected = _checks.check_param_selection(f, names)
+        selected = _checks.check_param_selection(f, [n for n, _ in p.params])
         return _params_problem(f, x, selected, opts, dataclasses.replace(p, probes=refreshed(p.probes, selected)))
-    return _params_problem(f, x, list(zip(names, p.tensors)), opts, p)
+    layout = p.__dict__.get("_layout")  # names, shapes, sizes: the same for every call of the profile
+    if layout is None:
+        layout = p.__dict__["_layout"] = ([n for n, _ in p.params], [t.shape for t in p.tensors],
+                                          [t.numel() for t in p.tensors])
+    return _params_problem(f, x, list(zip(layout[0], p.tensors)), opts, p, layout)
 
 
 def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem:
@@ -232,14 +235,20 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
-                    facts: Problem) -> Problem:
-    """The parameter problem at ``x``: flat values and functions of them; the rest from ``facts``."""
+                    facts: Problem, layout: Optional[tuple[list[str], list[Any], list[int]]] = None) -> Problem:
+    """The parameter problem at ``x``: flat values and functions of them; the rest from ``facts``
+    (``layout``: the names, shapes and sizes of ``selected`` when the caller knows them)."""
     batch, n_out, batched = facts.batch, facts.n_out, facts.batched
     keep = (lambda t: t) if opts.create_graph else (lambda t: t.detach())
-    names = [n for n, _ in selected]
-    shapes = [p.shape for _, p in selected]
-    sizes = [p.numel() for _, p in selected]
-    z = torch.cat([keep(p).reshape(-1) for _, p in selected]) if selected else torch.zeros(0)
+    if layout is None:
+        layout = ([n for n, _ in selected], [p.shape for _, p in selected], [p.numel() for _, p in selected])
+    names, shapes, sizes = layout
+    n_in = sum(sizes)
+    # z, a copy of every selected parameter, is made when an engine first reads it (the probe
+    # engine reads the parameters themselves, never z); with create_graph at once, in the graph
+    lazy = bool(selected) and not opts.create_graph
+    z: Optional[Tensor] = None if lazy else (
+        torch.cat([keep(p).reshape(-1) for _, p in selected]) if selected else torch.zeros(0))
 
     def unflatten(z: Tensor) -> dict[str, Tensor]:
         return {n: t.view(s) for n, t, s in zip(names, z.split(sizes), shapes)}
@@ -262,11 +271,47 @@ def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
 
         return zk, one
 
-    return Problem(kind="params", fn=fn, z=z, batch=batch, n_in=z.numel(), n_out=n_out,
-                   in_shape=(z.numel(),), out_shape=facts.out_shape, sample_fn=sample_fn,
-                   params=list(zip(names, shapes)), batched=batched, structure=facts.structure, x=x,
-                   random=facts.random, tensors=[p for _, p in selected], probes=facts.probes,
-                   subset_fn=subset_fn, model=model)
+    p = (_LazyParams if lazy else Problem)(
+        kind="params", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,  # type: ignore[arg-type]
+        in_shape=(n_in,), out_shape=facts.out_shape, sample_fn=sample_fn,
+        params=list(zip(names, shapes)), batched=batched, structure=facts.structure, x=x,
+        random=facts.random, tensors=[t for _, t in selected], probes=facts.probes,
+        subset_fn=subset_fn, model=model)
+    return p
+
+
+class _LazyParams(Problem):
+    """A parameter problem whose flat z (the detached parameters concatenated, (P,)) is made when
+    it is first read: the probe engine of a repeated call never reads it, and the copy of every
+    parameter was most of that call's cost outside the engine. ``dtype`` and ``device`` are those
+    ``torch.cat`` gives z (the promoted dtype of the parameters, their device) without making it."""
+
+    @property  # type: ignore[override]
+    def z(self) -> Tensor:
+        z = self.__dict__.get("_z")
+        if z is None:
+            z = self.__dict__["_z"] = torch.cat([t.detach().reshape(-1) for t in self.tensors])
+        return z
+
+    @z.setter
+    def z(self, value: Optional[Tensor]) -> None:
+        self.__dict__["_z"] = value
+
+    @property
+    def dtype(self) -> torch.dtype:
+        z = self.__dict__.get("_z")
+        if z is not None:
+            return z.dtype
+        dtype = self.tensors[0].dtype
+        for t in self.tensors[1:]:
+            if t.dtype is not dtype:
+                dtype = torch.promote_types(dtype, t.dtype)
+        return dtype
+
+    @property
+    def device(self) -> torch.device:
+        z = self.__dict__.get("_z")
+        return z.device if z is not None else self.tensors[0].device
 
 
 def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,

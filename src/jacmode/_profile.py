@@ -44,6 +44,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from . import _functional
 from ._cache import WeakCache, _resolved
+from ._state import Survey
 from ._transforms import in_transform
 
 PER_FUNCTION = 16
@@ -102,38 +103,74 @@ def _hooks(m: nn.Module) -> tuple[Any, ...]:
 
 def modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
     """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note)."""
+    return _walk(modules)[0]
+
+
+def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+    """:func:`modules_key` and the guard's :class:`~jacmode._state.Survey` of ``modules`` in one
+    walk (a repeated call reads every module and parameter once, for both)."""
     parts: list[Any] = []
     add = parts.append
     # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
     # functional optimiser: they count by their place (slot, shape, dtype, device), not identity
     bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    training: list[bool] = []
+    slots: list[tuple[nn.Module, str, Any]] = []
+    params: dict[int, Any] = {}
+    buffers: list[tuple[nn.Module, str, Any]] = []
     for m in modules:
+        flag = m.training
+        training.append(flag)
         add(id(m))
-        add(m.training)
+        add(flag)
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             add(_hooks(m))
         if isinstance(m, _DropoutNd):  # p = 0 or not: random layers or none (the problem's facts)
             add(m.p)
-        params = m._parameters
-        if params:
-            add(tuple(params))
-            add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
-                                                p.shape, p.device) for p in params.values()]))
-        buffers = m._buffers
-        if buffers:
-            add(tuple(buffers))
-            add(tuple([None if b is None else (b.dtype, b.shape, b.device) for b in buffers.values()]))
+        own = m._parameters
+        if own:
+            add(tuple(own))
+            row: list[Any] = []
+            for name, p in own.items():
+                slots.append((m, name, p))
+                if p is None:
+                    row.append(None)
+                    continue
+                ident = id(p)
+                params.setdefault(ident, p)
+                row.append(("bound" if ident in bound else ident, p.requires_grad, p.dtype, p.shape, p.device))
+            add(tuple(row))
+        own = m._buffers
+        if own:
+            add(tuple(own))
+            row = []
+            for name, b in own.items():
+                if b is None:
+                    row.append(None)
+                    continue
+                buffers.append((m, name, b))
+                row.append((b.dtype, b.shape, b.device))
+            add(tuple(row))
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
         add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
              tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
-    return tuple(parts)
+    return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers)
 
 
 def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]) -> tuple[Any, ...]:
     """The one key of a profile (see the note): options, call signature, modules, modes."""
-    return (token, call_signature(args, kwargs), modules_key(modules), in_transform(),
-            torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+    return walked(token, args, kwargs, modules)[0]
+
+
+def walked(token: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+           modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+    """:func:`key`, and the :class:`~jacmode._state.Survey` of ``modules`` that the same walk
+    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call)."""
+    mods, found = _walk(modules)
+    return (token, call_signature(args, kwargs) if kwargs else (tensor_key(args[0]),) if len(args) == 1 and
+            isinstance(args[0], Tensor) else call_signature(args, kwargs), mods, in_transform(),
+            torch.is_inference_mode_enabled(), torch.is_grad_enabled()), found
 
 
 def fresh(program: Any, x: Tensor) -> bool:

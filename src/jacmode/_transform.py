@@ -410,6 +410,19 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
     return t
 
 
+def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...]) -> Optional[Transformed]:
+    """The :class:`Transformed` of an earlier eager call of ``op`` on ``f`` with these option
+    values (all of them, in the entry point's order, as :func:`eager` is given them), or None:
+    the repeated call's look-up, without building the options' dict."""
+    try:
+        hit = _EAGER.data.get(weakref.ref(f))
+        if hit is None:
+            return None
+        return hit.get((_SPECS[op].name, values, tuple(map(type, values))))
+    except TypeError:  # f cannot be weakly referenced, or an unhashable option (a list of names)
+        return None
+
+
 def clear() -> None:
     """Forget the eager calls' transforms (``jm.clear_cache``)."""
     _EAGER.clear()

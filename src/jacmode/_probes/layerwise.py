@@ -214,7 +214,7 @@ def jacobian(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
     if torch.is_grad_enabled():  # create_graph: differentiable blocks, every parameter covered
         flat = blocks(p.model, p.x, named, p.probes)
         return out.copy_(flat) if out is not None else flat
-    result = out if out is not None else p.z.new_empty(B, Y, N)
+    result = out if out is not None else torch.empty(B, Y, N, dtype=p.dtype, device=p.device)  # not p.z: made lazily
     step_b = plan.sample_chunk or B
     for b0 in range(0, B, step_b):  # chunks of samples: max_memory
         fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b],
