@@ -203,9 +203,18 @@ def _filled(cell: Any) -> bool:
 def modules_of(f: Any) -> list[nn.Module]:
     """``f.modules()`` for a module, else every module of those a plain function refers to
     (:func:`used_modules`), each once: what :func:`preserved_state` guards."""
-    if isinstance(f, nn.Module):
-        found = [f]
-        _walk(f, found, {id(f)})
+    if isinstance(f, nn.Module):  # f.modules(), without its generators: it runs on every call
+        found: list[nn.Module] = []
+        seen: set[int] = set()
+        stack = [f]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            found.append(m)
+            if m._modules:
+                stack.extend([c for c in reversed(m._modules.values()) if c is not None])
         return found
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
 
