@@ -206,11 +206,19 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
     if bound_values(f) is not None:  # a dict's tensors: this call's (see _functional.py)
         selected = _checks.check_param_selection(f, [n for n, _ in p.params])
         return _params_problem(f, x, selected, opts, dataclasses.replace(p, probes=refreshed(p.probes, selected)))
-    layout = p.__dict__.get("_layout")  # names, shapes, sizes: the same for every call of the profile
+    # names, shapes, sizes and the other fields: the same for every call of the profile (its key
+    # names the parameters, their shapes, dtypes and devices), kept on the profile's facts
+    layout = p.__dict__.get("_layout")
     if layout is None:
         layout = p.__dict__["_layout"] = ([n for n, _ in p.params], [t.shape for t in p.tensors],
                                           [t.numel() for t in p.tensors])
-    return _params_problem(f, x, list(zip(layout[0], p.tensors)), opts, p, layout)
+    template = p.__dict__.get("_template")
+    made = _params_problem(f, x, list(zip(layout[0], p.tensors)), opts, p, layout, template)
+    if template is None and isinstance(made, _LazyParams):
+        made.dtype, made.device  # noqa: B018 -- computed once, kept in the template
+        p.__dict__["_template"] = {k: v for k, v in made.__dict__.items()
+                                   if k not in ("fn", "x", "sample_fn", "subset_fn", "model", "_z")} | {"_z": None}
+    return made
 
 
 def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem:
@@ -235,9 +243,11 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
-                    facts: Problem, layout: Optional[tuple[list[str], list[Any], list[int]]] = None) -> Problem:
+                    facts: Problem, layout: Optional[tuple[list[str], list[Any], list[int]]] = None,
+                    template: Optional[dict[str, Any]] = None) -> Problem:
     """The parameter problem at ``x``: flat values and functions of them; the rest from ``facts``
-    (``layout``: the names, shapes and sizes of ``selected`` when the caller knows them)."""
+    (``layout``: the names, shapes and sizes of ``selected`` when the caller knows them;
+    ``template``: the fields of an earlier problem of the same profile, see :func:`again`)."""
     batch, n_out, batched = facts.batch, facts.n_out, facts.batched
     keep = (lambda t: t) if opts.create_graph else (lambda t: t.detach())
     if layout is None:
@@ -271,6 +281,12 @@ def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
 
         return zk, one
 
+    if lazy and template is not None:  # a repeated call: the profile's fields, this call's values
+        p = _LazyParams.__new__(_LazyParams)
+        d = p.__dict__
+        d.update(template)
+        d["fn"], d["x"], d["sample_fn"], d["subset_fn"], d["model"] = fn, x, sample_fn, subset_fn, model
+        return p
     p = (_LazyParams if lazy else Problem)(
         kind="params", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,  # type: ignore[arg-type]
         in_shape=(n_in,), out_shape=facts.out_shape, sample_fn=sample_fn,
@@ -299,19 +315,23 @@ class _LazyParams(Problem):
 
     @property
     def dtype(self) -> torch.dtype:
-        z = self.__dict__.get("_z")
-        if z is not None:
-            return z.dtype
-        dtype = self.tensors[0].dtype
-        for t in self.tensors[1:]:
-            if t.dtype is not dtype:
-                dtype = torch.promote_types(dtype, t.dtype)
+        d = self.__dict__
+        dtype = d.get("_dtype")
+        if dtype is None:
+            dtype = self.tensors[0].dtype
+            for t in self.tensors[1:]:
+                if t.dtype is not dtype:
+                    dtype = torch.promote_types(dtype, t.dtype)
+            d["_dtype"] = dtype
         return dtype
 
     @property
     def device(self) -> torch.device:
-        z = self.__dict__.get("_z")
-        return z.device if z is not None else self.tensors[0].device
+        d = self.__dict__
+        device = d.get("_device")
+        if device is None:
+            device = d["_device"] = self.tensors[0].device
+        return device
 
 
 def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
