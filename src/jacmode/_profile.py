@@ -119,6 +119,8 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
     training: list[bool] = []
     slots: list[tuple[nn.Module, str, Any]] = []
     params: dict[int, Any] = {}
+    flags: list[bool] = []
+    grads: list[Any] = []
     buffers: list[tuple[nn.Module, str, Any]] = []
     for m in modules:
         flag = m.training
@@ -139,8 +141,12 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
                     row.append(None)
                     continue
                 ident = id(p)
-                params.setdefault(ident, p)
-                row.append(("bound" if ident in bound else ident, p.requires_grad, p.dtype, p.shape, p.device))
+                flag = p.requires_grad
+                if ident not in params:
+                    params[ident] = p
+                    flags.append(flag)
+                    grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
+                row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
             add(tuple(row))
         own = m._buffers
         if own:
@@ -157,7 +163,7 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
             or _module._global_backward_pre_hooks):
         add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
              tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
-    return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers)
+    return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
 def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]) -> tuple[Any, ...]:

@@ -255,11 +255,15 @@ class Survey:
         buffers: (module, name, buffer) of every buffer that is not None.
     """
 
-    __slots__ = ("training", "slots", "params", "buffers")
+    __slots__ = ("training", "slots", "params", "buffers", "flags", "grads")
 
     def __init__(self, training: tuple[bool, ...], slots: list[tuple[nn.Module, str, Any]],
-                 params: list[Any], buffers: list[tuple[nn.Module, str, Any]]) -> None:
+                 params: list[Any], buffers: list[tuple[nn.Module, str, Any]],
+                 flags: Optional[tuple[bool, ...]] = None, grads: Optional[list[Any]] = None) -> None:
         self.training, self.slots, self.params, self.buffers = training, slots, params, buffers
+        self.flags = tuple([p.requires_grad for p in params]) if flags is None else flags
+        # non-leaf: a dict's tensor bound in (_functional.py)
+        self.grads = [p.grad if p.is_leaf else None for p in params] if grads is None else grads
 
 
 def survey(modules: list[nn.Module]) -> Survey:
@@ -291,8 +295,8 @@ class _Preserved:
             self.training = training = found.training
             self.slots = found.slots
             self.params = params = found.params
-            self.flags = flags = tuple([p.requires_grad for p in params])
-            self.grads = [p.grad if p.is_leaf else None for p in params]  # non-leaf: a dict's tensor bound in (_functional.py)
+            self.flags = found.flags
+            self.grads = found.grads
             self.buffers = buffers = found.buffers
             patched: list[tuple[Any, Any, Any, Any]] = []
             self.patched = patched
@@ -311,7 +315,7 @@ class _Preserved:
         except BaseException:
             _kernels_out()
             raise
-        return ModelView(modules, training, params, flags) if self.is_module else None
+        return ModelView(modules, training, params, found.flags) if self.is_module else None
 
     def __exit__(self, *exc: Any) -> None:
         try:
