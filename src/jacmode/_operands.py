@@ -257,7 +257,7 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
         finally:
             torch._C._set_grad_enabled(was)
         if hit is not None:
-            return connected(result, f, x, True) if opts.create_graph else result
+            return connected(result, f, x, True) if opts.create_graph else result  # type: ignore[return-value]
         with target(f, x, opts, modules, key) as t:
             return connected(body(t), f, x, opts.create_graph)
     except Unsupported as err:

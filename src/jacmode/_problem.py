@@ -9,7 +9,6 @@ per-sample reverse strategy vectorises over the batch.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -224,7 +223,8 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
 def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem:
     """The input problem at ``x``: flat values and the function of them; the rest from ``facts``."""
     xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
-    p = copy.copy(facts)  # not dataclasses.replace: this runs on every repeated call
+    p = type(facts).__new__(type(facts))  # copy.copy, without its reduce protocol (every repeated call)
+    p.__dict__.update(facts.__dict__)
     p.x = x
     if facts.program is not None and isinstance(f, Flat):
         p.program = facts.program.bind(inputs(f))  # riders are inputs of the program: this call's
@@ -282,11 +282,11 @@ def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
         return zk, one
 
     if lazy and template is not None:  # a repeated call: the profile's fields, this call's values
-        p = _LazyParams.__new__(_LazyParams)
-        d = p.__dict__
+        lazy_p = _LazyParams.__new__(_LazyParams)
+        d = lazy_p.__dict__
         d.update(template)
         d["fn"], d["x"], d["sample_fn"], d["subset_fn"], d["model"] = fn, x, sample_fn, subset_fn, model
-        return p
+        return lazy_p
     p = (_LazyParams if lazy else Problem)(
         kind="params", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,  # type: ignore[arg-type]
         in_shape=(n_in,), out_shape=facts.out_shape, sample_fn=sample_fn,

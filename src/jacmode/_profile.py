@@ -148,11 +148,11 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
                     grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
                 row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
             add(tuple(row))
-        own = m._buffers
-        if own:
-            add(tuple(own))
+        buf = m._buffers
+        if buf:
+            add(tuple(buf))
             row = []
-            for name, b in own.items():
+            for name, b in buf.items():
                 if b is None:
                     row.append(None)
                     continue
@@ -199,7 +199,7 @@ def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
         hit = _PROFILES.get(f, k)
     else:  # _PROFILES.get without its two calls (every repeated call looks up)
         try:
-            entries = _PROFILES._data.data.get(weakref.ref(f))
+            entries = _PROFILES._data.data.get(weakref.ref(f))  # type: ignore[attr-defined]
         except TypeError:  # not weak-referenceable: never profiled
             return None
         hit = None if entries is None else entries.get(k)

@@ -415,7 +415,7 @@ def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...]) -> Option
     values (all of them, in the entry point's order, as :func:`eager` is given them), or None:
     the repeated call's look-up, without building the options' dict."""
     try:
-        hit = _EAGER.data.get(weakref.ref(f))
+        hit = _EAGER.data.get(weakref.ref(f))  # type: ignore[attr-defined]
         if hit is None:
             return None
         return hit.get((_SPECS[op].name, values, tuple(map(type, values))))
