@@ -299,3 +299,17 @@ def test_a_parameter_on_another_device_is_named_on_a_first_call() -> None:
     g = nn.Sequential(nn.Tanh(), f[2], shared)
     with pytest.raises(ValueError, match="x: is on cpu but parameter '1.weight' of the model is on meta"):
         jm.jacobian(g, torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("wrt", ["inputs", "params"])
+def test_the_eager_call_and_its_transform_share_one_profile(wrt: str) -> None:
+    """The eager call passes every option, jm.transform only those given: with the defaults filled
+    in they name the same profile (one first call, not two), and give the same bits."""
+    f, x = _model()
+    jm.clear_cache()
+    first = jm.jacobian(f, x, wrt=wrt)
+    assert torch.equal(jm.transform(jm.jacobian, f, wrt=wrt)(x), first)
+    assert torch.equal(jm.jacfn(f, wrt=wrt, mode="auto")(x), first)
+    assert _profile.count(f) == 1
+    jm.jacobian(f, x, wrt=wrt, mode="reverse")  # other options: a profile of their own
+    assert _profile.count(f) == 2

@@ -375,7 +375,8 @@ def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
 _OPTION_NAMES = ("wrt", "mode", "batched", "structure", "chunk_size", "max_memory", "create_graph", "flatten")
 _DEFAULTS: dict[str, Any] = dict(wrt="inputs", mode="auto", batched=True, structure="auto", chunk_size=None,
                                  max_memory=None, create_graph=False, flatten=True)
-_transform.register(jacobian, _transform.Spec("jacobian", _prepare, _run, data=("out",), positional=False))
+_transform.register(jacobian, _transform.Spec("jacobian", _prepare, _run, data=("out",), positional=False,
+                                              defaults=_DEFAULTS))
 
 
 def _flat_shape(p: Problem) -> tuple[int, ...]:
