@@ -605,6 +605,11 @@ def laplacian(
                 structure=structure, chunk_size=chunk_size, create_graph=create_graph))
         return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
                           chunk_size, create_graph)
+    if (len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int and argnums == 0
+            and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor) and callable(f)):
+        # laplacian(f, x): what the front would find (a simple call), without it
+        return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
+                          chunk_size, create_graph)
     # ---- front: the call of several arguments as one flat function (see _args.py) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     result = _laplacian(call.fn, call.x, weight, samples, distribution, generator, return_std, structure,
