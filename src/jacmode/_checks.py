@@ -103,6 +103,9 @@ def _several_tensors(x: Any, *, wrt: str, name: str) -> str:
     )
 
 
+_VALID: dict[tuple[Any, ...], Options] = {}  # check_options' results for plain values (Options is frozen)
+
+
 def check_options(
     *,
     wrt: Any,
@@ -114,7 +117,33 @@ def check_options(
     flatten: Any,
     max_memory: Any = None,
 ) -> Options:
-    """Validate and normalise the keyword arguments shared by ``jacobian`` and ``plan``."""
+    """Validate and normalise the keyword arguments shared by ``jacobian`` and ``plan``.
+
+    The Options of plain values (a str ``wrt``, the others hashable) are remembered, by value and
+    type (1 is not True) and whether a torch.func transform is active: a repeated call of the
+    operators validates its options once.
+    """
+    key: Optional[tuple[Any, ...]] = None
+    if type(wrt) is str:
+        key = (wrt, mode, batched, structure, chunk_size, create_graph, flatten, max_memory, type(mode),
+               type(batched), type(structure), type(chunk_size), type(create_graph), type(flatten),
+               type(max_memory), in_transform())
+        try:
+            hit = _VALID.get(key)
+        except TypeError:  # an unhashable value: validated (and refused) below
+            key, hit = None, None
+        if hit is not None:
+            return hit
+    opts = _check_options(wrt=wrt, mode=mode, batched=batched, structure=structure, chunk_size=chunk_size,
+                          create_graph=create_graph, flatten=flatten, max_memory=max_memory)
+    if key is not None and len(_VALID) < 4096:
+        _VALID[key] = opts
+    return opts
+
+
+def _check_options(*, wrt: Any, mode: Any, batched: Any, structure: Any, chunk_size: Any, create_graph: Any,
+                   flatten: Any, max_memory: Any) -> Options:
+    """The body of :func:`check_options`."""
     param_names: Optional[tuple[str, ...]] = None
     if isinstance(wrt, str):
         if wrt not in WRT_KINDS:
@@ -398,6 +427,9 @@ def check_out_buffer(out: Any, shape: tuple[int, ...], dtype: torch.dtype, devic
 def check_devices(f: Callable[..., Any], x: Tensor) -> None:
     """A model and its input must live on the same device."""
     if isinstance(f, nn.Module):
+        first = _first_parameter(f)  # named_parameters' first, without its generators (every call)
+        if first is None or first.device == x.device:
+            return
         for name, p in f.named_parameters():
             if p.device != x.device:
                 raise ValueError(
@@ -405,6 +437,23 @@ def check_devices(f: Callable[..., Any], x: Tensor) -> None:
                     f"Move one of them, e.g. `x.to('{p.device}')` or `model.to('{x.device}')`."
                 )
             break
+
+
+def _first_parameter(m: nn.Module) -> Optional[Tensor]:
+    """The first of ``m.named_parameters()`` (pre-order over the modules), or None."""
+    stack = [m]
+    seen: set[int] = set()
+    while stack:
+        m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for p in m._parameters.values():
+            if p is not None:
+                return p
+        if m._modules:
+            stack.extend([c for c in reversed(m._modules.values()) if c is not None])
+    return None
 
 
 def check_not_arguments(value: Any, name: str) -> None:

@@ -375,17 +375,25 @@ def partials(
     if dims is None:
         raise TypeError("dims: missing: pass one tuple of coordinates per partial, e.g. dims=[(0,), (1, 1)] or "
                         "dims=[('t',), ('x', 'x')] for u(x, t).")
-    if isinstance(dims, (str, bytes)) or not isinstance(dims, Sequence) or any(isinstance(d, (int, str)) for d in dims):
+    if isinstance(dims, (str, bytes)) or not isinstance(dims, (list, tuple, Sequence)) or any(
+            isinstance(d, (int, str)) for d in dims):
         raise TypeError(
             f"dims: expected a list of coordinate tuples, one per partial, e.g. [(0,), (1, 1)] for "
             f"u_t and u_xx, got {dims!r}. For a single partial use jacmode.partial.")
-    call = _front(f, args, kwargs, argnums, in_dims, has_aux, [c for d in dims for c in _coords(d)])
-    fn, x = call.fn, call.x
+    if (len(args) == 1 and kwargs is None and has_aux is False and argnums is None and type(in_dims) is int
+            and in_dims == 0 and isinstance(args[0], Tensor) and callable(f)
+            and all(type(d) is tuple and all(type(c) is int for c in d) for d in dims)):
+        call = None  # partials(f, x, [(0,), (1, 1)]): no coordinate names an argument, the front's simple call
+        fn, x = f, args[0]
+    else:
+        call = _front(f, args, kwargs, argnums, in_dims, has_aux, [c for d in dims for c in _coords(d)])
+        fn, x = call.fn, call.x
     opts = validated(fn, x, "x", structure, chunk_size, create_graph)
     if not dims:
         raise ValueError("dims: expected at least one partial, e.g. [(0,), (1, 1)], got an empty list.")
     n = math.prod(x.shape[1:])
-    targets = [check_dims(_args.resolve(call, _coords(d), "dims") if not call.simple else d, n) for d in dims]
+    targets = [check_dims(d if call is None or call.simple else _args.resolve(call, _coords(d), "dims"), n)
+               for d in dims]
 
     def body(t: Target) -> tuple[Tensor, ...]:
         flat = t.over_samples(opts.chunk_size, (len(targets),),
@@ -393,7 +401,7 @@ def partials(
         return tuple(r.reshape(x.shape[0], *t.out_shape) for r in flat.unbind(0))
 
     result = evaluate(fn, x, opts, body)
-    if call.simple:
+    if call is None or call.simple:
         return result
     # ---- tail: f's output pytree ----
     return _args.finish(call, tuple(call.outputs(r, (x.shape[0],)) for r in result))
@@ -595,6 +603,11 @@ def laplacian(
                 f, *args, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux, weight=weight,
                 samples=samples, distribution=distribution, generator=generator, return_std=return_std,
                 structure=structure, chunk_size=chunk_size, create_graph=create_graph))
+        return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
+                          chunk_size, create_graph)
+    if (len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int and argnums == 0
+            and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor) and callable(f)):
+        # laplacian(f, x): what the front would find (a simple call), without it
         return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
                           chunk_size, create_graph)
     # ---- front: the call of several arguments as one flat function (see _args.py) ----

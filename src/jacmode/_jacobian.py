@@ -194,7 +194,13 @@ def jacobian(
         >>> jm.jacobian(net, t, wrt="params").shape   # (B, Y, P)
         torch.Size([1000, 4, 124])
     """
-    if torch.compiler.is_compiling():  # inside the user's torch.compile: no front (its caches do not trace)
+    compiling = torch.compiler.is_compiling()
+    if (not compiling and len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int
+            and argnums == 0 and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor)
+            and callable(f)):  # jacobian(f, x): what the front would find (a simple call), without it
+        return _eager(f, args[0], wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten,
+                      out)
+    if compiling:  # inside the user's torch.compile: no front (its caches do not trace)
         from ._autodiff import traceable as _traceable
 
         if not _traceable.simple(args, kwargs, argnums, has_aux):
@@ -258,9 +264,21 @@ def _jacobian(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any,
         return _traceable.jacobian(again, f, x, wrt=opts.wrt if opts.param_names is None else list(opts.param_names),
                                    mode=opts.mode, batched=opts.batched, structure=opts.structure,
                                    create_graph=opts.create_graph, flatten=opts.flatten)
-    options = dict(wrt=wrt, mode=mode, batched=batched, structure=structure, chunk_size=chunk_size,
-                   max_memory=max_memory, create_graph=create_graph, flatten=flatten)
-    return _transform.eager(jacobian, f, options).call(f, (x,), {} if out is None else {"out": out})
+    return _eager(f, x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten, out)
+
+
+def _eager(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any, chunk_size: Any,
+           max_memory: Any, create_graph: Any, flatten: Any, out: Any) -> Result:
+    """An eager call of one tensor outside torch.compile: the cached transform of f with these
+    options (``_transform.eager``), looked up by the options' values in their fixed order."""
+    values = (wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten)
+    t = _transform.eager_hit(jacobian, f, values)
+    if t is None:
+        t = _transform.eager(jacobian, f, dict(zip(_OPTION_NAMES, values)))
+    return _run(t, f, x, _NO_DATA if out is None else {"out": out})
+
+
+_NO_DATA: dict[str, Any] = {}
 
 
 # ---- profile: the body of a jacobian call, looked up in f's profile (_profile.py) ----
@@ -286,23 +304,24 @@ def _prepare(options: dict[str, Any]) -> _State:
 
 def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     state: _State = t.state
-    opts = state.inner if in_transform() else state.opts
-    out = data.get("out")
+    inside = in_transform()
+    opts = state.inner if inside else state.opts
+    out = data.get("out") if data else None
     _checks.check_input(x, wrt=opts.wrt, batched=opts.batched)
     if opts.structure == "sparse" and out is not None:
         raise ValueError("out: not supported with structure='sparse' (the result is a new sparse tensor); "
                          "drop out=.")
-    if opts.structure == "sparse" or (out is None and not isinstance(f, _args.Flat) and _sparse.auto(f, x, opts) is not None):
+    if opts.structure == "sparse" or (not opts.batched and out is None and not isinstance(f, _args.Flat)
+                                      and _sparse.auto(f, x, opts) is not None):  # auto: unbatched only
         layout = "csr" if opts.structure == "sparse" else "dense"
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=opts.chunk_size,
                                        max_memory=opts.max_memory, create_graph=opts.create_graph)
     modules = modules_of(f)
-    key = None if opts.mode == "autotune" else _profile.key(t.token, (x,), data, modules)
+    key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(t.token, (x,), data, modules)
     profile = None if key is None else _profile.find(f, key)
     if profile is None:
         _checks.check_devices(f, x)
-    grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
-    with preserved_state(f, modules), grad_mode:
+    with preserved_state(f, modules, survey, grad=opts.create_graph):  # no_grad unless create_graph
         hit = None if profile is None else _again(profile.facts, f, x, opts, out is not None)
         problem = describe(f, x, opts) if hit is None else hit[0]
         if out is not None:
@@ -321,10 +340,13 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
                 decision = decide(f, problem, opts, out_given=out is not None)
                 if key is not None:
                     _profile.keep(f, key, _profile.Profile("jacobian", (facts(problem), decision)), modules)
-            with decompositions.exact(decompositions.wanted()):  # a graph differentiated again
+            if opts.create_graph or inside:  # decompositions.wanted(): a graph differentiated again
+                with decompositions.exact():
+                    flat = execute(f, problem, decision, opts, out)
+            else:
                 flat = execute(f, problem, decision, opts, out)
     result = _assemble(problem, flat, opts, out)
-    return result if out is not None else connected(result, f, x, opts.create_graph)
+    return result if out is not None or not opts.create_graph else connected(result, f, x, True)
 
 
 def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
@@ -338,7 +360,7 @@ def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
     if not _profile.fresh(problem.program, x):  # a value f's captured program took changed: describe again
         return None
     p = again(problem, f, x, opts)
-    result_bytes = p.z.element_size() * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
+    result_bytes = p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
     free = _memory.available_bytes(p.device)
     if not out_given and result_bytes > free:
         return None  # decide raises the MemoryError
@@ -353,7 +375,8 @@ def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
 _OPTION_NAMES = ("wrt", "mode", "batched", "structure", "chunk_size", "max_memory", "create_graph", "flatten")
 _DEFAULTS: dict[str, Any] = dict(wrt="inputs", mode="auto", batched=True, structure="auto", chunk_size=None,
                                  max_memory=None, create_graph=False, flatten=True)
-_transform.register(jacobian, _transform.Spec("jacobian", _prepare, _run, data=("out",), positional=False))
+_transform.register(jacobian, _transform.Spec("jacobian", _prepare, _run, data=("out",), positional=False,
+                                              defaults=_DEFAULTS))
 
 
 def _flat_shape(p: Problem) -> tuple[int, ...]:

@@ -50,7 +50,6 @@ from ._capture import codegen as _codegen
 from ._autodiff import nested as _nested
 from ._capture import taylor as _taylor
 from ._capture.capture import Program
-from ._jacobian import _options
 from ._problem import captured, connected, describe, riders_independent
 from ._rules import decompositions
 from ._rules.base import Unsupported
@@ -178,8 +177,10 @@ def _order(name: str, args: tuple[Any, ...]) -> int:
 
 def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create_graph: Any) -> Options:
     _checks.check_input(x, wrt="inputs", batched=True, name=name)
-    opts = _options(f, x, wrt="inputs", mode="forward", batched=True, structure=structure,
-                    chunk_size=chunk_size, create_graph=create_graph, flatten=True)
+    _checks.check_function(f)  # what _jacobian._options checks, x once
+    opts = _checks.check_options(wrt="inputs", mode="forward", batched=True, structure=structure,
+                                 chunk_size=chunk_size, create_graph=create_graph, flatten=True)
+    _checks.check_devices(f, x)
     if opts.structure == "diagonal":
         raise ValueError(
             "structure: 'diagonal' does not apply to the derivative operators. Use 'auto' (the "
@@ -248,6 +249,15 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
     modules = modules_of(f)
     key = _profile.key(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules)
     try:
+        was = torch.is_grad_enabled()  # a repeated call of a captured program: no context managers
+        torch._C._set_grad_enabled(opts.create_graph)
+        try:
+            hit = _hit(f, x, opts, key)
+            result = None if hit is None else body(hit)
+        finally:
+            torch._C._set_grad_enabled(was)
+        if hit is not None:
+            return connected(result, f, x, True) if opts.create_graph else result  # type: ignore[return-value]
         with target(f, x, opts, modules, key) as t:
             return connected(body(t), f, x, opts.create_graph)
     except Unsupported as err:
@@ -258,6 +268,24 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
         _capture.reject(program, x, str(err))
     with target(f, x, opts, modules, key) as t:
         return connected(body(t), f, x, opts.create_graph)
+
+
+def _hit(f: Any, x: Tensor, opts: Options, key: tuple) -> Optional[Target]:
+    """The :class:`Target` of a profile hit with a fresh captured program (what :func:`target`
+    yields for it, without its generator context and grad-mode context), else None."""
+    found = _profile.find(f, key)
+    if found is None:
+        return None
+    program, out_shape, coupled, random, widest = found.facts
+    if program is None or not _profile.fresh(program, x):
+        return None  # the guarded path, or capture again (target)
+    source = f if isinstance(f, Flat) else None
+    if source is not None:
+        program = program.bind(inputs(f))  # riders are inputs of the program: this call's
+    in_shape = tuple(x.shape[1:])
+    z = (x if opts.create_graph else x.detach()).reshape(x.shape[0], math.prod(in_shape))
+    return Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,
+                  out_shape=out_shape, widest=widest, source=source)
 
 
 # the derivative operators' targets in profile keys: one token per structure and create_graph

@@ -9,7 +9,6 @@ per-sample reverse strategy vectorises over the batch.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from dataclasses import dataclass, field
@@ -203,17 +202,29 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
     """
     if p.kind == "inputs":
         return _inputs_problem(f, x, opts, p)
-    names = [n for n, _ in p.params]
     if bound_values(f) is not None:  # a dict's tensors: this call's (see _functional.py)
-        selected = _checks.check_param_selection(f, names)
+        selected = _checks.check_param_selection(f, [n for n, _ in p.params])
         return _params_problem(f, x, selected, opts, dataclasses.replace(p, probes=refreshed(p.probes, selected)))
-    return _params_problem(f, x, list(zip(names, p.tensors)), opts, p)
+    # names, shapes, sizes and the other fields: the same for every call of the profile (its key
+    # names the parameters, their shapes, dtypes and devices), kept on the profile's facts
+    layout = p.__dict__.get("_layout")
+    if layout is None:
+        layout = p.__dict__["_layout"] = ([n for n, _ in p.params], [t.shape for t in p.tensors],
+                                          [t.numel() for t in p.tensors])
+    template = p.__dict__.get("_template")
+    made = _params_problem(f, x, list(zip(layout[0], p.tensors)), opts, p, layout, template)
+    if template is None and isinstance(made, _LazyParams):
+        made.dtype, made.device  # noqa: B018 -- computed once, kept in the template
+        p.__dict__["_template"] = {k: v for k, v in made.__dict__.items()
+                                   if k not in ("fn", "x", "sample_fn", "subset_fn", "model", "_z")} | {"_z": None}
+    return made
 
 
 def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem:
     """The input problem at ``x``: flat values and the function of them; the rest from ``facts``."""
     xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
-    p = copy.copy(facts)  # not dataclasses.replace: this runs on every repeated call
+    p = type(facts).__new__(type(facts))  # copy.copy, without its reduce protocol (every repeated call)
+    p.__dict__.update(facts.__dict__)
     p.x = x
     if facts.program is not None and isinstance(f, Flat):
         p.program = facts.program.bind(inputs(f))  # riders are inputs of the program: this call's
@@ -232,14 +243,22 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,
-                    facts: Problem) -> Problem:
-    """The parameter problem at ``x``: flat values and functions of them; the rest from ``facts``."""
+                    facts: Problem, layout: Optional[tuple[list[str], list[Any], list[int]]] = None,
+                    template: Optional[dict[str, Any]] = None) -> Problem:
+    """The parameter problem at ``x``: flat values and functions of them; the rest from ``facts``
+    (``layout``: the names, shapes and sizes of ``selected`` when the caller knows them;
+    ``template``: the fields of an earlier problem of the same profile, see :func:`again`)."""
     batch, n_out, batched = facts.batch, facts.n_out, facts.batched
     keep = (lambda t: t) if opts.create_graph else (lambda t: t.detach())
-    names = [n for n, _ in selected]
-    shapes = [p.shape for _, p in selected]
-    sizes = [p.numel() for _, p in selected]
-    z = torch.cat([keep(p).reshape(-1) for _, p in selected]) if selected else torch.zeros(0)
+    if layout is None:
+        layout = ([n for n, _ in selected], [p.shape for _, p in selected], [p.numel() for _, p in selected])
+    names, shapes, sizes = layout
+    n_in = sum(sizes)
+    # z, a copy of every selected parameter, is made when an engine first reads it (the probe
+    # engine reads the parameters themselves, never z); with create_graph at once, in the graph
+    lazy = bool(selected) and not opts.create_graph
+    z: Optional[Tensor] = None if lazy else (
+        torch.cat([keep(p).reshape(-1) for _, p in selected]) if selected else torch.zeros(0))
 
     def unflatten(z: Tensor) -> dict[str, Tensor]:
         return {n: t.view(s) for n, t, s in zip(names, z.split(sizes), shapes)}
@@ -262,11 +281,57 @@ def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
 
         return zk, one
 
-    return Problem(kind="params", fn=fn, z=z, batch=batch, n_in=z.numel(), n_out=n_out,
-                   in_shape=(z.numel(),), out_shape=facts.out_shape, sample_fn=sample_fn,
-                   params=list(zip(names, shapes)), batched=batched, structure=facts.structure, x=x,
-                   random=facts.random, tensors=[p for _, p in selected], probes=facts.probes,
-                   subset_fn=subset_fn, model=model)
+    if lazy and template is not None:  # a repeated call: the profile's fields, this call's values
+        lazy_p = _LazyParams.__new__(_LazyParams)
+        d = lazy_p.__dict__
+        d.update(template)
+        d["fn"], d["x"], d["sample_fn"], d["subset_fn"], d["model"] = fn, x, sample_fn, subset_fn, model
+        return lazy_p
+    p = (_LazyParams if lazy else Problem)(
+        kind="params", fn=fn, z=z, batch=batch, n_in=n_in, n_out=n_out,  # type: ignore[arg-type]
+        in_shape=(n_in,), out_shape=facts.out_shape, sample_fn=sample_fn,
+        params=list(zip(names, shapes)), batched=batched, structure=facts.structure, x=x,
+        random=facts.random, tensors=[t for _, t in selected], probes=facts.probes,
+        subset_fn=subset_fn, model=model)
+    return p
+
+
+class _LazyParams(Problem):
+    """A parameter problem whose flat z (the detached parameters concatenated, (P,)) is made when
+    it is first read: the probe engine of a repeated call never reads it, and the copy of every
+    parameter was most of that call's cost outside the engine. ``dtype`` and ``device`` are those
+    ``torch.cat`` gives z (the promoted dtype of the parameters, their device) without making it."""
+
+    @property  # type: ignore[override]
+    def z(self) -> Tensor:
+        z = self.__dict__.get("_z")
+        if z is None:
+            z = self.__dict__["_z"] = torch.cat([t.detach().reshape(-1) for t in self.tensors])
+        return z
+
+    @z.setter
+    def z(self, value: Optional[Tensor]) -> None:
+        self.__dict__["_z"] = value
+
+    @property
+    def dtype(self) -> torch.dtype:
+        d = self.__dict__
+        dtype = d.get("_dtype")
+        if dtype is None:
+            dtype = self.tensors[0].dtype
+            for t in self.tensors[1:]:
+                if t.dtype is not dtype:
+                    dtype = torch.promote_types(dtype, t.dtype)
+            d["_dtype"] = dtype
+        return dtype
+
+    @property
+    def device(self) -> torch.device:
+        d = self.__dict__
+        device = d.get("_device")
+        if device is None:
+            device = d["_device"] = self.tensors[0].device
+        return device
 
 
 def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,

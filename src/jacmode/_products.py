@@ -38,7 +38,7 @@ from ._probes import ntk as _ntk
 from ._probes import products as _engine
 from ._autodiff.fallback import classify
 from ._probes.layerwise import columns
-from ._functional import accepts_params_dict, per_sample_grads_transformed
+from ._functional import accepts_params_dict, bound_values, per_sample_grads_transformed
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
 from ._planning.memory import DEFAULT_FRACTION, available_bytes
@@ -274,19 +274,38 @@ def per_sample_grads(
                                            wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
     if in_transform():  # vmap over an ensemble's parameters, grad of a meta-objective: torch.func's idiom
         return per_sample_grads_transformed(f, x, loss, y, wrt, flatten)
-    opts, selected = _setup(f, x, wrt, chunk_size, max_memory, flatten)
-    _checks.check_loss(loss)
-    _checks.check_torch_loss(loss, y, "per_sample_grads")
-    _checks.check_target(y, x.shape[0])
-    names, params = [n for n, _ in selected], [p for _, p in selected]
-    if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path
+    _checks.check_function(f)
+    _checks.check_outside_transforms("per_sample_grads", PRODUCT_WHY, PRODUCT_INSTEAD)
+    opts = _checks.check_product_options(wrt=wrt, chunk_size=chunk_size, max_memory=max_memory, flatten=flatten)
+    _checks.check_not_arguments(x, "x")
+    _checks.check_input(x, wrt="params", batched=True, name="x")
+    if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path (no profile)
         from ._autodiff import traceable as _traceable
+
+        _checks.check_devices(f, x)
+        selected = _checks.check_param_selection(f, opts.param_names)
+        _checks.check_loss(loss)
+        _checks.check_torch_loss(loss, y, "per_sample_grads")
+        _checks.check_target(y, x.shape[0])
 
         def again() -> Union[Tensor, dict[str, Tensor]]:
             return per_sample_grads(f, x, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
                                     max_memory=max_memory, progress=progress)
 
-        return _traceable.per_sample_grads(again, f, x, loss, y, names, flatten)
+        return _traceable.per_sample_grads(again, f, x, loss, y, [n for n, _ in selected], flatten)
+    # ---- profile: the coverage and the split of the parameters, found once per signature ----
+    modules = modules_of(f)
+    key, survey = _profile.walked(_PSG_TOKEN, (x,), {"y": y, "loss": _loss_key(loss), "opts": opts}, modules)
+    found = _profile.find(f, key)
+    if found is None or bound_values(f) is not None:  # the selection of a hit is the profile's (same key)
+        _checks.check_devices(f, x)
+        selected = _checks.check_param_selection(f, opts.param_names)
+    else:
+        selected = found.facts[3]
+    _checks.check_loss(loss)
+    _checks.check_torch_loss(loss, y, "per_sample_grads")
+    _checks.check_target(y, x.shape[0])
+    names, params = [n for n, _ in selected], [p for _, p in selected]
     n_params, batch = sum(p.numel() for p in params), x.shape[0]
     dtype = _engine.result_dtype(params)
     _checks.check_fits(batch * n_params * dtype.itemsize,
@@ -296,11 +315,7 @@ def per_sample_grads(
     def losses(out: Tensor) -> Tensor:
         return _checks.check_losses(loss(out) if y is None else loss(out, y), out.shape[0])
 
-    # ---- profile: the coverage and the split of the parameters, found once per signature ----
-    modules = modules_of(f)
-    key = _profile.key(_PSG_TOKEN, (x,), {"y": y, "loss": _loss_key(loss), "opts": opts}, modules)
-    found = _profile.find(f, key)
-    with preserved_state(f, modules), torch.no_grad():
+    with preserved_state(f, modules, survey, grad=False):  # and no_grad
         if found is None:
             _out_shape(f, x)
         if _losses.is_torch_loss(loss):  # torch's module -> its per-sample terms (see _losses.py)
@@ -312,7 +327,7 @@ def per_sample_grads(
                 cov = None  # two passes would draw two dropout masks
             cols = columns(selected)
         else:
-            cov, cols, checked = found.facts
+            cov, cols, checked, _ = found.facts
         flat = torch.empty(batch, n_params, dtype=dtype, device=x.device)  # never x's dtype: ids are int
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
@@ -329,7 +344,8 @@ def per_sample_grads(
             n_rest = sum(p.numel() for _, p in rest)
             _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch, x.device))
         if found is None and not (cov is not None and len(rest) == len(selected) and rest):
-            _profile.keep(f, key, _profile.Profile("per_sample_grads", (cov, cols, bool(rest))), modules)
+            _profile.keep(f, key, _profile.Profile("per_sample_grads", (cov, cols, bool(rest),
+                          selected if bound_values(f) is None else None)), modules)  # not a dict's tensors
     if flatten:
         return flat
     sizes = [p.numel() for p in params]

@@ -34,6 +34,7 @@ function (the oldest goes first). ``jm.clear_cache()`` forgets all of them.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
@@ -43,7 +44,9 @@ from torch.nn.modules import module as _module
 from torch.nn.modules.dropout import _DropoutNd
 
 from . import _functional
+from ._args import Flat
 from ._cache import WeakCache, _resolved
+from ._state import Survey
 from ._transforms import in_transform
 
 PER_FUNCTION = 16
@@ -102,38 +105,80 @@ def _hooks(m: nn.Module) -> tuple[Any, ...]:
 
 def modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
     """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note)."""
+    return _walk(modules)[0]
+
+
+def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+    """:func:`modules_key` and the guard's :class:`~jacmode._state.Survey` of ``modules`` in one
+    walk (a repeated call reads every module and parameter once, for both)."""
     parts: list[Any] = []
     add = parts.append
     # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
     # functional optimiser: they count by their place (slot, shape, dtype, device), not identity
     bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    training: list[bool] = []
+    slots: list[tuple[nn.Module, str, Any]] = []
+    params: dict[int, Any] = {}
+    flags: list[bool] = []
+    grads: list[Any] = []
+    buffers: list[tuple[nn.Module, str, Any]] = []
     for m in modules:
+        flag = m.training
+        training.append(flag)
         add(id(m))
-        add(m.training)
+        add(flag)
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
             add(_hooks(m))
         if isinstance(m, _DropoutNd):  # p = 0 or not: random layers or none (the problem's facts)
             add(m.p)
-        params = m._parameters
-        if params:
-            add(tuple(params))
-            add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
-                                                p.shape, p.device) for p in params.values()]))
-        buffers = m._buffers
-        if buffers:
-            add(tuple(buffers))
-            add(tuple([None if b is None else (b.dtype, b.shape, b.device) for b in buffers.values()]))
+        own = m._parameters
+        if own:
+            add(tuple(own))
+            row: list[Any] = []
+            for name, p in own.items():
+                slots.append((m, name, p))
+                if p is None:
+                    row.append(None)
+                    continue
+                ident = id(p)
+                flag = p.requires_grad
+                if ident not in params:
+                    params[ident] = p
+                    flags.append(flag)
+                    grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
+                row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
+            add(tuple(row))
+        buf = m._buffers
+        if buf:
+            add(tuple(buf))
+            row = []
+            for name, b in buf.items():
+                if b is None:
+                    row.append(None)
+                    continue
+                buffers.append((m, name, b))
+                row.append((b.dtype, b.shape, b.device))
+            add(tuple(row))
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
         add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
              tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
-    return tuple(parts)
+    return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
 def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]) -> tuple[Any, ...]:
     """The one key of a profile (see the note): options, call signature, modules, modes."""
-    return (token, call_signature(args, kwargs), modules_key(modules), in_transform(),
-            torch.is_inference_mode_enabled(), torch.is_grad_enabled())
+    return walked(token, args, kwargs, modules)[0]
+
+
+def walked(token: int, args: tuple[Any, ...], kwargs: dict[str, Any],
+           modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+    """:func:`key`, and the :class:`~jacmode._state.Survey` of ``modules`` that the same walk
+    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call)."""
+    mods, found = _walk(modules)
+    return (token, call_signature(args, kwargs) if kwargs else (tensor_key(args[0]),) if len(args) == 1 and
+            isinstance(args[0], Tensor) else call_signature(args, kwargs), mods, in_transform(),
+            torch.is_inference_mode_enabled(), torch.is_grad_enabled()), found
 
 
 def fresh(program: Any, x: Tensor) -> bool:
@@ -150,7 +195,14 @@ def fresh(program: Any, x: Tensor) -> bool:
 
 def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
     """The profile of ``f`` for key ``k``, or None."""
-    hit = _PROFILES.get(f, k)
+    if isinstance(f, Flat):
+        hit = _PROFILES.get(f, k)
+    else:  # _PROFILES.get without its two calls (every repeated call looks up)
+        try:
+            entries = _PROFILES._data.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+        except TypeError:  # not weak-referenceable: never profiled
+            return None
+        hit = None if entries is None else entries.get(k)
     return hit if isinstance(hit, Profile) else None
 
 

@@ -63,6 +63,46 @@ def _sdp_flags() -> list[tuple[Any, Any, bool]]:
 _SDP_FLAGS = _sdp_flags()
 
 
+_MHA = torch.backends.mha
+_MHA_GLOBAL = isinstance(getattr(_MHA, "_is_fastpath_enabled", None), bool)  # set_fastpath_enabled's own flag
+
+
+def _kernels_in() -> None:
+    """Enter :class:`_TransformableKernels` (a function: ``_Preserved`` calls it on every call)."""
+    with _KERNELS_LOCK:
+        if _KERNELS["users"] == 0:
+            if _MHA_GLOBAL:  # what get/set_fastpath_enabled read and write, without two calls
+                _KERNELS["fastpath"] = _MHA._is_fastpath_enabled
+                _MHA._is_fastpath_enabled = False
+            else:  # pragma: no cover -- another torch
+                _KERNELS["fastpath"] = _MHA.get_fastpath_enabled()
+                _MHA.set_fastpath_enabled(False)
+            if _SDP_FLAGS:
+                _KERNELS["sdpa"] = [get() for get, _, _ in _SDP_FLAGS]
+                for _, put, wanted in _SDP_FLAGS:
+                    put(wanted)
+            else:  # a torch without the flag functions: its own context
+                _KERNELS["sdpa"] = contextlib.ExitStack()
+                _KERNELS["sdpa"].enter_context(sdpa_kernel([SDPBackend.MATH]))
+        _KERNELS["users"] += 1
+
+
+def _kernels_out() -> None:
+    with _KERNELS_LOCK:
+        _KERNELS["users"] -= 1
+        if _KERNELS["users"] == 0:
+            saved = _KERNELS["sdpa"]
+            if isinstance(saved, list):
+                for (_, put, _), value in zip(_SDP_FLAGS, saved):
+                    put(value)
+            else:
+                saved.close()
+            if _MHA_GLOBAL:
+                _MHA._is_fastpath_enabled = _KERNELS["fastpath"]
+            else:  # pragma: no cover
+                _MHA.set_fastpath_enabled(_KERNELS["fastpath"])
+
+
 class _TransformableKernels:
     """Use only attention kernels that jvp and vmap can transform (see the note above).
 
@@ -71,30 +111,10 @@ class _TransformableKernels:
     """
 
     def __enter__(self) -> None:
-        with _KERNELS_LOCK:
-            if _KERNELS["users"] == 0:
-                _KERNELS["fastpath"] = torch.backends.mha.get_fastpath_enabled()
-                torch.backends.mha.set_fastpath_enabled(False)
-                if _SDP_FLAGS:
-                    _KERNELS["sdpa"] = [get() for get, _, _ in _SDP_FLAGS]
-                    for _, put, wanted in _SDP_FLAGS:
-                        put(wanted)
-                else:  # a torch without the flag functions: its own context
-                    _KERNELS["sdpa"] = contextlib.ExitStack()
-                    _KERNELS["sdpa"].enter_context(sdpa_kernel([SDPBackend.MATH]))
-            _KERNELS["users"] += 1
+        _kernels_in()
 
     def __exit__(self, *exc: Any) -> None:
-        with _KERNELS_LOCK:
-            _KERNELS["users"] -= 1
-            if _KERNELS["users"] == 0:
-                saved = _KERNELS["sdpa"]
-                if isinstance(saved, list):
-                    for (_, put, _), value in zip(_SDP_FLAGS, saved):
-                        put(value)
-                else:
-                    saved.close()
-                torch.backends.mha.set_fastpath_enabled(_KERNELS["fastpath"])
+        _kernels_out()
 
 
 def _transformable_kernels() -> _TransformableKernels:
@@ -183,9 +203,18 @@ def _filled(cell: Any) -> bool:
 def modules_of(f: Any) -> list[nn.Module]:
     """``f.modules()`` for a module, else every module of those a plain function refers to
     (:func:`used_modules`), each once: what :func:`preserved_state` guards."""
-    if isinstance(f, nn.Module):
-        found = [f]
-        _walk(f, found, {id(f)})
+    if isinstance(f, nn.Module):  # f.modules(), without its generators: it runs on every call
+        found: list[nn.Module] = []
+        seen: set[int] = set()
+        stack = [f]
+        while stack:
+            m = stack.pop()
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            found.append(m)
+            if m._modules:
+                stack.extend([c for c in reversed(m._modules.values()) if c is not None])
         return found
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
 
@@ -200,83 +229,124 @@ def _walk(m: nn.Module, found: list[nn.Module], seen: set[int]) -> None:
             _walk(child, found, seen)
 
 
-def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None) -> "_Preserved":
+def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None, survey: Optional["Survey"] = None,
+                    grad: Optional[bool] = None) -> "_Preserved":
     """Run a block and leave ``f`` exactly as found, even on error: ``f`` if it is an ``nn.Module``,
     else the modules it refers to (:func:`used_modules`: a lambda around a model, ``functional_call``).
 
     ``modules``: :func:`modules_of` ``f`` when the caller has it already (one walk per call).
+    ``survey``: what the profile's key read of those modules just before (``_profile.walked``:
+    the training flags, parameter slots, parameters and buffers), so that a call walks its
+    modules once for the key and the guard; it must be of ``modules`` and taken right before.
+    ``grad``: also set grad mode within the block (``torch.no_grad()`` / ``enable_grad()``
+    entered inside the guard, without their own contexts), and restore it on exit.
     Yields the :class:`ModelView` of the module (None when ``f`` is not a module).
     """
-    return _Preserved(modules_of(f) if modules is None else modules, isinstance(f, nn.Module))
+    return _Preserved(modules_of(f) if modules is None else modules, isinstance(f, nn.Module), survey, grad)
+
+
+class Survey:
+    """One walk of a call's modules, as the guard records them (see :func:`preserved_state`).
+
+    Attributes:
+        training: the modules' training flags, in order.
+        slots: (module, name, parameter or None) of every parameter slot.
+        params: every parameter once (``f.parameters()``'s order).
+        buffers: (module, name, buffer) of every buffer that is not None.
+    """
+
+    __slots__ = ("training", "slots", "params", "buffers", "flags", "grads")
+
+    def __init__(self, training: tuple[bool, ...], slots: list[tuple[nn.Module, str, Any]],
+                 params: list[Any], buffers: list[tuple[nn.Module, str, Any]],
+                 flags: Optional[tuple[bool, ...]] = None, grads: Optional[list[Any]] = None) -> None:
+        self.training, self.slots, self.params, self.buffers = training, slots, params, buffers
+        self.flags = tuple([p.requires_grad for p in params]) if flags is None else flags
+        # non-leaf: a dict's tensor bound in (_functional.py)
+        self.grads = [p.grad if p.is_leaf else None for p in params] if grads is None else grads
+
+
+def survey(modules: list[nn.Module]) -> Survey:
+    """The :class:`Survey` of ``modules`` (the guard's own walk when no key walked them before)."""
+    training = tuple([m.training for m in modules])
+    slots = [(m, name, p) for m in modules if m._parameters for name, p in m._parameters.items()]
+    params = list({id(p): p for _, _, p in slots if p is not None}.values())
+    buffers = [(m, name, b) for m in modules if m._buffers for name, b in m._buffers.items() if b is not None]
+    return Survey(training, slots, params, buffers)
 
 
 class _Preserved:
     """The context of :func:`preserved_state` (see the note above): a class rather than generator
-    contexts, since every call of every entry point enters one."""
+    contexts, since every call of every entry point enters one (its steps are inlined for that)."""
 
-    __slots__ = ("modules", "is_module", "kernels", "training", "slots", "params", "flags", "grads", "buffers",
-                 "copies", "versions", "patched")
+    __slots__ = ("modules", "is_module", "training", "slots", "params", "flags", "grads", "buffers",
+                 "copies", "versions", "patched", "survey", "grad", "grad_was")
 
-    def __init__(self, modules: list[nn.Module], is_module: bool) -> None:
-        self.modules, self.is_module = modules, is_module
-        self.kernels = _TransformableKernels()
+    def __init__(self, modules: list[nn.Module], is_module: bool, survey: Optional[Survey] = None,
+                 grad: Optional[bool] = None) -> None:
+        self.modules, self.is_module, self.survey, self.grad = modules, is_module, survey, grad
 
     def __enter__(self) -> Optional[ModelView]:
-        self.kernels.__enter__()
+        _kernels_in()
         try:
-            return self._record()
+            modules = self.modules
+            found = self.survey if self.survey is not None else survey(modules)
+            self.survey = None  # a context entered twice walks again
+            self.training = training = found.training
+            self.slots = found.slots
+            self.params = params = found.params
+            self.flags = found.flags
+            self.grads = found.grads
+            self.buffers = buffers = found.buffers
+            patched: list[tuple[Any, Any, Any, Any]] = []
+            self.patched = patched
+            if buffers:
+                self.copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
+                self.versions = [b._version for _, _, b in buffers]
+            for bn, flag in zip(modules, training):
+                if flag and isinstance(bn, _BATCHNORM) and bn.track_running_stats:
+                    patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
+                    bn.running_mean = None
+                    bn.running_var = None
+                    bn.track_running_stats = False
+            if self.grad is not None:
+                self.grad_was = torch.is_grad_enabled()
+                torch._C._set_grad_enabled(self.grad)
         except BaseException:
-            self.kernels.__exit__(None, None, None)
+            _kernels_out()
             raise
-
-    def _record(self) -> Optional[ModelView]:
-        modules = self.modules
-        self.training = training = tuple(m.training for m in modules)
-        self.slots = slots = [(m, name, p) for m in modules for name, p in m._parameters.items()]
-        self.params = params = list({id(p): p for _, _, p in slots if p is not None}.values())  # f.parameters()
-        self.flags = flags = tuple(p.requires_grad for p in params)
-        self.grads = [p.grad if p.is_leaf else None for p in params]  # non-leaf: a dict's tensor bound in (_functional.py)
-        self.buffers = buffers = [(m, name, b) for m in modules for name, b in m._buffers.items() if b is not None]
-        self.copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
-        self.versions = [b._version for _, _, b in buffers]
-        patched: list[tuple[Any, Any, Any, Any]] = []
-        self.patched = patched
-        for bn in modules:
-            if isinstance(bn, nn.modules.batchnorm._BatchNorm) and bn.training and bn.track_running_stats:
-                patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
-                bn.running_mean = None
-                bn.running_var = None
-                bn.track_running_stats = False
-        return ModelView(modules, training, params, flags) if self.is_module else None
+        return ModelView(modules, training, params, found.flags) if self.is_module else None
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._restore()
+            if self.grad is not None:
+                torch._C._set_grad_enabled(self.grad_was)
+            for bn, mean, var, count in self.patched:
+                bn.running_mean, bn.running_var, bn.num_batches_tracked = mean, var, count
+                bn.track_running_stats = True
+            for m, flag in zip(self.modules, self.training):
+                if m.training is not flag:  # nn.Module.__setattr__ is slow: only where a flag moved
+                    m.training = flag
+            for m, name, p in self.slots:  # functional_call fails to restore a module registered twice
+                if m._parameters.get(name) is not p:
+                    m._parameters[name] = p
+            for p, flag, g in zip(self.params, self.flags, self.grads):
+                if p.requires_grad is not flag:
+                    p.requires_grad_(flag)
+                if p.is_leaf and p.grad is not g:
+                    p.grad = g
+            if self.buffers:
+                with torch.no_grad():
+                    for (m, name, b), copy, version in zip(self.buffers, self.copies, self.versions):
+                        if m._buffers.get(name) is not b:
+                            m._buffers[name] = b
+                        if b._version != version and copy is not None:
+                            b.copy_(copy)
         finally:
-            self.kernels.__exit__(None, None, None)
+            _kernels_out()
 
-    def _restore(self) -> None:
-        for bn, mean, var, count in self.patched:
-            bn.running_mean, bn.running_var, bn.num_batches_tracked = mean, var, count
-            bn.track_running_stats = True
-        for m, flag in zip(self.modules, self.training):
-            if m.training != flag:  # nn.Module.__setattr__ is slow: only where a flag moved
-                m.training = flag
-        for m, name, p in self.slots:  # functional_call fails to restore a module registered twice
-            if m._parameters.get(name) is not p:
-                m._parameters[name] = p
-        for p, flag, g in zip(self.params, self.flags, self.grads):
-            if p.requires_grad != flag:
-                p.requires_grad_(flag)
-            if p.is_leaf and p.grad is not g:
-                p.grad = g
-        if self.buffers:
-            with torch.no_grad():
-                for (m, name, b), copy, version in zip(self.buffers, self.copies, self.versions):
-                    if m._buffers.get(name) is not b:
-                        m._buffers[name] = b
-                    if b._version != version and copy is not None:
-                        b.copy_(copy)
+
+_BATCHNORM = nn.modules.batchnorm._BatchNorm
 
 
 class RngReplay:

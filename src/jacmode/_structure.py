@@ -91,6 +91,11 @@ class _Result:
 def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
     """Run the plan's strategy and return the flat result (see module docstring)."""
     rng = RngReplay(p.device) if p.random else None
+    if plan.strategy == "per-sample" and p.probes is not None:
+        try:
+            return layerwise.jacobian(p, plan, out)  # reads the parameters, not z (made lazily)
+        except NotCovered:
+            pass  # the generic engine below, for every parameter
     B, N, Y, z = p.batch, p.n_in, p.n_out, p.z
     forward = plan.mode == "forward"
     step = plan.chunk_size
@@ -101,12 +106,6 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
         seeds = lambda s, e: torch.ones_like(z).unsqueeze(0)  # noqa: E731
         engine(p.fn, z, 1, seeds, lambda s, e, blk: res.keep(blk[0]), 1, rng)
         return res.target()
-
-    if plan.strategy == "per-sample" and p.probes is not None:
-        try:
-            return layerwise.jacobian(p, plan, out)
-        except NotCovered:
-            pass  # the generic engine below, for every parameter
 
     if plan.strategy == "per-sample":
         res = _Result((B, Y, N), z, out)

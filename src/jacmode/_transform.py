@@ -21,6 +21,7 @@ entry points run eagerly and say so with one ``JacmodeWarning`` per transform.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import itertools
 import warnings
@@ -57,6 +58,7 @@ class Spec:
     data: tuple[str, ...] = ()
     module: bool = False
     positional: bool = True
+    defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # the options' defaults (for the token)
 
 
 _SPECS: dict[Any, Spec] = {}
@@ -225,7 +227,9 @@ class Transformed:
         self._front = {k: options[k] for k in _FRONT if k in options}
         options = {k: v for k, v in options.items() if k not in _FRONT}
         self.state = spec.prepare(dict(options))
-        self.token, self._frozen = _token(spec.name, options)
+        # the options with the entry point's defaults filled in: the eager call (which passes every
+        # option) and jm.transform with the same options share one token, so one profile
+        self.token, self._frozen = _token(spec.name, {**spec.defaults, **options})
         self.options = dict(options)
         self.compile = compile
         self.op = spec.name
@@ -409,6 +413,19 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
             entries.pop(next(iter(entries)))
         entries[frozen] = t
     return t
+
+
+def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...]) -> Optional[Transformed]:
+    """The :class:`Transformed` of an earlier eager call of ``op`` on ``f`` with these option
+    values (all of them, in the entry point's order, as :func:`eager` is given them), or None:
+    the repeated call's look-up, without building the options' dict."""
+    try:
+        hit = _EAGER.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+        if hit is None:
+            return None
+        return hit.get((_SPECS[op].name, values, tuple(map(type, values))))
+    except TypeError:  # f cannot be weakly referenced, or an unhashable option (a list of names)
+        return None
 
 
 def clear() -> None:

@@ -24,10 +24,12 @@ import torch
 from torch import Tensor
 
 
+_PEEK = getattr(torch._C._functorch, "peek_interpreter_stack", None)
+
+
 def in_transform() -> bool:
     """Inside a torch.func transform (grad, jvp, vmap, ...), where tensors may be wrapped."""
-    peek = getattr(torch._C._functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
+    return _PEEK is not None and _PEEK() is not None
 
 
 def plain(t: Tensor) -> Tensor:

@@ -225,7 +225,7 @@ def make_plan(
         reason += f"; {per} per pass {why_chunked}"
     if why:
         reason += f"; {why}"
-    result_bytes = p.z.element_size() * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
+    result_bytes = p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
     return Plan(mode=chosen, strategy=strategy, directions=directions, chunk_size=chunk,
                 sample_chunk=samples, costs=costs, result_bytes=result_bytes,
                 workspace_bytes=int(ws), budget_bytes=int(min(budget, 2**62)), loop=loops.get(chosen),

@@ -57,10 +57,10 @@ Entry = Union[int, str, Callable[..., Tensor]]  # calls so far, why not, or the 
 
 
 def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, out: Optional[Tensor],
-             like: Tensor, shape: tuple[int, int, int], repeat: bool) -> Optional[Tensor]:
-    """The (B, Y, P) Jacobian (in ``out`` when given) from generated code, or None when it does not
-    apply (see the note); ``like`` gives the result's dtype and device. Every selected parameter
-    must be covered (the caller fills nothing else).
+             dtype: torch.dtype, device: torch.device, shape: tuple[int, int, int], repeat: bool) -> Optional[Tensor]:
+    """The (B, Y, P) Jacobian of ``dtype`` on ``device`` (in ``out`` when given) from generated
+    code, or None when it does not apply (see the note). Every selected parameter must be covered
+    (the caller fills nothing else).
     """
     if (not ENABLED or not codegen.ENABLED or torch.is_grad_enabled() or torch.compiler.is_compiling()
             or in_transform() or torch.is_inference_mode_enabled() or codegen._modes_active()
@@ -80,7 +80,7 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
              for n, t in d.items() if t is not None]
     mode = codegen._MODE.get()
     backend = None if mode is None else mode["backend"]
-    key = (tuple(n for n, _ in named), _meta(x), None if out is None else _meta(out), shape, like.dtype, like.device,
+    key = (tuple(n for n, _ in named), _meta(x), None if out is None else _meta(out), shape, dtype, device,
            repeat, backend, tuple((n, _meta(t)) for n, t in slots), codegen._layout(program).settings())
     table: dict[tuple, Entry] = program.__dict__.setdefault("_probe_codegen", {})
     entry = table.get(key)
@@ -92,9 +92,9 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
         if calls < (1 if mode is not None else codegen.AFTER_CALLS):
             table[key] = calls
             return None
-        result = out if out is not None else like.new_empty(shape)
+        result = out if out is not None else torch.empty(shape, dtype=dtype, device=device)
         layerwise.fill(model, x, named, cov, result, repeat=repeat)  # the interpreted engine: this call's answer
-        table[key] = _generate(model, x, named, cov, out, like, shape, slots, mode, result)
+        table[key] = _generate(model, x, named, cov, out, dtype, device, shape, slots, mode, result)
         return result
     if isinstance(entry, str):
         return None
@@ -106,7 +106,7 @@ def _meta(t: Tensor) -> tuple:
 
 
 def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, out: Optional[Tensor],
-              like: Tensor, shape: tuple[int, int, int], slots: list[tuple[str, Tensor]],
+              dtype: torch.dtype, device: torch.device, shape: tuple[int, int, int], slots: list[tuple[str, Tensor]],
               mode: Optional[dict[str, Any]], want: Tensor) -> Entry:
     """The graph of one signature, checked against ``want`` (the interpreted engine's result), or why there is none.
 
@@ -130,7 +130,7 @@ def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], 
         return write(xx, res, tensors)
 
     def fresh(xx: Tensor, *tensors: Tensor) -> Tensor:
-        return write(xx, torch.empty(shape, dtype=like.dtype, device=like.device), tensors)
+        return write(xx, torch.empty(shape, dtype=dtype, device=device), tensors)
 
     tensors = [t.detach() for _, t in slots]
     inputs = [x.detach(), *([] if out is None else [out]), *tensors]

@@ -219,10 +219,10 @@ def jacobian(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
     if step_b >= B and not p.random:
         from . import generated  # (it imports this module)
 
-        found = generated.jacobian(p.model, p.x, named, p.probes, out, p.z, (B, Y, N), repeat)
+        found = generated.jacobian(p.model, p.x, named, p.probes, out, p.dtype, p.device, (B, Y, N), repeat)
         if found is not None:  # see [Generated probe code]
             return found
-    result = out if out is not None else p.z.new_empty(B, Y, N)
+    result = out if out is not None else torch.empty(B, Y, N, dtype=p.dtype, device=p.device)  # not p.z: made lazily
     for b0 in range(0, B, step_b):  # chunks of samples: max_memory
         fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b], repeat=repeat)
     rest = [n for n, _ in named if n in p.probes.uncovered]
