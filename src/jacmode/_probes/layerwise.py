@@ -140,7 +140,9 @@ def write(rec: Recording, Gs: Sequence[Tensor], cov: Coverage, named: Sequence[t
     cols, shapes = columns(named), {n: p.shape for n, p in named}
     seen: set[int] = set()
     with torch.no_grad():
-        for call, G in zip(rec.calls, Gs):
+        # last call first: the small blocks of the last layers before the large ones of the first (see
+        # the note [Order of the writes] in _rules/linear.py); a module called twice adds either way
+        for call, G in reversed(list(zip(rec.calls, Gs))):
             targets = {}
             for attr, name in cov.modules[call.module].items():
                 lo, n = cols[name]

@@ -64,19 +64,24 @@ def factor_for(loss: Any, n_out: int, y: Optional[Tensor] = None) -> Callable[[T
 
 
 def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, losses: Callable[[Tensor], Tensor],
-                            named: Sequence[tuple[str, Tensor]], result: Tensor) -> None:
+                            named: Sequence[tuple[str, Tensor]], result: Tensor, clone: bool = True) -> bool:
     """Write the covered columns of the (B, P) ``result``: one probed forward, one reverse pass.
 
-    Raises NotCovered (nothing usable written) when a recorded input went stale.
+    The reverse pass runs from sum_b loss_b straight to the probes (only their cotangents are
+    needed; autograd computes no parameter gradient). ``clone``: see :func:`probes.record`.
+    Returns whether the model modified its input in place. Raises NotCovered (nothing usable
+    written) when a recorded input went stale.
     """
     with torch.enable_grad():
-        rec = probes.record(model, x, cov)
+        rec = probes.record(model, x, cov, clone=clone)
         loss = losses(rec.output)
-        g_out = torch.autograd.grad(loss.sum(), rec.output, retain_graph=True)[0]
-        gs = rec.pullback(g_out.unsqueeze(0))
+        zs = [c.probe for c in rec.calls]
+        grads = torch.autograd.grad(loss.sum(), zs, allow_unused=True) if zs else ()
     if any(c.stale for c in rec.calls):
         raise NotCovered("a module input was modified in place after the call")
+    gs = [(g if g is not None else torch.zeros_like(z)).unsqueeze(0) for g, z in zip(grads, zs)]
     layerwise.write(rec, gs, cov, named, result.unsqueeze(1))
+    return rec.modified
 
 
 def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], loss: Callable[..., Tensor],
