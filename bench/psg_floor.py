@@ -31,6 +31,72 @@ from bench.baselines import MLP
 from jacmode._probes import layerio, layerwise, probes
 from jacmode._probes import products as engine
 from jacmode._rules.base import NotCovered
+from jacmode._rules.linear import LinearRule
+from torch import nn
+
+NEW_WRITE, NEW_LINEAR_WRITE = layerwise.write, LinearRule.write
+
+
+def before_write(rec, Gs, cov, named, result):
+    """``layerwise.write`` before issue 19's work: the calls in forward order."""
+    batch, k = result.shape[0], result.shape[1]
+    cols, shapes = layerwise.columns(named), {n: p.shape for n, p in named}
+    seen = set()
+    with torch.no_grad():
+        for call, G in zip(rec.calls, Gs):
+            targets = {}
+            for attr, name in cov.modules[call.module].items():
+                lo, n = cols[name]
+                targets[attr] = result.narrow(-1, lo, n).view(batch, k, *shapes[name])
+            call.rule.write(call.module, call.inputs, G, targets, accumulate=id(call.module) in seen)
+            seen.add(id(call.module))
+        for name, (module, _) in cov.covered.items():
+            if id(module) not in seen:
+                lo, n = cols[name]
+                result.narrow(-1, lo, n).zero_()
+
+
+def before_linear_write(self, module, inputs, G, targets, accumulate):
+    """``LinearRule.write`` before issue 19's work: the weight, then the bias."""
+    a, g = self._factors(inputs, G)
+    w = targets.get("weight")
+    if w is not None and not accumulate and a.shape[1] == 1:
+        torch.mul(g[:, :, 0].transpose(0, 1).unsqueeze(-1), a[:, None, 0, None, :], out=w)
+    elif w is not None:
+        block = g.permute(1, 0, 3, 2) @ a.unsqueeze(1)
+        w.add_(block) if accumulate else w.copy_(block)
+    b = targets.get("bias")
+    if b is not None:
+        block = g[:, :, 0] if g.shape[2] == 1 else g.sum(2)
+        b.add_(block.transpose(0, 1)) if accumulate else b.copy_(block.transpose(0, 1))
+
+
+def as_before(fn):
+    """``fn`` run with the probe engine's steps as they were (the write order, the psg pass)."""
+    def run():
+        engine.per_sample_grads_layers, layerwise.write, LinearRule.write = (
+            before_layers, before_write, before_linear_write)
+        try:
+            return fn()
+        finally:
+            engine.per_sample_grads_layers, layerwise.write, LinearRule.write = (
+                AFTER_LAYERS, NEW_WRITE, NEW_LINEAR_WRITE)
+    return run
+
+
+class CNN(nn.Module):
+    """bench/targets.py section 11's CNN class."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 8, 3)
+        self.c2 = nn.Conv2d(8, 8, 3)
+        self.fc = nn.Linear(8 * 24 * 24, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.c1(x))
+        x = torch.relu(self.c2(x))
+        return self.fc(x.flatten(1))
 
 
 def before_layers(model, cov, x, losses, named, result, clone=True):
@@ -42,8 +108,11 @@ def before_layers(model, cov, x, losses, named, result, clone=True):
         gs = rec.pullback(g_out.unsqueeze(0))
     if any(c.stale for c in rec.calls):
         raise NotCovered("a module input was modified in place after the call")
-    layerwise.write(rec, gs, cov, named, result.unsqueeze(1))
+    before_write(rec, gs, cov, named, result.unsqueeze(1))
     return True  # "modifies its input": every call clones, as before
+
+
+AFTER_LAYERS = engine.per_sample_grads_layers
 
 
 def main() -> None:
@@ -51,6 +120,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=200)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--parts", action="store_true")
+    ap.add_argument("--jacobians", action="store_true",
+                    help="also the parameter Jacobians of section 11 (CNN class B=64, problem 1's class B=512), "
+                         "whose blocks go through the same write")
     ap.add_argument("--pin-malloc", action="store_true",
                     help="rerun with glibc's mmap and trim thresholds fixed high, so that no method pays page faults "
                          "for memory that another method's free gave back to the system")
@@ -65,22 +137,31 @@ def main() -> None:
     x, y = torch.rand(B, 784), torch.randint(0, 10, (B,))
     P = sum(p.numel() for p in m.parameters())
     ce = lambda out, yy: F.cross_entropy(out, yy, reduction="none")  # noqa: E731
-    after_layers = engine.per_sample_grads_layers
 
     def after():
         return jm.per_sample_grads(m, x, ce, y=y)
 
-    def before():
-        engine.per_sample_grads_layers = before_layers
-        try:
-            return jm.per_sample_grads(m, x, ce, y=y)
-        finally:
-            engine.per_sample_grads_layers = after_layers
+    before = as_before(after)
 
     def fill():
         return torch.empty(B, P).fill_(1.0)
 
     methods = {"before": before, "after": after, "alloc+fill": fill}
+    floors = dict.fromkeys(methods, "alloc+fill")
+    if args.jacobians:
+        cnn, xc = CNN(), torch.rand(64, 1, 28, 28)
+        pc = sum(p.numel() for p in cnn.parameters())
+        jac_cnn = lambda: jm.jacobian(cnn, xc, wrt="params")  # noqa: E731
+        jac_mlp = lambda: jm.jacobian(m, x, wrt="params")  # noqa: E731
+        methods.update({
+            "CNN B=64 jacobian before": as_before(jac_cnn), "CNN B=64 jacobian after": jac_cnn,
+            "CNN alloc+fill (B,Y,P)": lambda: torch.empty(64, 10, pc).fill_(1.0),
+            "MLP B=512 jacobian before": as_before(jac_mlp), "MLP B=512 jacobian after": jac_mlp,
+            "MLP alloc+fill (B,Y,P)": lambda: torch.empty(B, 10, P).fill_(1.0),
+        })
+        floors.update({k: "CNN alloc+fill (B,Y,P)" for k in methods if k.startswith("CNN")})
+        floors.update({k: "MLP alloc+fill (B,Y,P)" for k in methods if k.startswith("MLP")})
+        assert torch.equal(as_before(jac_cnn)(), jac_cnn()) and torch.equal(as_before(jac_mlp)(), jac_mlp())
     if args.parts:
         named = list(m.named_parameters())
         cov = layerio.usable(m, x, named)
@@ -103,6 +184,7 @@ def main() -> None:
                 m(x)
 
         methods.update({"probed fwd+bwd": fwd_bwd, "write (existing result)": write, "no-grad forward": forward})
+        floors.update({k: "alloc+fill" for k in ("probed fwd+bwd", "write (existing result)", "no-grad forward")})
     first = after()  # the profile is found by the first call (before's would say 'modifies its input')
     assert torch.equal(before(), first)
     times: dict[str, list[float]] = {k: [] for k in methods}
@@ -117,12 +199,11 @@ def main() -> None:
             fn()
             times[k].append(time.perf_counter() - t0)
             faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-    floor = statistics.median(times["alloc+fill"])
     print(f"per_sample_grads, problem 1's MLP(784, 20, 10), B = {B}, P = {P}, cross-entropy, 1 thread, "
           f"{args.repeats} rounds, medians{', malloc pinned' if 'GLIBC_TUNABLES' in os.environ else ''}")
     for k, ts in times.items():
-        t = statistics.median(ts)
-        print(f"  {k:<26} {1e3 * t:8.3f} ms  {t / floor:5.2f}x alloc+fill  "
+        t, floor = statistics.median(ts), statistics.median(times[floors[k]])
+        print(f"  {k:<26} {1e3 * t:8.3f} ms  {t / floor:5.2f}x {floors[k]:<22} "
               f"({faults[k] / args.repeats:.0f} page faults per call)")
 
 

@@ -209,3 +209,17 @@ def test_dict_form_and_subset_after_the_profile() -> None:
         torch.testing.assert_close(torch.cat([g.reshape(4, -1) for g in got.values()], 1), full)
         sub = jm.per_sample_grads(model, x, ce, y=y, wrt=["fc2.weight", "fc1.bias"])
         torch.testing.assert_close(sub, full[:, 30:50])  # fc1.bias, fc2.weight in the model's order
+
+
+def test_a_loss_that_does_not_depend_on_the_output_gives_zero_rows() -> None:
+    """As torch.func's grad (no raw autograd error about tensors that do not require grad)."""
+    torch.manual_seed(0)
+    model = MLP(6, 5, 3).double()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    loss = lambda out: torch.zeros(out.shape[0], dtype=out.dtype)  # noqa: E731
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    want = vmap(grad(lambda p, xb: loss(functional_call(model, p, (xb[None],))).sum()), in_dims=(None, 0))(params, x)
+    for _ in range(2):
+        got = jm.per_sample_grads(model, x, loss)
+        torch.testing.assert_close(got, torch.cat([t.reshape(4, -1) for t in want.values()], 1))
+        assert got.abs().max() == 0
