@@ -84,6 +84,7 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, l
         rec = probes.record(model, x, cov, clone=clone)
         loss = losses(rec.output)
         zs = [c.probe for c in rec.calls]
+        grads: Sequence[Optional[Tensor]]
         if zs and loss.requires_grad:  # d(sum_b loss_b)/dz: the sum's cotangent, ones, given directly
             grads = torch.autograd.grad(loss, zs, torch.ones_like(loss), allow_unused=True)
         else:  # no probe, or a loss that does not depend on the output: zero rows, as torch.func's grad
