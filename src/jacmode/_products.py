@@ -326,17 +326,29 @@ def per_sample_grads(
             if cov is not None and cov.uncovered and _has_random_layers(f):
                 cov = None  # two passes would draw two dropout masks
             cols = columns(selected)
+            modifies = True
         else:
-            cov, cols, checked, _ = found.facts
+            cov, cols, checked, _, modifies = found.facts
         flat = torch.empty(batch, n_params, dtype=dtype, device=x.device)  # never x's dtype: ids are int
         rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
+            # the model runs on x itself where its first call showed that it leaves its input alone
+            clone = modifies or not probes.can_skip_clone(x)
+            version = None if clone else x._version
             try:
-                _engine.per_sample_grads_layers(f, cov, x, losses, selected, flat)
+                modifies = _engine.per_sample_grads_layers(f, cov, x, losses, selected, flat, clone=clone)
             except NotCovered:
                 rest = selected
                 _profile.forget(f, key)
                 found = None
+            if not clone and x._version != version:
+                _profile.forget(f, key)  # the next call runs the model on a copy again
+                if rest:
+                    raise RuntimeError(
+                        "f: the model modified its input x in place during this call of per_sample_grads, unlike "
+                        "on the first call with these shapes (jacmode then runs it on x itself), and its "
+                        "per-sample gradients cannot be completed from the modified x, which x now holds. Pass a "
+                        "copy, per_sample_grads(f, x.clone(), ...), or leave the model's input unmodified.")
         if rest:
             if found is None or not checked:
                 head = f(x[:1])
@@ -345,7 +357,7 @@ def per_sample_grads(
             _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch, x.device))
         if found is None and not (cov is not None and len(rest) == len(selected) and rest):
             _profile.keep(f, key, _profile.Profile("per_sample_grads", (cov, cols, bool(rest),
-                          selected if bound_values(f) is None else None)), modules)  # not a dict's tensors
+                          selected if bound_values(f) is None else None, modifies)), modules)  # not a dict's tensors
     if flatten:
         return flat
     sizes = [p.numel() for p in params]

@@ -138,19 +138,25 @@ def write(rec: Recording, Gs: Sequence[Tensor], cov: Coverage, named: Sequence[t
     """
     batch, k = result.shape[0], result.shape[1]
     cols, shapes = columns(named), {n: p.shape for n, p in named}
+    called = {id(c.module) for c in rec.calls}
+    # the smallest blocks first, the largest last (see the note [Order of the writes] in
+    # _rules/linear.py); a module called twice adds its calls in either order
+    size = {id(m): sum(cols[n][1] for n in attrs.values()) for m, attrs in cov.modules.items()}
+    order = sorted(range(len(rec.calls)), key=lambda i: size[id(rec.calls[i].module)])
     seen: set[int] = set()
     with torch.no_grad():
-        for call, G in zip(rec.calls, Gs):
+        for name, (module, _) in cov.covered.items():
+            if id(module) not in called:  # a covered module the forward pass never called
+                lo, n = cols[name]
+                result.narrow(-1, lo, n).zero_()
+        for i in order:
+            call, G = rec.calls[i], Gs[i]
             targets = {}
             for attr, name in cov.modules[call.module].items():
                 lo, n = cols[name]
                 targets[attr] = result.narrow(-1, lo, n).view(batch, k, *shapes[name])
             call.rule.write(call.module, call.inputs, G, targets, accumulate=id(call.module) in seen)
             seen.add(id(call.module))
-        for name, (module, _) in cov.covered.items():
-            if id(module) not in seen:  # a covered module the forward pass never called
-                lo, n = cols[name]
-                result.narrow(-1, lo, n).zero_()
 
 
 def blocks(

@@ -152,6 +152,7 @@ class Recording:
 
     output: Tensor
     calls: list[Call]
+    modified: bool = False  # the model modified its input in place (see :func:`record`)
 
     def pullback(
         self, V: Tensor, retain_graph: bool = False, create_graph: bool = False, batched: bool = True
@@ -198,8 +199,15 @@ class Recording:
         return out
 
 
-def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequence[nn.Module]] = None) -> Recording:
-    """Run ``model(x)`` once with probes on the covered modules (or on ``modules``); hooks removed after."""
+def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequence[nn.Module]] = None,
+           clone: bool = True) -> Recording:
+    """Run ``model(x)`` once with probes on the covered modules (or on ``modules``); hooks removed after.
+
+    The model runs on a copy of x (it may modify its input in place) unless ``clone`` is False,
+    for callers that know it does not (a profile's finding; x then must be neither an inference
+    tensor nor require grad, see :func:`can_skip_clone`). ``Recording.modified`` tells whether the
+    input the model ran on was modified in place during the call.
+    """
     calls: list[Call] = []
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
@@ -219,10 +227,18 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
     handles = [m.register_forward_hook(hook, with_kwargs=True) for m in (modules if modules is not None else cov.modules)]
     try:
         with torch.enable_grad():
-            output = model(x.clone())  # never the caller's x: the model may modify its input
+            xin = x.clone() if clone else x  # by default never the caller's x: the model may modify its input
+            version = xin._version
+            output = model(xin)
     finally:
         for h in handles:
             h.remove()
     if not isinstance(output, Tensor):
         raise TypeError(f"model: expected a Tensor output, got {type(output).__name__}")
-    return Recording(output, calls)
+    return Recording(output, calls, xin._version != version)
+
+
+def can_skip_clone(x: Tensor) -> bool:
+    """Whether :func:`record` may run the model on x itself: not an inference tensor (autograd cannot
+    save it for backward), not requiring grad (a leaf refuses in-place writes), not in inference mode."""
+    return not (x.requires_grad or x.is_inference() or torch.is_inference_mode_enabled())

@@ -1,0 +1,211 @@
+"""per_sample_grads of problem 1's class against the floor: allocating and filling its (B, P) result.
+
+Benchmark tooling, not part of the package. One torch thread; the methods are timed round-robin
+(a load spike on the shared machine hits all of them alike) and the medians of wall time printed,
+with the ratios to ``torch.empty(B, P).fill_(1.0)`` (the target of issue 19: <= 1.5x at B = 512).
+
+    PYTHONPATH=src:. python bench/psg_floor.py [--repeats 200] [--batch 512] [--parts]
+
+Rows: ``after`` is ``jm.per_sample_grads(m, x, ce, y=y)`` as it is; ``before`` the same call with
+the probe engine's step as it was before this bench was written (a probed forward on a copy of x,
+``autograd.grad`` of the loss to the output, then a second reverse pass from the output to the
+probes), swapped in for the timed call only. ``--parts`` adds the probed forward and reverse
+pass alone and the write of the blocks alone.
+"""
+# mypy: ignore-errors
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+import jacmode as jm
+from bench.baselines import MLP
+from jacmode._probes import layerio, layerwise, probes
+from jacmode._probes import products as engine
+from jacmode._rules.base import NotCovered
+from jacmode._rules.linear import LinearRule
+from torch import nn
+
+NEW_WRITE, NEW_LINEAR_WRITE = layerwise.write, LinearRule.write
+
+
+def before_write(rec, Gs, cov, named, result):
+    """``layerwise.write`` before issue 19's work: the calls in forward order."""
+    batch, k = result.shape[0], result.shape[1]
+    cols, shapes = layerwise.columns(named), {n: p.shape for n, p in named}
+    seen = set()
+    with torch.no_grad():
+        for call, G in zip(rec.calls, Gs):
+            targets = {}
+            for attr, name in cov.modules[call.module].items():
+                lo, n = cols[name]
+                targets[attr] = result.narrow(-1, lo, n).view(batch, k, *shapes[name])
+            call.rule.write(call.module, call.inputs, G, targets, accumulate=id(call.module) in seen)
+            seen.add(id(call.module))
+        for name, (module, _) in cov.covered.items():
+            if id(module) not in seen:
+                lo, n = cols[name]
+                result.narrow(-1, lo, n).zero_()
+
+
+def before_linear_write(self, module, inputs, G, targets, accumulate):
+    """``LinearRule.write`` before issue 19's work: the weight, then the bias."""
+    a, g = self._factors(inputs, G)
+    w = targets.get("weight")
+    if w is not None and not accumulate and a.shape[1] == 1:
+        torch.mul(g[:, :, 0].transpose(0, 1).unsqueeze(-1), a[:, None, 0, None, :], out=w)
+    elif w is not None:
+        block = g.permute(1, 0, 3, 2) @ a.unsqueeze(1)
+        w.add_(block) if accumulate else w.copy_(block)
+    b = targets.get("bias")
+    if b is not None:
+        block = g[:, :, 0] if g.shape[2] == 1 else g.sum(2)
+        b.add_(block.transpose(0, 1)) if accumulate else b.copy_(block.transpose(0, 1))
+
+
+def as_before(fn):
+    """``fn`` run with the probe engine's steps as they were (the write order, the psg pass)."""
+    def run():
+        engine.per_sample_grads_layers, layerwise.write, LinearRule.write = (
+            before_layers, before_write, before_linear_write)
+        try:
+            return fn()
+        finally:
+            engine.per_sample_grads_layers, layerwise.write, LinearRule.write = (
+                AFTER_LAYERS, NEW_WRITE, NEW_LINEAR_WRITE)
+    return run
+
+
+class CNN(nn.Module):
+    """bench/targets.py section 11's CNN class."""
+
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 8, 3)
+        self.c2 = nn.Conv2d(8, 8, 3)
+        self.fc = nn.Linear(8 * 24 * 24, 10)
+
+    def forward(self, x):
+        x = torch.relu(self.c1(x))
+        x = torch.relu(self.c2(x))
+        return self.fc(x.flatten(1))
+
+
+def before_layers(model, cov, x, losses, named, result, clone=True):
+    """The probe step before issue 19's work: two reverse passes, the model on a copy of x."""
+    with torch.enable_grad():
+        rec = probes.record(model, x, cov)
+        loss = losses(rec.output)
+        g_out = torch.autograd.grad(loss.sum(), rec.output, retain_graph=True)[0]
+        gs = rec.pullback(g_out.unsqueeze(0))
+    if any(c.stale for c in rec.calls):
+        raise NotCovered("a module input was modified in place after the call")
+    before_write(rec, gs, cov, named, result.unsqueeze(1))
+    return True  # "modifies its input": every call clones, as before
+
+
+AFTER_LAYERS = engine.per_sample_grads_layers
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--parts", action="store_true")
+    ap.add_argument("--jacobians", action="store_true",
+                    help="also the parameter Jacobians of section 11 (CNN class B=64, problem 1's class B=512), "
+                         "whose blocks go through the same write")
+    ap.add_argument("--pin-malloc", action="store_true",
+                    help="rerun with glibc's mmap and trim thresholds fixed high, so that no method pays page faults "
+                         "for memory that another method's free gave back to the system")
+    args = ap.parse_args()
+    if args.pin_malloc and "GLIBC_TUNABLES" not in os.environ:
+        env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296")
+        os.execve(sys.executable, [sys.executable, "-m", "bench.psg_floor", *sys.argv[1:]], env)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    B = args.batch
+    m = MLP(784, 20, 10)
+    x, y = torch.rand(B, 784), torch.randint(0, 10, (B,))
+    P = sum(p.numel() for p in m.parameters())
+    ce = lambda out, yy: F.cross_entropy(out, yy, reduction="none")  # noqa: E731
+
+    def after():
+        return jm.per_sample_grads(m, x, ce, y=y)
+
+    before = as_before(after)
+
+    def fill():
+        return torch.empty(B, P).fill_(1.0)
+
+    methods = {"before": before, "after": after, "alloc+fill": fill}
+    floors = dict.fromkeys(methods, "alloc+fill")
+    if args.jacobians:
+        cnn, xc = CNN(), torch.rand(64, 1, 28, 28)
+        pc = sum(p.numel() for p in cnn.parameters())
+        jac_cnn = lambda: jm.jacobian(cnn, xc, wrt="params")  # noqa: E731
+        jac_mlp = lambda: jm.jacobian(m, x, wrt="params")  # noqa: E731
+        methods.update({
+            "CNN B=64 jacobian before": as_before(jac_cnn), "CNN B=64 jacobian after": jac_cnn,
+            "CNN alloc+fill (B,Y,P)": lambda: torch.empty(64, 10, pc).fill_(1.0),
+            "MLP B=512 jacobian before": as_before(jac_mlp), "MLP B=512 jacobian after": jac_mlp,
+            "MLP alloc+fill (B,Y,P)": lambda: torch.empty(B, 10, P).fill_(1.0),
+        })
+        floors.update({k: "CNN alloc+fill (B,Y,P)" for k in methods if k.startswith("CNN")})
+        floors.update({k: "MLP alloc+fill (B,Y,P)" for k in methods if k.startswith("MLP")})
+        assert torch.equal(as_before(jac_cnn)(), jac_cnn()) and torch.equal(as_before(jac_mlp)(), jac_mlp())
+    if args.parts:
+        named = list(m.named_parameters())
+        cov = layerio.usable(m, x, named)
+        res = torch.empty(B, P)
+        with torch.enable_grad():
+            rec = probes.record(m, x, cov, clone=False)
+            zs = [c.probe for c in rec.calls]
+            gs = [g.unsqueeze(0) for g in torch.autograd.grad(ce(rec.output, y).sum(), zs)]
+
+        def fwd_bwd():
+            with torch.no_grad(), torch.enable_grad():
+                r = probes.record(m, x, cov, clone=False)
+                torch.autograd.grad(ce(r.output, y).sum(), [c.probe for c in r.calls])
+
+        def write():
+            layerwise.write(rec, gs, cov, named, res.unsqueeze(1))
+
+        def forward():
+            with torch.no_grad():
+                m(x)
+
+        methods.update({"probed fwd+bwd": fwd_bwd, "write (existing result)": write, "no-grad forward": forward})
+        floors.update({k: "alloc+fill" for k in ("probed fwd+bwd", "write (existing result)", "no-grad forward")})
+    first = after()  # the profile is found by the first call (before's would say 'modifies its input')
+    assert torch.equal(before(), first)
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    faults = dict.fromkeys(methods, 0)
+    for _ in range(3):
+        for fn in methods.values():
+            fn()
+    for _ in range(args.repeats):
+        for k, fn in methods.items():
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+            faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    print(f"per_sample_grads, problem 1's MLP(784, 20, 10), B = {B}, P = {P}, cross-entropy, 1 thread, "
+          f"{args.repeats} rounds, medians{', malloc pinned' if 'GLIBC_TUNABLES' in os.environ else ''}")
+    for k, ts in times.items():
+        t, floor = statistics.median(ts), statistics.median(times[floors[k]])
+        print(f"  {k:<26} {1e3 * t:8.3f} ms  {t / floor:5.2f}x {floors[k]:<22} "
+              f"({faults[k] / args.repeats:.0f} page faults per call)")
+
+
+if __name__ == "__main__":
+    main()
