@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._transforms import in_transform
+from . import rewrites
 from . import taylor as _taylor
 from .program import Program, Step
 
@@ -217,6 +218,7 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z
             gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
     except Exception as err:  # noqa: BLE001 -- a rule that branches on values, an op fake tensors lack
         return f"make_fx could not trace the program ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
+    gm = rewrites.constant_directions(gm, compiled=mode is not None and mode["backend"] is not None) or gm
     fuse(gm, in_place=not grad)
     if mode is not None and mode["backend"] is not None:
         from .compiled import compiled
@@ -255,6 +257,7 @@ def fuse(gm: fx.GraphModule, in_place: bool) -> None:
     """Fewer passes over memory (see the note): ``addcmul`` for ``a + b * c`` and, without grad,
     elementwise results written into a dead operand of the same shape and dtype."""
     graph = gm.graph
+    rewrites.dead_code(graph)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs:
             continue
