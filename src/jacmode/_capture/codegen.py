@@ -29,7 +29,9 @@ Python value or module) re-captures the program (``capture.program_for``) and wi
 
 The graph is traced with grad mode on (the interpreter's in-place reuse of dead coefficients,
 ``Program.run``, decides from storage reference counts, which a trace cannot see), then
-:func:`fuse` rewrites it: ``a + b * c`` as ``addcmul``, ``a * b + c * d`` keeps one temporary less,
+``rewrites.py`` folds its constants (the seeds), folds directions shared by all samples into the
+next weight and sums a Laplacian's last-layer squares block by block (its notes), and
+:func:`fuse` rewrites it: dead code goes, ``a + b * c`` as ``addcmul``, ``a * b + c * d`` keeps one temporary less,
 and, for code that runs without grad, elementwise results overwrite an operand that no later
 operation reads (in place where safe: same shape and dtype, not an input, not a view).
 
@@ -218,12 +220,13 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z
             gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
     except Exception as err:  # noqa: BLE001 -- a rule that branches on values, an op fake tensors lack
         return f"make_fx could not trace the program ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
+    rewrites.constants(gm)
     gm = rewrites.constant_directions(gm, compiled=mode is not None and mode["backend"] is not None) or gm
     fuse(gm, in_place=not grad)
     if mode is not None and mode["backend"] is not None:
-        from .compiled import compiled
+        from .compiled import compiled, options
 
-        return compiled(gm, mode["backend"], **mode["kwargs"])
+        return compiled(gm, mode["backend"], **options(mode["backend"], z.device, mode["kwargs"]))
     return gm
 
 

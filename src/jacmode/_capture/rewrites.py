@@ -12,16 +12,32 @@ into the weight:
     (g @ W^T)[d, b, j] = sum_k f[b, k] (C[d, k] W[j, k]) = (f @ M)[b, (d, j)],  M = (H, D J),
 
 the same multiply-adds in a better-shaped product (K = H, N = D J), and neither the (D, B, H)
-tensor nor its pass exist. The result is laid out (B, D, J) and read through a permuted view as
-(D, B, J); the views after it become reshapes (a copy only where a later matrix product needs
-rows in the other order, as the interpreter's tensors had them). This is the forward Laplacian's
-first hidden layer, most of its work for few inputs (PINNs): it applies to every algebra whose
-directions are shared by the samples (coordinates, a weight's columns), never to per-sample ones.
-The rewrite is exact: only the order of a product of three numbers differs (rounding).
+tensor nor its pass exist. The rewrite is exact: only the order of a product of three numbers
+differs (rounding). It applies to every algebra whose directions are shared by the samples
+(coordinates, a weight's columns), never to per-sample ones, and only where M is smaller than
+g (J <= B).
 
-:func:`dead_code` drops the operations nothing reads (the first-order coefficients of the output
-that a Laplacian never returns, a pass over (D, B, H) and a product): the graph from make_fx
-keeps them, torch.compile drops them itself, uncompiled code ran them.
+Where the result is read only by a sum of squares over the directions, sum_d (f @ M)[b, d, j]^2
+(the forward Laplacian's last hidden layer, L' = s'(h) L + s''(h) sum_d h_d^2, most of its work
+for few inputs: the PINN class), the product and the sum run block by block over the samples
+(``CHUNK_BYTES`` of product at a time, in cache; at most ``MAX_CHUNKS`` blocks, of one size
+where possible, so that compiled code has one kernel for them all): the (B, D, J) result is never
+stored whole, neither its pass to memory nor the page faults of a fresh 10 MB buffer per call.
+Elsewhere (a deeper network, the Hessian) the result is laid out (B, D, J) and read through a
+permuted view as (D, B, J), the views after it become reshapes (a copy only where a later
+product needs rows in the other order); only for compiled code, since torch's own reductions
+over such a view are slower than the pass saved, where Inductor picks the layouts itself.
+
+NOTE: [Constants and dead code of generated code]
+:func:`constants` evaluates once what reads no input (the seeds e_d: ``new_zeros`` then an
+``index_put_`` of ones, which read only the dtype and device of the input) and makes it a
+buffer of the GraphModule: no kernel for it when compiled (one C++ kernel fewer to build on the
+first call), three operations fewer per call when not. It refuses where an input is written
+into such a tensor or a read precedes its last write. :func:`dead_code` drops the operations
+nothing reads (the first-order coefficients of the output that a Laplacian never returns, a
+pass over (D, B, H) and a product): make_fx keeps them, torch.compile drops them itself,
+uncompiled code ran them. ``ENABLED`` switches the rewrites (not dead code) off for tests and
+benchmarks.
 """
 
 from __future__ import annotations
@@ -62,6 +78,88 @@ def dead_code(graph: fx.Graph) -> bool:
         graph.erase_node(node)
         changed = True
     return changed
+
+
+_FACTORIES = {"new_zeros", "new_ones", "new_empty", "new_full"}  # read only the dtype and device of self
+
+
+def constants(gm: fx.GraphModule) -> bool:
+    """Evaluate the operations that read no input once and make their results buffers of gm, in
+    place; False where nothing was folded (see [Constants and dead code of generated code])."""
+    if not ENABLED:
+        return False
+    graph = gm.graph
+    const: set[fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            const.add(node)
+            continue
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if torch.Tag.nondeterministic_seeded in node.target.tags:
+            continue
+        name = node.target.overloadpacket.__name__
+        reads = [a for a in (*_nodes(node.args[1:] if name in _FACTORIES else node.args), *_nodes(node.kwargs))]
+        if all(a in const for a in reads):
+            const.add(node)
+        elif node.target._schema.is_mutable and any(_base(a) in const for a in _nodes(node.args)):
+            return False  # an input written into a constant: nothing is folded
+    frontier = [n for n in graph.nodes if n in const and n.op == "call_function"
+                and any(u not in const for u in n.users)]
+    if not frontier:
+        return False
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    writes = [order[n] for n in const if n.op == "call_function" and getattr(n.target, "_schema").is_mutable]
+    uses = [order[u] for n in frontier for u in n.users if u not in const]
+    if writes and min(uses) < max(writes):  # a read before the last write: the value differs there
+        return False
+    env: dict[fx.Node, Any] = {}
+    try:
+        for node in graph.nodes:
+            if node not in const:
+                v = _val(node)
+                env[node] = None if v is None else torch.empty(0, dtype=v.dtype, device=v.device)
+            elif node.op == "get_attr":
+                env[node] = getattr(gm, node.target)
+            else:
+                args = fx.node.map_arg(node.args, lambda a: env[a])
+                kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+                env[node] = node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 -- an op that cannot run here: keep the graph as it is
+        return False
+    for i, node in enumerate(frontier):
+        name = f"_jacmode_constant{i}"
+        gm.register_buffer(name, env[node].clone(), persistent=False)
+        with graph.inserting_before(node):
+            attr = graph.get_attr(name)
+        attr.meta = dict(node.meta)
+        for u in [u for u in node.users if u not in const]:
+            u.replace_input_with(node, attr)
+    for node in reversed(list(graph.nodes)):  # the folded operations, their writes included
+        if node in const and not node.users:
+            graph.erase_node(node)
+    graph.lint()
+    gm.recompile()
+    return True
+
+
+def _nodes(a: Any) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    fx.node.map_arg(a, out.append)
+    return out
+
+
+def _base(n: fx.Node) -> fx.Node:
+    """The node whose storage a chain of views of n reads."""
+    while n.op == "call_function" and n.args and isinstance(n.args[0], fx.Node) and _is_view(n):
+        n = n.args[0]
+    return n
+
+
+def _is_view(n: fx.Node) -> bool:
+    schema = getattr(n.target, "_schema", None)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None \
+        and not schema.returns[0].alias_info.is_write
 
 
 def _split(g: fx.Node) -> Optional[tuple[fx.Node, fx.Node]]:
@@ -111,7 +209,7 @@ def _square_sums(views: list[fx.Node]) -> Optional[list[fx.Node]]:
                 return None
             for s in u.users:
                 if not (s.op == "call_function" and s.target is _aten.sum.dim_IntList and not s.kwargs
-                        and len(s.args) == 3 and list(s.args[1]) == [0] and s.args[2] is True):
+                        and len(s.args) == 3 and s.args[1] in ([0], (0,)) and s.args[2] is True):
                     return None
                 sums.append(s)
     return sums
@@ -141,10 +239,8 @@ def _square_sum(graph: fx.Graph, f: fx.Node, m: fx.Node, d: int, b: int, j: int,
 
 def constant_directions(gm: fx.GraphModule, compiled: bool = False) -> Optional[fx.GraphModule]:
     """gm with [Constant directions through a linear map] applied, or None where nothing applies
-    (or the rewritten graph could not be checked with fake tensors). Where the result is read
-    only by a sum of squares over the directions (a forward Laplacian's last hidden layer) it is
-    summed block by block and never stored whole; else only for code that is ``compiled`` (the
-    permuted layout is Inductor's to handle; uncompiled, torch's reductions over it are slow)."""
+    (or the rewritten graph could not be checked with fake tensors): blocked where the result
+    feeds only a sum of squares, permuted only for ``compiled`` code (see the note)."""
     if not ENABLED:
         return None
     new = copy.deepcopy(gm)
@@ -188,7 +284,7 @@ def constant_directions(gm: fx.GraphModule, compiled: bool = False) -> Optional[
                 s.replace_all_uses_with(total)
                 sq = s.args[0]
                 graph.erase_node(s)
-                if not sq.users:
+                if isinstance(sq, fx.Node) and not sq.users:
                     graph.erase_node(sq)
         else:
             for u in views:
@@ -229,8 +325,15 @@ def _propagate(gm: fx.GraphModule) -> bool:
     mode = detect_fake_mode([v for v in inputs if isinstance(v, Tensor)])
     if mode is None or not all(isinstance(v, Tensor) for v in inputs):
         return False
+    fake = mode
+
+    class _Prop(FakeTensorProp):
+        def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:  # constants: fake ones
+            value = super().get_attr(target, args, kwargs)
+            return fake.from_tensor(value) if isinstance(value, Tensor) else value
+
     try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*inputs)
+        _Prop(gm, mode).propagate_dont_convert_inputs(*inputs)
     except Exception:  # noqa: BLE001 -- an op that fake tensors cannot run: keep the traced graph
         return False
     return True
