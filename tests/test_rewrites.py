@@ -160,7 +160,9 @@ def test_dead_code_keeps_mutations():
 
 
 def test_rows_of_blocks():
-    assert rewrites._rows(4096, 2560) * 16 == 4096  # one block size where a count near it divides B
+    rows = rewrites._rows(4096, 2560)
+    assert 4096 % rows == 0 and 4096 // rows <= rewrites.MAX_CHUNKS  # one block size where possible
+    assert rewrites._rows(1000, 64) == 1000  # small enough for one block
     assert rewrites._rows(7, 2560) == 7
     assert -(-100_000 // rewrites._rows(100_000, 2560)) <= rewrites.MAX_CHUNKS
 
