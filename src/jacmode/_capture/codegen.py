@@ -29,7 +29,9 @@ Python value or module) re-captures the program (``capture.program_for``) and wi
 
 The graph is traced with grad mode on (the interpreter's in-place reuse of dead coefficients,
 ``Program.run``, decides from storage reference counts, which a trace cannot see), then
-:func:`fuse` rewrites it: ``a + b * c`` as ``addcmul``, ``a * b + c * d`` keeps one temporary less,
+``rewrites.py`` folds its constants (the seeds), folds directions shared by all samples into the
+next weight and sums a Laplacian's last-layer squares block by block (its notes), and
+:func:`fuse` rewrites it: dead code goes, ``a + b * c`` as ``addcmul``, ``a * b + c * d`` keeps one temporary less,
 and, for code that runs without grad, elementwise results overwrite an operand that no later
 operation reads (in place where safe: same shape and dtype, not an input, not a view).
 
@@ -57,6 +59,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._transforms import in_transform
+from . import rewrites
 from . import taylor as _taylor
 from .program import Program, Step
 
@@ -217,11 +220,13 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z
             gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
     except Exception as err:  # noqa: BLE001 -- a rule that branches on values, an op fake tensors lack
         return f"make_fx could not trace the program ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
+    rewrites.constants(gm)
+    gm = rewrites.constant_directions(gm, compiled=mode is not None and mode["backend"] is not None) or gm
     fuse(gm, in_place=not grad)
     if mode is not None and mode["backend"] is not None:
-        from .compiled import compiled
+        from .compiled import compiled, options
 
-        return compiled(gm, mode["backend"], **mode["kwargs"])
+        return compiled(gm, mode["backend"], **options(mode["backend"], z.device, mode["kwargs"]))
     return gm
 
 
@@ -255,6 +260,7 @@ def fuse(gm: fx.GraphModule, in_place: bool) -> None:
     """Fewer passes over memory (see the note): ``addcmul`` for ``a + b * c`` and, without grad,
     elementwise results written into a dead operand of the same shape and dtype."""
     graph = gm.graph
+    rewrites.dead_code(graph)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not _aten.add.Tensor or node.kwargs:
             continue

@@ -9,6 +9,13 @@ inputs; ``torch._dynamo.config.recompile_limit`` bounds how many versions one fu
 which torch itself runs the code uncompiled. The first call pays for the compilation (Inductor on
 CPU: C++ code generation and a C++ compiler, seconds; see bench/compile.py for measured figures).
 
+Inductor on CPU compiles generated code with ``options={"pattern_matcher": False}`` unless the
+caller passes options or a mode of its own: its pattern passes turn ``mm`` followed by the bias
+add back into ``addmm``, which on CPU first copies the bias into every row of the output (a full
+pass), where Inductor would otherwise fuse the add into the activation's kernel (the generated
+code writes ``mm`` then ``add_`` for that reason, see ``_rules/linear.py``); 5% of a compiled
+Laplacian of the PINN class, nothing measurable on the PINN training step.
+
 Should compiling fail (no C++ compiler, a backend error), the call returns the uncompiled code's
 result and a :class:`~jacmode.JacmodeWarning` says why, once per compiled function; later calls
 run the uncompiled code directly.
@@ -49,6 +56,13 @@ def compiled(fn: Callable[..., Any], backend: Any = "inductor", **kw: Any) -> Ca
 
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     return call
+
+
+def options(backend: Any, device: Any, kw: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of ``torch.compile`` for generated code on ``device`` (see the note)."""
+    if backend == "inductor" and getattr(device, "type", None) == "cpu" and "options" not in kw and "mode" not in kw:
+        return {**kw, "options": {"pattern_matcher": False}}
+    return kw
 
 
 def _compile_error(err: BaseException) -> bool:
