@@ -671,8 +671,8 @@ def _read_spelling(f: Any, prep: _Prepared) -> Any:
         return None  # ran on the batch with another leading dim: the batched path's checks say what is wrong
     raise ValueError(
         f"f: runs neither on the whole batch nor on one sample. jacmode calls f on the batch (the batched arguments "
-        f"with dim 0 of {n} samples), where it raised {type(err).__name__}: {_short(err)}; read per sample (torch.func's "
-        f"vmap over dim 0) it raised {type(err_v).__name__}: {_short(err_v)}. Expected a function of the batch "
+        f"with dim 0 of {n} samples), where it raised {type(err).__name__}: {_short(err)}; read per sample "
+        f"(torch.func's vmap over dim 0) it raised {type(err_v).__name__}: {_short(err_v)}. Expected a function of the batch "
         "returning (B, *out) per output, or of one sample as vmap(jacrev(f), in_dims=...) takes it; fix f for one "
         "of the two.") from err
 

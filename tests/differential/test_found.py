@@ -224,7 +224,8 @@ def test_functional_style_batches_a_per_sample_fn_as_vmap_does(batch: int) -> No
         torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-12)
     y = torch.randn(batch, 2, dtype=torch.float64)
     gs = jm.per_sample_grads(fn, (params, x), lambda o, t: ((o - t) ** 2).sum(1), y=y, argnums=0, in_dims=(None, 0))
-    ref = torch.func.vmap(torch.func.grad(lambda p, v, t: ((fn(p, v) - t) ** 2).sum()), in_dims=(None, 0, 0))(params, x, y)
+    one = torch.func.grad(lambda p, v, t: ((fn(p, v) - t) ** 2).sum())
+    ref = torch.func.vmap(one, in_dims=(None, 0, 0))(params, x, y)
     for n in ref:
         torch.testing.assert_close(gs[n], ref[n], rtol=1e-12, atol=1e-12)
 
@@ -310,6 +311,7 @@ def test_vector_products_over_embedding_bag_parameters(mode: str, padding_idx: "
     assert names == [n for n, _ in net.named_parameters()]  # the model is left as found
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's own jacrev of _embedding_bag, the oracle
 def test_embedding_bag_by_offsets_in_primitive_ops() -> None:
     """1-D ids with offsets (empty bags, include_last_offset, per_sample_weights) give torch's values and
     derivatives in primitive ops, forward mode included."""
@@ -329,3 +331,23 @@ def test_embedding_bag_by_offsets_in_primitive_ops() -> None:
             torch.testing.assert_close(bag(w), F.embedding_bag(ids, w, **kw), rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(jacrev(bag)(w), want, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(torch.func.jacfwd(bag)(w), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("ids", [[[2, 0], [0, 2]], [[2, 0], [2, 0]], [[0, 0, 2], [0, 2, 0]]])
+def test_coupling_probe_sees_a_pooling_layer_over_permuted_ids(ids: list) -> None:
+    """The probe changes every id to another value seen in the batch; of two values that is a permutation of a
+    bag, the same bag to EmbeddingBag's sum: the probe missed cumsum(z, 0) after it and gave the samples-alone
+    gradients, which are not the batch's (soak: embeddingbag ... per_sample_grads, B = 2)."""
+    torch.manual_seed(0)
+
+    class Bagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.tail = nn.EmbeddingBag(4, 2, mode="sum"), nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.tail(torch.cumsum(self.emb(x), 0))
+
+    net = Bagged().double()
+    with pytest.raises(jm.CoupledBatchError, match=r"^f: the samples of the batch are coupled"):
+        jm.per_sample_grads(net, torch.tensor(ids), lambda o: (o**2).sum(1))

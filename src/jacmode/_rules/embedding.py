@@ -158,8 +158,9 @@ def forward_gap(model: Any, names: Iterable[str]) -> Optional[str]:
     if not isinstance(model, nn.Module):
         return None
     if getattr(model, "_jacmode_wrapper", False):  # a function's wrapper: its slots p0, p1, ... may sit in any layer
-        for prefix, module in model.named_modules():
-            if isinstance(module, nn.EmbeddingBag) or (isinstance(module, nn.Embedding) and module.padding_idx is not None):
+        for module in model.modules():
+            padded = isinstance(module, nn.Embedding) and module.padding_idx is not None
+            if isinstance(module, nn.EmbeddingBag) or padded:
                 return forward_gap(module, ["weight"])
     wanted = set(names)
     for prefix, module in model.named_modules():
