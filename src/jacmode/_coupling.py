@@ -10,7 +10,9 @@ ordered pair (i, i') of probed samples some pass changes i' and keeps i, so a de
 direction is seen: causal (``torch.cumsum(z, 0)``, ``z - z[:1]``, an RNN run over dim 0),
 anti-causal, or through batch statistics (``z - z.mean(0)``). That is 2 ceil(log2 k) passes of k
 samples, 6 for k = 8. Floating inputs are changed by Gaussian noise at the scale of the probed
-samples, integer inputs (token ids) by other values seen in the batch; both from a private generator.
+samples, integer inputs (token ids) by other values seen in the batch (a changed sample that would be a
+permutation of its own ids, the same bag to EmbeddingBag's sum or mean, changes its first entry
+otherwise); both from a private generator.
 Values alone miss a dependency that only the derivative has (``z + m - m.detach()`` with
 ``m = z.mean(0)``, an ``autograd.Function`` whose backward mixes samples), so for floating inputs
 the first pass records an autograd graph and, for each part, a random cotangent on C alone must pull
@@ -357,8 +359,21 @@ def _other_ids(xs: Tensor, x: Tensor, n: int, gen: torch.Generator) -> Tensor:
         v = int(pool[0]) if pool.numel() else 0
         pool = torch.tensor(sorted({0, v, v - 1 if v > 0 else v + 1}), device=x.device)
     where = torch.searchsorted(pool, xs.long())
-    step = torch.randint(1, pool.numel(), (n, *xs.shape), generator=gen, device=x.device)
-    return pool[(where + step) % pool.numel()].to(xs.dtype)
+    size = pool.numel()
+    step = torch.randint(1, size, (n, *xs.shape), generator=gen, device=x.device)
+    if xs.dim() > 1 and xs[0].numel() > 1:
+        # a changed sample that is a permutation of its ids is the same bag to a pooling layer (EmbeddingBag's
+        # sum / mean): its first entry takes a third value (or, of two values, keeps its own), so the bag changes
+        flat = (where + step) % size
+        rows = flat.reshape(n, xs.shape[0], -1)
+        same = (rows.sort(-1).values == where.reshape(1, xs.shape[0], -1).sort(-1).values).all(-1)  # (n, k)
+        if bool(same.any()):
+            first = step.reshape(n, xs.shape[0], -1)[..., 0]
+            bump = torch.where(first + 1 == size, first + 2, first + 1) % size if size > 2 else torch.zeros_like(first)
+            step = step.reshape(n, xs.shape[0], -1).clone()
+            step[..., 0] = torch.where(same, bump, first)
+            step = step.reshape(n, *xs.shape)
+    return pool[(where + step) % size].to(xs.dtype)
 
 
 def _randn(shape: tuple[int, ...], gen: torch.Generator, like: Tensor) -> Tensor:

@@ -249,9 +249,10 @@ class _Applied(nn.Module):
     _jacmode_wrapper = True  # its children are the modules fn refers to, which fn itself feeds
 
     def __init__(self, fn: Callable[..., Any], leaves: list[Any], spec: Any, diff: list[int], batched: list[int],
-                 modules: list[nn.Module], tensor_output: bool = False) -> None:
+                 modules: list[nn.Module], tensor_output: bool = False, sample_dims: Any = None) -> None:
         super().__init__()
         self.tensor_output = tensor_output
+        self.sample_dims = sample_dims  # fn written for one sample: vmap's in_dims, or LOOP (see _spelling)
         try:  # the cache of wrappers is keyed weakly by fn: no strong reference back to it
             ref: Callable[[], Any] = weakref.ref(fn)
         except TypeError:
@@ -279,7 +280,7 @@ class _Applied(nn.Module):
         else:
             for j in self.batched:
                 leaves[j] = self.leaves[j].index_select(0, xin)
-        out = self.fn(*tree_unflatten(leaves, self.spec))
+        out = _batched_call(self.fn, leaves, self.spec, self.batched, self.sample_dims)
         if self.tensor_output and not isinstance(out, Tensor):
             raise TypeError(f"f: per_sample_grads needs f to return one tensor (the loss's input), got "
                             f"{type(out).__name__}. Return the model's output; put the rest in the loss.")
@@ -363,12 +364,13 @@ def _target(f: Any, prep: _Prepared, tensor_output: bool
     from ._state import used_modules  # noqa: PLC0415
 
     hidden = None
-    if len(prep.batched) == 1 and not _in_transform():
+    sample_dims = _spelling(f, prep)
+    if sample_dims is None and len(prep.batched) == 1 and not _in_transform():
         hidden = _disguised(f, prep.leaves, prep.spec, prep.diff, prep.batched)
     if hidden is not None:
         model, x_in, slots, _ = hidden
         return model, x_in, {slot: prep.leaves[j] for slot, j in slots.items()}, slots, None
-    wrapper = _wrapper_for(f, prep, tensor_output, used_modules(f))
+    wrapper = _wrapper_for(f, prep, tensor_output, used_modules(f), sample_dims)
     first = prep.leaves[prep.batched[0]]
     xin = first if len(prep.batched) == 1 else torch.arange(prep.batch, device=first.device)
     slots = {f"p{k}": j for k, j in enumerate(prep.diff)}
@@ -380,26 +382,33 @@ def _target(f: Any, prep: _Prepared, tensor_output: bool
 _WRAPPERS: "weakref.WeakKeyDictionary[Any, dict[tuple, _Applied]]" = weakref.WeakKeyDictionary()
 
 
-def _wrapper_for(f: Any, prep: _Prepared, tensor_output: bool, modules: list[nn.Module]) -> _Applied:
-    """The :class:`_Applied` of ``f`` for a call of this structure, holding this call's arguments."""
-    def meta(v: Any) -> Any:
-        if isinstance(v, Tensor):
-            return ("tensor", tuple(v.shape), v.dtype, v.device, v.requires_grad)
-        try:
-            hash(v)
-            return ("value", type(v), v)
-        except TypeError:
-            return ("id", id(v))
+def _meta(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return ("tensor", tuple(v.shape), v.dtype, v.device, v.requires_grad)
+    try:
+        hash(v)
+        return ("value", type(v), v)
+    except TypeError:
+        return ("id", id(v))
 
-    key = (str(prep.spec), tuple(prep.diff), tuple(prep.batched), tensor_output,
-           tuple(meta(v) for v in prep.leaves), tuple(id(m) for m in modules))
+
+def _structure(prep: _Prepared) -> tuple:
+    """What a call's structure is to the caches of this module: the pytree, which leaves are differentiated
+    and batched, and each leaf's shape, dtype, device and flag (tensors) or value."""
+    return (str(prep.spec), tuple(prep.diff), tuple(prep.batched), tuple(_meta(v) for v in prep.leaves))
+
+
+def _wrapper_for(f: Any, prep: _Prepared, tensor_output: bool, modules: list[nn.Module],
+                 sample_dims: Any = None) -> _Applied:
+    """The :class:`_Applied` of ``f`` for a call of this structure, holding this call's arguments."""
+    key = (*_structure(prep), tensor_output, tuple(id(m) for m in modules), str(sample_dims))
     try:
         table = _WRAPPERS.setdefault(f, {})
     except TypeError:  # not weakly referenceable: a wrapper of its own
         table = {}
     wrapper = table.get(key)
     if wrapper is None or wrapper.leaves:  # (in use by an enclosing call: another one)
-        wrapper = _Applied(f, prep.leaves, prep.spec, prep.diff, prep.batched, modules, tensor_output)
+        wrapper = _Applied(f, prep.leaves, prep.spec, prep.diff, prep.batched, modules, tensor_output, sample_dims)
         table.setdefault(key, wrapper)
     wrapper.leaves = list(prep.leaves)
     return wrapper
@@ -558,3 +567,116 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
         if any(g is not None for g in grads):
             return None  # the model's input or another of its tensors depends on the differentiated ones
     return model, x_in.detach() if not x_in.requires_grad else x_in, slots, tuple(out.shape[1:])
+
+
+# ---- the per-sample spelling: fn written for one sample, for vmap ---------------------------------
+#
+# NOTE: [Per-sample spelling]
+# torch.func users write fn for one sample and let vmap batch it: ``fn(p, v) = functional_call(net, p,
+# (v[None],))[0]``, differentiated as ``vmap(jacrev(fn), in_dims=(None, 0))(p, x)``. jacmode calls every
+# function on the whole batch, where such an fn raises torch's shape errors or, worse, returns another
+# layout (a batch of one gives (*out) where (1, *out) is meant). :func:`_spelling` reads the spelling
+# once per call structure (cached weakly by fn): fn is *batched* when it runs on the batch with every
+# output leading with B and still does on another number of samples (the first ones repeated); the
+# documented convention wins whenever it holds, so batched functions keep the fast engines. Otherwise
+# fn is *per-sample* when ``vmap(fn, in_dims)`` runs (the wrapper then evaluates torch.func's
+# ``vmap(fn)``, exactly what torch.func differentiates), or, where vmap has no batching rule (RNNs),
+# when fn runs on one sample (the wrapper stacks a loop over the samples). A fn that runs under
+# neither reading is refused with both errors, instead of torch's error of the batched call.
+
+LOOP = "loop"  # per-sample fn without a vmap batching rule: a loop over the samples
+
+# fn (weakly) -> {structure of the call: its spelling (None: batched, vmap's in_dims, or LOOP)}
+_SPELLINGS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _batched_call(fn: Callable[..., Any], leaves: list[Any], spec: Any, batched: list[int], sample_dims: Any) -> Any:
+    """fn on the batch: called as is (batched), through vmap, or stacked over a loop (per-sample)."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
+
+    if sample_dims is None:
+        return fn(*tree_unflatten(leaves, spec))
+    if sample_dims != LOOP:
+        return vmap(fn, in_dims=sample_dims, randomness="different")(*tree_unflatten(leaves, spec))
+    rows = set(batched)
+    n = leaves[batched[0]].shape[0]
+    outs = [fn(*tree_unflatten([v[b] if j in rows else v for j, v in enumerate(leaves)], spec)) for b in range(n)]
+    flat = [tree_flatten(o) for o in outs]
+    if any(s != flat[0][1] for _, s in flat) or not all(isinstance(t, Tensor) for ls, _ in flat for t in ls):
+        raise TypeError(f"f: expected f to return a tensor or a pytree of tensors of one structure for every sample, "
+                        f"got {type(outs[0]).__name__}.")
+    return tree_unflatten([torch.stack(ts) for ts in zip(*(ls for ls, _ in flat))], flat[0][1])
+
+
+def _spelling(f: Any, prep: _Prepared) -> Any:
+    """How ``f`` takes the batch (see the note): None (batched), vmap's in_dims, or LOOP; cached per structure."""
+    key = _structure(prep)
+    try:
+        table = _SPELLINGS.setdefault(f, {})
+    except TypeError:  # not weakly referenceable: read every call
+        table = {}
+    if key not in table:
+        table[key] = _read_spelling(f, prep)
+    return table[key]
+
+
+def _read_spelling(f: Any, prep: _Prepared) -> Any:
+    from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
+
+    from ._cache import rng_kept  # noqa: PLC0415
+    from ._state import preserved_state  # noqa: PLC0415
+
+    leaves, spec, n = prep.leaves, prep.spec, prep.batch
+    rows = set(prep.batched)
+    first = leaves[prep.batched[0]]
+    dims = tree_unflatten([0 if j in rows else None for j in range(len(leaves))], spec)
+
+    def follows(out: Any, m: int) -> bool:
+        ts = tree_flatten(out)[0]
+        return bool(ts) and all(isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == m for t in ts)
+
+    def samples(m: int) -> Any:
+        idx = torch.arange(m, device=first.device) % n
+        return tree_unflatten([v.index_select(0, idx) if j in rows else v for j, v in enumerate(leaves)], spec)
+
+    err: Optional[Exception] = None
+    with preserved_state(f), rng_kept(first.device):
+        try:
+            batched = follows(f(*tree_unflatten(leaves, spec)), n)
+        except Exception as e:  # noqa: BLE001 -- fn's own error: judged with the per-sample reading below
+            batched, err = False, e
+        if batched:
+            m = 3 if n == 2 else 2
+            try:
+                if follows(f(*samples(m)), m):
+                    return None
+            except Exception:  # noqa: BLE001 -- fn does not follow the number of samples
+                pass
+        try:
+            if follows(vmap(f, in_dims=dims, randomness="different")(*tree_unflatten(leaves, spec)), n):
+                return dims
+        except Exception as e:  # noqa: BLE001
+            err_v: Exception = e
+        else:
+            err_v = ValueError("its outputs are not tensors")
+        if batched:
+            return None  # ran on the batch, if not on another number of samples: the documented reading
+        try:
+            one = f(*tree_unflatten([v[0] if j in rows else v for j, v in enumerate(leaves)], spec))
+            if tree_flatten(one)[0] and all(isinstance(t, Tensor) for t in tree_flatten(one)[0]):
+                return LOOP
+        except Exception:  # noqa: BLE001
+            pass
+    if err is None:
+        return None  # ran on the batch with another leading dim: the batched path's checks say what is wrong
+    raise ValueError(
+        f"f: runs neither on the whole batch nor on one sample. jacmode calls f on the batch (the batched arguments "
+        f"with dim 0 of {n} samples), where it raised {type(err).__name__}: {_short(err)}; read per sample "
+        f"(torch.func's vmap over dim 0) it raised {type(err_v).__name__}: {_short(err_v)}. Expected a function of the batch "
+        "returning (B, *out) per output, or of one sample as vmap(jacrev(f), in_dims=...) takes it; fix f for one "
+        "of the two.") from err
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return text if len(text) <= 160 else text[:157] + "..."

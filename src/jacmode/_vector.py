@@ -33,6 +33,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from . import _checks, _losses
 from ._coupling import probe
 from ._autodiff import vector as _eng
+from ._autodiff.bags import holds_bags, primitive_bags
 from ._problem import _has_random_layers
 from ._rules.embedding import forward_gap
 from ._state import preserved_state
@@ -182,7 +183,10 @@ class Params:
         return torch.cat([t.reshape(*lead, -1) for t in parts], dim=-1)
 
     def call(self, leaves: Sequence[Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return functional_call(self.model, dict(zip(self.names, leaves)), args, kwargs)
+        # an EmbeddingBag in primitives: torch defines neither its forward-mode formula nor its second
+        # derivative, which J v (forward, or the transpose of a vjp) and H v need (_autodiff/bags.py)
+        with primitive_bags(holds_bags(self.model)):
+            return functional_call(self.model, dict(zip(self.names, leaves)), args, kwargs)
 
 
 def params_of(f: Any, wrt: Any, v: Any = None, flatten: bool = True) -> Params:

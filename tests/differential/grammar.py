@@ -191,6 +191,15 @@ class Head(nn.Module):
             cls = {"rnn": nn.RNN, "gru": nn.GRU, "lstm": nn.LSTM}[kind]
             self.seq: nn.Module = cls(in_shape[1], spec["hidden"], batch_first=True)
 
+    def bag(self, x: Tensor) -> Tensor:
+        """EmbeddingBag of ids (B, L) in primitive ops (indexing, mask, sum): torch defines neither the forward-mode
+        formula of _embedding_bag nor the derivative of its backward, which the oracle's Hessians need."""
+        e = self.emb
+        rows = e.weight[x]  # (B, L, E)
+        keep = torch.ones(x.shape, dtype=rows.dtype) if e.padding_idx is None else (x != e.padding_idx).to(rows.dtype)
+        total = (rows * keep.unsqueeze(-1)).sum(1)
+        return total if e.mode == "sum" else total / keep.sum(1).clamp(min=1).unsqueeze(-1)
+
     def forward(self, x: Tensor) -> Tensor:
         k = self.kind
         if k == "flat":
@@ -204,7 +213,7 @@ class Head(nn.Module):
         if k == "embedding":
             return self.emb(x).flatten(1)
         if k == "embeddingbag":
-            return self.emb(x)
+            return self.bag(x) if getattr(self, "primitive", False) else self.emb(x)
         out = self.seq(x)[0]
         return out[:, -1] if self.spec["last"] else out.flatten(1)
 
@@ -313,7 +322,7 @@ def build(case: Case, primitive: bool = False) -> Net:
             blocks.append(Op(b[1], b[2], b[3]))
     net = Net(head, blocks, case.width, case.out_shape, case.pointwise).double()
     for m in net.modules():
-        if isinstance(m, Norm):
+        if isinstance(m, (Norm, Head)):
             m.primitive = primitive
     return net
 

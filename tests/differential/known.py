@@ -25,16 +25,6 @@ class Known:
 
 
 KNOWN: list[Known] = [
-    Known("NEW", "jacobian(fn, params, x, in_dims=(None, 0)) calls fn on the whole batch (jacmode's convention for f), "
-          "not per sample as the vmap(jacrev(fn), in_dims=(None, 0)) that docs/functional.md equates it with: torch.func's "
-          "per-sample spelling fn(p, v) = functional_call(net, p, (v[None],))[0] raises torch's shape errors or gives "
-          "another layout (docs or front to settle)",
-          lambda c: c.entry == "jacobian_functional" and c.options.get("spelling") == "sample"),
-    Known("NEW", "EmbeddingBag parameters: torch has no forward formula for _embedding_bag and no derivative of "
-          "_embedding_bag_backward, so J v over them (jvp wrt=params, ggn(v=), linearize(wrt=params)) and hvp wrt=params "
-          "end in torch's raw NotImplementedError (torch.func cannot either; jm.jacobian / jm.ggn without v work)",
-          lambda c: c.head == "embeddingbag" and c.entry in ("jvp_params", "ggn_v", "linearize_params", "hvp_params")
-          and c.convention != "inference_mode" and c.options.get("mode") != "forward" and not c.coupled),
 ]
 
 

@@ -12,6 +12,7 @@ model x entry-point x convention cases ran, the outcomes, and the KNOWN entries 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -171,3 +172,23 @@ def test_cross_entropy_hessian_takes_classes_on_dim_1() -> None:
     h = torch.func.hessian(lambda o: torch.nn.functional.cross_entropy(o.reshape(1, 3, 2), y.reshape(1, 2),
                                                                      reduction="sum"))(out)
     torch.testing.assert_close(O.cross_entropy_hessian(out), h.reshape(6, 6), rtol=1e-12, atol=1e-12)
+
+
+def test_a_coupled_op_inactive_at_the_drawn_batch_owes_no_error() -> None:
+    """ReLU zeroes every feature of sample 0 before cumsum(z, 0): the other rows do not depend on it near x (the
+    whole-batch Jacobian's cross blocks are zero), so per-sample results are exact and no error is owed; with
+    sample 0 alive the coupling shows. (Soak: conv1d/relu/op-cumsum, reverse mode via functional_call, B = 2.)"""
+    case = G.Case(seed=0, head="flat", head_spec={}, in_shape=(2,), blocks=[("act", "relu", "module"),
+                  ("op", "cumsum", 2, 0)], width=2, out_shape=(2,), batch=2, dtype=torch.float64, entry="jacobian",
+                  options={"mode": "reverse", "batched": True, "structure": "auto", "chunk_size": None},
+                  convention="fcall_same")
+    net64 = G.build(case, primitive=True)
+    dead = torch.tensor([[-1.0, -2.0], [0.5, 1.0]], dtype=torch.float64)
+    assert R.locally_independent(case, net64, [dead])
+    assert not R.locally_independent(case, net64, [dead.flip(0)])  # sample 0 alive: row 1 depends on it
+    ids = dataclasses.replace(case, head="embeddingbag", head_spec={"vocab": 3, "dim": 2, "padding_idx": None,
+                              "mode": "sum"}, blocks=[("op", "center", 2, 0)], entry="per_sample_grads",
+                              options={"loss": "sq"})
+    net64 = G.build(ids, primitive=True)
+    assert R.locally_independent(ids, net64, [torch.tensor([[0, 0, 2], [0, 2, 0]])])  # one bag to the model
+    assert not R.locally_independent(ids, net64, [torch.tensor([[0, 0, 2], [0, 2, 2]])])

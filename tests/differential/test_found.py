@@ -188,3 +188,166 @@ def test_forward_over_reverse_hvp_of_torchs_mse_loss() -> None:
                                rtol=1e-12, atol=1e-12)
     w = torch.cat([x, torch.ones_like(x)], 1)  # L = mean((w @ theta - y)^2): H = 2 w^T w / B
     torch.testing.assert_close(want, 2 * w.T @ w @ v / 3, rtol=1e-12, atol=1e-12)
+
+
+# ---- torch.func's per-sample spelling in the functional style (was KNOWN) ----------------------------------------
+
+
+class _Reshaping(nn.Module):
+    """A model whose forward reshapes by x.shape[0], as the harness's Net: a per-sample fn fails on the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.tail = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.tail(torch.tanh(self.lin(x))).reshape(x.shape[0], 2)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3])
+def test_functional_style_batches_a_per_sample_fn_as_vmap_does(batch: int) -> None:
+    """fn(p, v) = functional_call(net, p, (v[None],))[0] is written for one sample: jacmode gives torch.func's
+    vmap(jacrev(fn), in_dims=(None, 0)) (at B = 1 the batched reading would drop the output's dim)."""
+    torch.manual_seed(0)
+    net = _Reshaping().double()
+    x = torch.randn(batch, 3, dtype=torch.float64)
+    params = {n: p.detach() + 0.1 for n, p in net.named_parameters()}
+
+    def fn(p: dict, v: Tensor) -> Tensor:
+        return functional_call(net, p, (v[None],))[0]
+
+    got = jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))
+    want = torch.func.vmap(jacrev(fn), in_dims=(None, 0))(params, x)
+    assert list(got) == list(want)
+    for n in want:
+        assert got[n].shape == want[n].shape
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-12)
+    y = torch.randn(batch, 2, dtype=torch.float64)
+    gs = jm.per_sample_grads(fn, (params, x), lambda o, t: ((o - t) ** 2).sum(1), y=y, argnums=0, in_dims=(None, 0))
+    one = torch.func.grad(lambda p, v, t: ((fn(p, v) - t) ** 2).sum())
+    ref = torch.func.vmap(one, in_dims=(None, 0, 0))(params, x, y)
+    for n in ref:
+        torch.testing.assert_close(gs[n], ref[n], rtol=1e-12, atol=1e-12)
+
+
+def test_functional_style_per_sample_fn_without_a_vmap_rule_is_a_loop() -> None:
+    """A GRU has no vmap batching rule: the per-sample fn runs sample by sample, exactly."""
+    torch.manual_seed(0)
+    gru = nn.GRU(2, 3, batch_first=True).double()
+    x = torch.randn(3, 4, 2, dtype=torch.float64)
+    params = {n: p.detach() for n, p in gru.named_parameters()}
+
+    def fn(p: dict, v: Tensor) -> Tensor:
+        return functional_call(gru, p, (v[None],))[0][0, -1]
+
+    got = jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))
+    for b in range(3):
+        want = jacrev(fn)(params, x[b])
+        for n in want:
+            torch.testing.assert_close(got[n][b], want[n], rtol=1e-12, atol=1e-12)
+
+
+def test_functional_style_batched_fn_keeps_the_fast_path() -> None:
+    """A batched fn is read as batched (the documented convention): called on the batch as is."""
+    torch.manual_seed(0)
+    net = _Reshaping().double()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    params = {n: p.detach() for n, p in net.named_parameters()}
+    fn = lambda p, v: functional_call(net, p, (v,))  # noqa: E731
+    got = jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))
+    want = torch.func.vmap(jacrev(lambda p, v: fn(p, v[None])[0]), in_dims=(None, 0))(params, x)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-12, atol=1e-12)
+    from jacmode import _functional
+
+    assert list(_functional._SPELLINGS[fn].values()) == [None]
+
+
+def test_functional_style_fn_that_runs_under_neither_reading() -> None:
+    net = _Reshaping().double()
+    params = {n: p.detach() for n, p in net.named_parameters()}
+    x = torch.randn(2, 5, dtype=torch.float64)  # 5 features where the model takes 3
+    with pytest.raises(ValueError, match=r"^f: runs neither on the whole batch nor on one sample.*fix f"):
+        jm.jacobian(lambda p, v: functional_call(net, p, (v,)), params, x, argnums=0, in_dims=(None, 0))
+
+
+# ---- EmbeddingBag parameters in J v and H v products (was KNOWN) --------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+@pytest.mark.parametrize("padding_idx", [None, 0])
+def test_vector_products_over_embedding_bag_parameters(mode: str, padding_idx: "int | None") -> None:
+    """torch has no forward formula for _embedding_bag and no derivative of its backward: the products run the
+    bag in primitive ops, checked against the whole-batch Jacobian and Hessian of a primitive spelling."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.EmbeddingBag(5, 3, mode=mode, padding_idx=padding_idx), nn.Tanh(), nn.Linear(3, 2)).double()
+    x = torch.tensor([[1, 0, 3], [2, 2, 4], [0, 0, 0]])
+    names = [n for n, _ in net.named_parameters()]
+    P = sum(p.numel() for p in net.parameters())
+    v = torch.randn(P, dtype=torch.float64)
+
+    def prim(flat: Tensor) -> Tensor:  # the same model with the bag written out (index, mask, reduce)
+        w, lw, lb = flat.split([p.numel() for p in net.parameters()])
+        w, lw = w.reshape(5, 3), lw.reshape(2, 3)
+        rows = w[x]
+        keep = torch.ones(x.shape, dtype=w.dtype) if padding_idx is None else (x != padding_idx).to(w.dtype)
+        if mode == "max":
+            h = rows.masked_fill(keep[..., None] == 0, float("-inf")).amax(1)
+            h = torch.where(keep.any(1, keepdim=True) > 0, h, torch.zeros_like(h))
+        else:
+            h = (rows * keep[..., None]).sum(1)
+            h = h if mode == "sum" else h / keep.sum(1, keepdim=True).clamp(min=1)
+        return torch.tanh(h) @ lw.T + lb
+
+    theta = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    J = torch.autograd.functional.jacobian(prim, theta).reshape(-1, P)
+    jv = jm.jvp(net, x, v, wrt="params")[1]
+    torch.testing.assert_close(jv.reshape(-1), J @ v, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(jm.linearize(net, x, wrt="params")(v).reshape(-1), J @ v, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(jm.ggn(net, x, "mse", v=v), J.T @ (J @ v), rtol=1e-10, atol=1e-12)
+    loss = lambda o: (o**2).sum(1)  # noqa: E731
+    H = torch.autograd.functional.hessian(lambda t: loss(prim(t)).sum(), theta)
+    torch.testing.assert_close(jm.hvp(net, x, v, wrt="params", loss=loss), H @ v, rtol=1e-10, atol=1e-12)
+    assert names == [n for n, _ in net.named_parameters()]  # the model is left as found
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")  # torch's own jacrev of _embedding_bag, the oracle
+def test_embedding_bag_by_offsets_in_primitive_ops() -> None:
+    """1-D ids with offsets (empty bags, include_last_offset, per_sample_weights) give torch's values and
+    derivatives in primitive ops, forward mode included."""
+    import torch.nn.functional as F
+
+    from jacmode._autodiff.bags import primitive_bags
+
+    torch.manual_seed(0)
+    w = torch.randn(6, 3, dtype=torch.float64)
+    ids, psw = torch.tensor([1, 4, 0, 5, 5, 2, 3]), torch.randn(7, dtype=torch.float64)
+    for kw in (dict(offsets=torch.tensor([0, 2, 2, 5]), mode="mean", padding_idx=5),
+               dict(offsets=torch.tensor([0, 3, 3, 7]), mode="max", include_last_offset=True),
+               dict(offsets=torch.tensor([0, 1, 4]), mode="sum", per_sample_weights=psw, padding_idx=0)):
+        bag = lambda t: F.embedding_bag(ids, t, **kw)  # noqa: E731
+        want = jacrev(bag)(w)
+        with primitive_bags():
+            torch.testing.assert_close(bag(w), F.embedding_bag(ids, w, **kw), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(jacrev(bag)(w), want, rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(torch.func.jacfwd(bag)(w), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("ids", [[[2, 0], [0, 2]], [[2, 0], [2, 0]], [[0, 0, 2], [0, 2, 0]]])
+def test_coupling_probe_sees_a_pooling_layer_over_permuted_ids(ids: list) -> None:
+    """The probe changes every id to another value seen in the batch; of two values that is a permutation of a
+    bag, the same bag to EmbeddingBag's sum: the probe missed cumsum(z, 0) after it and gave the samples-alone
+    gradients, which are not the batch's (soak: embeddingbag ... per_sample_grads, B = 2)."""
+    torch.manual_seed(0)
+
+    class Bagged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.tail = nn.EmbeddingBag(4, 2, mode="sum"), nn.Linear(2, 2)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.tail(torch.cumsum(self.emb(x), 0))
+
+    net = Bagged().double()
+    with pytest.raises(jm.CoupledBatchError, match=r"^f: the samples of the batch are coupled"):
+        jm.per_sample_grads(net, torch.tensor(ids), lambda o: (o**2).sum(1))

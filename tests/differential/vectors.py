@@ -18,8 +18,8 @@ Entry points (``VECTOR_ENTRIES``), drawn over the same model grammar (``grammar.
 - ``jacobian_functional``: ``jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))`` with
   ``fn(p, v) = functional_call(net, p, (v,))`` of the batch v (jacmode's convention, as every f
   it takes), or, in a quarter of the cases, torch.func's per-sample spelling
-  ``functional_call(net, p, (v[None],))[0]`` (a KNOWN entry: jacmode calls fn on the batch),
-  against samples evaluated alone.
+  ``functional_call(net, p, (v[None],))[0]`` (jacmode reads the spelling and batches it with vmap,
+  or a loop where vmap has no rule), against samples evaluated alone.
 
 Every call also checks that the model is left as found: parameters (values and identity), buffers,
 train/eval flags, requires_grad, ``.grad`` (one parameter holds a gradient before the call) and
@@ -328,7 +328,7 @@ def run(case: G.Case, net: nn.Module, net64: nn.Module, x64: Tensor, gen: torch.
     assert e == "jacobian_functional", e
 
     def fn(p: dict[str, Tensor], v: Tensor) -> Tensor:
-        if o["spelling"] == "sample":  # torch.func's per-sample spelling (see known.py)
+        if o["spelling"] == "sample":  # torch.func's per-sample spelling (_functional.py, [Per-sample spelling])
             return functional_call(net, p, (v.unsqueeze(0),))[0]
         return functional_call(net, p, (v,))
 

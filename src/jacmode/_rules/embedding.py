@@ -157,6 +157,11 @@ def forward_gap(model: Any, names: Iterable[str]) -> Optional[str]:
     """Why forward mode is not exact for the parameters ``names`` of ``model`` (see the note), or None."""
     if not isinstance(model, nn.Module):
         return None
+    if getattr(model, "_jacmode_wrapper", False):  # a function's wrapper: its slots p0, p1, ... may sit in any layer
+        for module in model.modules():
+            padded = isinstance(module, nn.Embedding) and module.padding_idx is not None
+            if isinstance(module, nn.EmbeddingBag) or padded:
+                return forward_gap(module, ["weight"])
     wanted = set(names)
     for prefix, module in model.named_modules():
         name = f"{prefix}.weight" if prefix else "weight"
