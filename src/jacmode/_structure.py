@@ -131,13 +131,13 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
         except Unsupported as err:  # a rule's assumption broke at this size: the generic engine
             reject(p.program, p.x, str(err))
     if not forward and plan.strategy == "broadcast" and _rows_per_sample(p):
-        def place_rows(s: int, e: int, blk: Tensor) -> None:
+        def place_sample_rows(s: int, e: int, blk: Tensor) -> None:
             if not (s == 0 and e == Y and res.whole(blk)):
                 res.put((slice(None), slice(s, e)), blk)
 
         assert p.row_fn is not None and p.program is not None
         try:  # rows in the result's layout (see sample_rows)
-            sample_rows(p.row_fn, z, Y, place_rows, step)
+            sample_rows(p.row_fn, z, Y, place_sample_rows, step)
             return res.target()
         except Exception as err:  # noqa: BLE001 -- f on one sample under vmap: the batch engine below
             p.program.checked[_ROWS_KEY + _shape_key(p)] = f"{type(err).__name__}: {err}"

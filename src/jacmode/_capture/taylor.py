@@ -251,13 +251,13 @@ def value(program: Program, x: Tensor) -> Tensor:
     """
     alg = Stacked([0], lazy=True)
     out = _run(program, alg, x.reshape(x.shape[0], -1), tuple(x.shape[1:])).value
-    program.checked[(SEED_BUILT, tuple(x.shape[1:]), x.dtype, x.device.type)] = alg.built
+    program.checked[(SEED_BUILT, tuple(x.shape[1:]), x.dtype, x.device.type)] = "built" if alg.built else "columns"
     return out
 
 
 def seed_built(program: Program, in_shape: tuple[int, ...], like: Tensor) -> bool:
     """Whether forward mode over ``program`` builds the (D, 1, *in_shape) one-hot seed (True when unknown)."""
-    return bool(program.checked.get((SEED_BUILT, tuple(in_shape), like.dtype, like.device.type), True))
+    return program.checked.get((SEED_BUILT, tuple(in_shape), like.dtype, like.device.type)) != "columns"
 
 
 def pairs(program: Program, z: Tensor, in_shape: tuple[int, ...], ii: Sequence[int], jj: Sequence[int]) -> Tensor:
