@@ -10,7 +10,7 @@ import pytest
 from jacmode._planning import calibrated, memory, ntk, plan
 
 TERMS = {"call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
-         "dir_bytes", "dir_spill", "result"}
+         "dir_bytes", "dir_spill", "result", "seed"}
 
 
 def test_the_loader_and_the_data_file_agree() -> None:

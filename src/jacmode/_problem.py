@@ -56,6 +56,7 @@ class Problem:
     model: Optional[nn.Module] = None  # params: the module
     probes: Optional[Coverage] = None  # params: what the layer-wise probe engine covers (verified)
     subset_fn: Optional[Callable[[list[str]], tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]]] = None
+    row_fn: Optional[Callable[[Tensor], Tensor]] = None  # inputs, captured graph: one sample z_b (D,) -> (Y,)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -180,7 +181,7 @@ def connected(result: Any, f: Any, x: Tensor, create_graph: bool) -> Any:
 def facts(p: Problem) -> Problem:
     """``p`` without its model, input and functions: what a profile may keep (``_profile.py``)."""
     bound = p.model is not None and bound_values(p.model) is not None  # a dict's tensors are not kept
-    return dataclasses.replace(p, fn=_gone, z=p.z.new_empty(0), x=p.x.new_empty(0), sample_fn=None,
+    return dataclasses.replace(p, fn=_gone, z=p.z.new_empty(0), x=p.x.new_empty(0), sample_fn=None, row_fn=None,
                                subset_fn=None, model=None, tensors=[] if bound else p.tensors,
                                probes=_without_tensors(p.probes) if bound else p.probes)
 
@@ -235,6 +236,8 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem
     if facts.batched:
         z = xin.reshape(batch, n_in)
         fn = lambda z: f(z.reshape(batch, *in_shape)).reshape(batch, n_out)  # noqa: E731
+        if facts.program is not None and not isinstance(f, Flat):  # samples independent, ops with rules
+            p.row_fn = lambda zb: f(zb.reshape(1, *in_shape)).reshape(n_out)  # see _structure.run
     else:
         z = xin.reshape(n_in)
         fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731

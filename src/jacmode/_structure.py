@@ -33,7 +33,7 @@ from torch import Tensor
 from ._probes import layerwise
 from ._capture.capture import reject
 from ._autodiff.forward import forward_columns, layerwise_columns
-from ._autodiff.reverse import per_sample_rows, reverse_rows
+from ._autodiff.reverse import per_sample_rows, reverse_rows, sample_rows
 from ._planning.plan import Plan
 from ._problem import Problem
 from ._rules.base import NotCovered, Unsupported
@@ -129,8 +129,37 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
             return res.target()
         except Unsupported as err:  # a rule's assumption broke at this size: the generic engine
             reject(p.program, p.x, str(err))
+    if not forward and plan.strategy == "broadcast" and _rows_per_sample(p):
+        def place_sample_rows(s: int, e: int, blk: Tensor) -> None:
+            if not (s == 0 and e == Y and res.whole(blk)):
+                res.put((slice(None), slice(s, e)), blk)
+
+        assert p.row_fn is not None and p.program is not None
+        try:  # rows in the result's layout (see sample_rows)
+            sample_rows(p.row_fn, z, Y, place_sample_rows, step)
+            return res.target()
+        except Exception as err:  # noqa: BLE001 -- f on one sample under vmap: the batch engine below
+            p.program.checked[_ROWS_KEY + _shape_key(p)] = f"{type(err).__name__}: {err}"
+            res = _Result(shape, z, out)  # nothing of it is kept (out= is written over)
+            seeds, place = _SEEDS[(plan.strategy, forward, False)](p, res, plan.directions)
     engine(p.fn, z, plan.directions, seeds, place, step, rng)
     return res.target()
+
+
+_ROWS_KEY = ("reverse rows per sample",)  # program.checked: why f failed on one sample under vmap
+
+
+def _shape_key(p: Problem) -> tuple:
+    return (tuple(p.in_shape), p.z.dtype, p.z.device.type)
+
+
+def _rows_per_sample(p: Problem) -> bool:
+    """Broadcast reverse mode as ``vmap`` over samples of ``vjp`` (``sample_rows``): for a captured
+    graph (samples independent, every op has a rule) of a one-argument f, without random layers,
+    outside torch.func transforms, unless f failed on one sample before."""
+    return (p.row_fn is not None and p.program is not None and not p.random and not in_transform()
+            and p.n_out > 1 and p.n_in > 1  # else the rows (k, B, D) are already (B, Y, D) in memory
+            and _ROWS_KEY + _shape_key(p) not in p.program.checked)
 
 
 Layout = tuple[Callable[[int, int], Tensor], Callable[[int, int, Tensor], None]]

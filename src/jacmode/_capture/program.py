@@ -119,7 +119,7 @@ class Program:
 def _tensors(v: Any) -> Iterator[Tensor]:
     """The coefficient tensors held by a slot's value (a Traced, or a tuple / list of them)."""
     if isinstance(v, Traced):
-        yield from v.coef.values()
+        yield from (v._coef or {}).values()  # an unbuilt seed holds no tensor yet (_rules/base.py)
     elif isinstance(v, (tuple, list)):
         for u in v:
             yield from _tensors(u)

@@ -46,7 +46,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .._rules.base import Traced, Unsupported
+from .._rules.base import Seed, Traced, Unsupported
 from .._rules.elementwise import Jet, combine
 from .capture import Program
 from .._autodiff.nested import seeds
@@ -155,14 +155,23 @@ class Stacked:
     """First derivatives along K directions as one (K, 1|B, ...) tensor "g", and optionally the
     second-order coefficients "s" whose products ``cross(u, v)`` pick pairs or sum the diagonal."""
 
-    def __init__(self, dims: Sequence[int], cross: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> None:
+    def __init__(self, dims: Sequence[int], cross: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+                 lazy: bool = False) -> None:
         self.dims, self.cross = list(dims), cross
         self.order = 1 if cross is None else 2
         self.spare: set[int] = set()  # coefficients the running step may overwrite (Program.run)
+        self.lazy = lazy  # the input's seed is built only if a rule other than a linear map reads it
+        self.built = False  # whether it was
 
     def seed(self, z: Tensor) -> Traced:
-        e = seeds(z.reshape(z.shape[0], -1), self.dims).reshape(len(self.dims), 1, *z.shape[1:])
-        return Traced(z, {"g": e})
+        def make() -> dict[Any, Tensor]:
+            self.built = True
+            return {"g": seeds(z.reshape(z.shape[0], -1), self.dims).reshape(len(self.dims), 1, *z.shape[1:])}
+
+        if self.lazy:  # see [Seeds as columns] in _rules/base.py
+            wrap = lambda cols: {"g": cols.reshape(cols.shape[0], 1, *cols.shape[1:])}  # noqa: E731
+            return Traced(z, None, coef_make=make, seed=Seed(self.dims, wrap))
+        return Traced(z, make())
 
     def elementwise(self, x: Traced, jet: Callable[[Tensor, int], Jet]) -> Traced:
         act = jet(x.value.unsqueeze(0), self.order)
@@ -226,13 +235,29 @@ def partial(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Key) -
 
 def first(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Sequence[int]) -> Tensor:
     """First derivatives along each d in ``dims``: z (B, D) -> (k, B, Y)."""
-    out = _run(program, Stacked(dims), z, in_shape)
+    out = _run(program, Stacked(dims, lazy=True), z, in_shape)
     return _flat(out.coef.get("g"), out, len(dims), z.shape[0])
 
 
+SEED_BUILT = "seed built"  # Program.checked[(SEED_BUILT, *shape key)]: see seed_built
+
+
 def value(program: Program, x: Tensor) -> Tensor:
-    """f(x) computed by the program (with one coefficient, so that every rule runs)."""
-    return _run(program, Stacked([0]), x.reshape(x.shape[0], -1), tuple(x.shape[1:])).value
+    """f(x) computed by the program (with one coefficient, so that every rule runs).
+
+    Also records, for inputs shaped like x, whether a first-order pass builds the one-hot seed or
+    takes the columns of the linear maps that read the input ([Seeds as columns] in
+    ``_rules/base.py``), for the cost model (:func:`seed_built`).
+    """
+    alg = Stacked([0], lazy=True)
+    out = _run(program, alg, x.reshape(x.shape[0], -1), tuple(x.shape[1:])).value
+    program.checked[(SEED_BUILT, tuple(x.shape[1:]), x.dtype, x.device.type)] = "built" if alg.built else "columns"
+    return out
+
+
+def seed_built(program: Program, in_shape: tuple[int, ...], like: Tensor) -> bool:
+    """Whether forward mode over ``program`` builds the (D, 1, *in_shape) one-hot seed (True when unknown)."""
+    return program.checked.get((SEED_BUILT, tuple(in_shape), like.dtype, like.device.type)) != "columns"
 
 
 def pairs(program: Program, z: Tensor, in_shape: tuple[int, ...], ii: Sequence[int], jj: Sequence[int]) -> Tensor:

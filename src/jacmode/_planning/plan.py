@@ -11,7 +11,7 @@ direction, the estimated time is
         + S * (pass_flops * flops + pass_conv * conv + pass_bytes * act) * primal passes
         + S * (dir_flops * flops + dir_conv * conv + dir_bytes * act) * directions
         + S * dir_spill * act * directions * max(0, log2(bytes of one pass / SPILL_BYTES))
-        + result * B*Y*N
+        + result * B*Y*N + seed * N*directions (a built one-hot seed, forward over a captured graph)
 
 with one set of constants per engine (forward, forward layer by layer, reverse; see ``engine``),
 fitted to timings over a grid of MLPs, elementwise-heavy nets and a small CNN (wrt inputs and
@@ -45,6 +45,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
+from .._capture.taylor import seed_built
 from .._problem import Problem
 from .calibrated import COST, SPILL_BYTES
 from .chunking import chunks, engine, pass_workspace, samples_per_direction
@@ -152,7 +153,20 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
         "dir_bytes": S * fp.act * directions,
         "dir_spill": S * fp.act * directions * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
         "result": float(p.batch * p.n_out * p.n_in),
+        "seed": _seed_elements(p, mode, strategy, directions, S),
     }
+
+
+def _seed_elements(p: Problem, mode: str, strategy: str, directions: int, S: int) -> float:
+    """Forward mode over a captured graph: the entries (directions x N) of the one-hot seed when a
+    first operation reads it as a tensor (an elementwise map, a norm; the (k, S, N) tangents it then
+    makes cost more per byte at large N than the fit grid's nets show), 0 when the linear maps that
+    read the input take their columns instead (``_capture/taylor.py``, [Seeds as columns] in
+    ``_rules/base.py``)."""
+    program = getattr(p, "program", None)
+    if program is None or mode != "forward" or strategy != "broadcast":
+        return 0.0
+    return float(directions * p.n_in) if seed_built(program, p.in_shape, p.z) else 0.0
 
 
 def estimate(engine_name: str, terms: dict[str, float]) -> float:

@@ -34,7 +34,9 @@ Each family module (``linear``, ``conv``, ``norm``, ``embedding``, ``elementwise
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
 
 from torch import Tensor, nn
 
@@ -50,14 +52,25 @@ class Traced:
 
     ``value`` (B, *shape) may be given as ``make``, computed on first use: the value of the last
     linear layer is never needed when only derivatives are asked for.
+
+    NOTE: [Seeds as columns]
+    The input of a first-order pass (``taylor.Stacked``) carries the one-hot rows e_d, d in ``dims``,
+    shared by all samples. A linear map applied to them is a selection of its columns (for
+    ``nn.Linear``, rows of W^T), so the input may be built with ``seed=Seed(dims, wrap)`` and
+    ``coef_make``: the one-hot tensor (k, 1, D) is only made if a rule reads ``coef``, and the
+    linear rules (``linear(..., columns=)``) read ``seed`` instead, without a (k, D) x (D, H)
+    product by the identity.
     """
 
-    __slots__ = ("_value", "_make", "coef")
+    __slots__ = ("_value", "_make", "_coef", "_coef_make", "seed")
 
-    def __init__(self, value: Optional[Tensor], coef: dict[Any, Tensor],
-                 make: Optional[Callable[[], Tensor]] = None) -> None:
+    def __init__(self, value: Optional[Tensor], coef: Optional[dict[Any, Tensor]],
+                 make: Optional[Callable[[], Tensor]] = None, *,
+                 coef_make: Optional[Callable[[], dict[Any, Tensor]]] = None,
+                 seed: Optional["Seed"] = None) -> None:
         self._value, self._make = value, make
-        self.coef = coef  # key -> (L, 1 | B, *shape); missing = zero
+        self._coef, self._coef_make = coef, coef_make  # key -> (L, 1 | B, *shape); missing = zero
+        self.seed = seed
 
     @property
     def value(self) -> Tensor:
@@ -65,6 +78,37 @@ class Traced:
             assert self._make is not None
             self._value, self._make = self._make(), None
         return self._value
+
+    @property
+    def coef(self) -> dict[Any, Tensor]:
+        if self._coef is None:
+            assert self._coef_make is not None
+            self._coef, self._coef_make = self._coef_make(), None
+        return self._coef
+
+    @coef.setter
+    def coef(self, coef: dict[Any, Tensor]) -> None:
+        self._coef, self._coef_make, self.seed = coef, None, None
+
+
+class Seed:
+    """The one-hot input directions e_d, d in ``dims``, not yet built (see [Seeds as columns]).
+
+    ``wrap(columns)`` turns the columns of a linear map, (k, *out features), into the
+    coefficients of its output, as the algebra carries them.
+    """
+
+    __slots__ = ("dims", "wrap")
+
+    def __init__(self, dims: Sequence[int], wrap: Callable[[Tensor], dict[Any, Tensor]]) -> None:
+        self.dims, self.wrap = list(dims), wrap
+
+    def index(self, t: Tensor, dim: int) -> Tensor:
+        """``t`` at positions ``dims`` along ``dim``: a slice when they are consecutive."""
+        d = self.dims
+        if d and d == list(range(d[0], d[0] + len(d))):
+            return t.narrow(dim, d[0], len(d))
+        return t.index_select(dim, torch.as_tensor(d, dtype=torch.long, device=t.device))
 
 
 class Algebra(Protocol):
@@ -80,8 +124,16 @@ class Algebra(Protocol):
 Map = Callable[[Tensor], Tensor]
 
 
-def linear(x: Traced, value: Map, coef: Optional[Map] = None) -> Traced:
-    """A map linear in x (plus a constant): ``value`` on x.value, ``coef`` (default ``value``) on coefficients."""
+def linear(x: Traced, value: Map, coef: Optional[Map] = None,
+           columns: Optional[Callable[["Seed"], Tensor]] = None) -> Traced:
+    """A map linear in x (plus a constant): ``value`` on x.value, ``coef`` (default ``value``) on coefficients.
+
+    ``columns(seed)``: the map's columns at ``seed.dims``, (k, *out features), for an x that is still
+    an unbuilt seed (see [Seeds as columns]); x's one-hot coefficients are then never made.
+    """
+    if columns is not None and x.seed is not None and x._coef is None:
+        seed = x.seed
+        return Traced(None, seed.wrap(columns(seed)), lambda: value(x.value))
     c = value if coef is None else coef
     return Traced(None, {k: c(t) for k, t in x.coef.items()}, lambda: value(x.value))
 

@@ -39,6 +39,7 @@ from .base import (
     Algebra,
     Blocks,
     Rule,
+    Seed,
     Traced,
     Unsupported,
     batch_view,
@@ -70,20 +71,38 @@ def _affine(v: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     return torch.mm(v, weight.t()).add_(bias)
 
 
+def _weight_columns(x: Traced, weight: Tensor) -> Optional[Callable[[Seed], Tensor]]:
+    """For x (B, D) still an unbuilt seed: F.linear(e_d, W) for d in the seed, i.e. rows d of W^T,
+    (k, H), without the product by the identity (see [Seeds as columns] in ``base.py``). A copy, so
+    that no later in-place step can write into the weight."""
+    if x.value.dim() != 2 or weight.dim() != 2:
+        return None
+    return lambda seed: seed.index(weight, 1).t().clone(memory_format=torch.contiguous_format)
+
+
+def _matrix_rows(x: Traced, w: Tensor) -> Optional[Callable[[Seed], Tensor]]:
+    """For x (B, D) still an unbuilt seed: e_d @ w for d in the seed, rows d of w: (k,) or (k, H)."""
+    if x.value.dim() != 2:
+        return None
+    return lambda seed: seed.index(w, 0).clone(memory_format=torch.contiguous_format)
+
+
 def linear_module(alg: Algebra, m: nn.Linear, x: Traced) -> Traced:
-    return linear(x, lambda v: _affine(v, m.weight, m.bias), lambda c: F.linear(c, m.weight))
+    return linear(x, lambda v: _affine(v, m.weight, m.bias), lambda c: F.linear(c, m.weight),
+                  _weight_columns(x, m.weight) if x.seed is not None else None)
 
 
 def linear_fn(alg: Algebra, x: Any, weight: Any, bias: Any = None) -> Traced:
     x = _traced(x, "F.linear")
     _plain(weight, bias)
-    return linear(x, lambda v: _affine(v, weight, bias), lambda c: F.linear(c, weight))
+    return linear(x, lambda v: _affine(v, weight, bias), lambda c: F.linear(c, weight),
+                  _weight_columns(x, weight) if x.seed is not None else None)
 
 
 def matmul(alg: Algebra, x: Any, w: Any) -> Traced:
     if not isinstance(x, Traced) or isinstance(w, Traced) or x.value.dim() < 2 or w.dim() > 2:
         raise Unsupported("matmul other than (B, ..., D) @ a constant (D,) or (D, H)")
-    return linear(x, lambda t: t @ w)
+    return linear(x, lambda t: t @ w, None, _matrix_rows(x, w) if x.seed is not None else None)
 
 
 def _dims(dim: Any, rank: int, what: str) -> Optional[tuple[int, ...]]:
@@ -98,7 +117,12 @@ def _reduction(fn: Callable[..., Tensor], what: str) -> Callable[..., Traced]:
         if dtype is not None:
             raise Unsupported(f"{what} with a dtype")
         dims = _dims(dim, x.value.dim(), what)
-        return linear(x, lambda v: fn(v, dim, keepdim), lambda c: fn(c, dims, keepdim))
+        columns = None
+        if x.seed is not None and x.value.dim() == 2 and dims == (2,):  # the features of e_d sum to 1
+            def columns(seed: Seed) -> Tensor:
+                c = x.value.new_full((len(seed.dims),), 1.0 if fn is torch.sum else 1.0 / x.value.shape[1])
+                return c.unsqueeze(1) if keepdim else c
+        return linear(x, lambda v: fn(v, dim, keepdim), lambda c: fn(c, dims, keepdim), columns)
 
     return rule
 

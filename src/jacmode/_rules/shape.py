@@ -28,6 +28,10 @@ def regroup(name: str) -> Callable[..., Traced]:
         batch_kept(x, out, f"Tensor.{name}")
         shape = value.shape[1:]
         how = "expand" if name == "expand" else "reshape"
+        if how == "reshape" and x.seed is not None and x._coef is None and value.dim() == 2:
+            # an unbuilt seed flattened to (B, D): still the rows e_d ([Seeds as columns] in base.py)
+            return Traced(value, None, coef_make=lambda: {k: c.reshape(*c.shape[:2], *shape) for k, c in x.coef.items()},
+                          seed=x.seed)
         out.coef = {k: getattr(c, how)(*c.shape[:2], *shape) for k, c in x.coef.items()}
         return out
 
