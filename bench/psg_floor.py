@@ -1,16 +1,26 @@
 """per_sample_grads of problem 1's class against the floor: allocating and filling its (B, P) result.
 
 Benchmark tooling, not part of the package. One torch thread; the methods are timed round-robin
-(a load spike on the shared machine hits all of them alike) and the medians of wall time printed,
-with the ratios to ``torch.empty(B, P).fill_(1.0)`` (the target of issue 19: <= 1.5x at B = 512).
+(a load spike on the shared machine hits all of them alike) and the medians printed, with the
+ratios to ``torch.empty(B, P).fill_(1.0)`` (the target of issue 19: <= 1.5x at B = 512) and the
+page faults each call paid.
 
-    PYTHONPATH=src:. python bench/psg_floor.py [--repeats 200] [--batch 512] [--parts]
+    PYTHONPATH=src:. python -m bench.psg_floor [--repeats 200] [--batch 512] [--parts] [--jacobians]
+        [--clock wall|cpu] [--unpinned]
 
 Rows: ``after`` is ``jm.per_sample_grads(m, x, ce, y=y)`` as it is; ``before`` the same call with
-the probe engine's step as it was before this bench was written (a probed forward on a copy of x,
-``autograd.grad`` of the loss to the output, then a second reverse pass from the output to the
-probes), swapped in for the timed call only. ``--parts`` adds the probed forward and reverse
-pass alone and the write of the blocks alone.
+the probe engine's steps as they were before issue 19's work on them (a probed forward on a copy
+of x, ``autograd.grad`` of the loss to the output, then a second reverse pass from the output to
+the probes; the blocks written in forward order, each Linear's weight before its bias), swapped
+in for the timed call only. ``--parts`` adds the probed forward and reverse pass alone, the write
+of the blocks alone and a no-grad forward. ``--jacobians`` adds section 11's parameter Jacobians
+(the CNN class at B = 64, problem 1's class at B = 512) before and after, whose blocks go through
+the same write: run it apart from the psg rows, its (B, Y, P) results change the allocator's state.
+
+By default the script reruns itself with glibc's mmap and trim thresholds fixed high: otherwise
+which method pays page faults for 32 MB of fresh memory (about as much as the fill itself)
+depends on the order of the frees, and changes from run to run (``--unpinned`` shows it). In
+``bench/targets.py``'s two-method rotation neither pays them.
 """
 # mypy: ignore-errors
 
@@ -123,11 +133,15 @@ def main() -> None:
     ap.add_argument("--jacobians", action="store_true",
                     help="also the parameter Jacobians of section 11 (CNN class B=64, problem 1's class B=512), "
                          "whose blocks go through the same write")
-    ap.add_argument("--pin-malloc", action="store_true",
-                    help="rerun with glibc's mmap and trim thresholds fixed high, so that no method pays page faults "
-                         "for memory that another method's free gave back to the system")
+    ap.add_argument("--unpinned", action="store_true",
+                    help="keep glibc's malloc thresholds: a method may then pay page faults for memory that another "
+                         "method's free gave back to the system, as the counts show (by default the script reruns "
+                         "itself with the mmap and trim thresholds fixed high, so that no method does)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: time.process_time, which leaves out the time the process waited for a core "
+                         "(a machine shared by several people)")
     args = ap.parse_args()
-    if args.pin_malloc and "GLIBC_TUNABLES" not in os.environ:
+    if not args.unpinned and "GLIBC_TUNABLES" not in os.environ:
         env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296")
         os.execve(sys.executable, [sys.executable, "-m", "bench.psg_floor", *sys.argv[1:]], env)
     torch.set_num_threads(1)
@@ -187,6 +201,7 @@ def main() -> None:
         floors.update({k: "alloc+fill" for k in ("probed fwd+bwd", "write (existing result)", "no-grad forward")})
     first = after()  # the profile is found by the first call (before's would say 'modifies its input')
     assert torch.equal(before(), first)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     times: dict[str, list[float]] = {k: [] for k in methods}
     faults = dict.fromkeys(methods, 0)
     for _ in range(3):
@@ -195,12 +210,12 @@ def main() -> None:
     for _ in range(args.repeats):
         for k, fn in methods.items():
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t0 = time.perf_counter()
+            t0 = clock()
             fn()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(clock() - t0)
             faults[k] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
     print(f"per_sample_grads, problem 1's MLP(784, 20, 10), B = {B}, P = {P}, cross-entropy, 1 thread, "
-          f"{args.repeats} rounds, medians{', malloc pinned' if 'GLIBC_TUNABLES' in os.environ else ''}")
+          f"{args.repeats} rounds, medians of {args.clock} time{', malloc pinned' if 'GLIBC_TUNABLES' in os.environ else ''}")
     for k, ts in times.items():
         t, floor = statistics.median(ts), statistics.median(times[floors[k]])
         print(f"  {k:<26} {1e3 * t:8.3f} ms  {t / floor:5.2f}x {floors[k]:<22} "
