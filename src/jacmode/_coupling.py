@@ -28,7 +28,8 @@ The verdict and the per-sample output shape are cached per function, per-sample 
 device, training flags (of the module, or of the modules a plain function refers to) and inference
 mode, so later calls run nothing before differentiating.
 What the probe cannot see: a coupling that shows only for values that the probed samples and
-their changes do not reach, or only at other batch sizes (f runs on k samples), and, since the
+their changes do not reach (ids: a sample that holds every id of the batch's range, pooled so that
+no change within that range moves it, e.g. bags of ids {0, 1} with padding_idx 0 and mode mean), or only at other batch sizes (f runs on k samples), and, since the
 verdict is cached, only in later batches.
 """
 
@@ -373,7 +374,30 @@ def _other_ids(xs: Tensor, x: Tensor, n: int, gen: torch.Generator) -> Tensor:
             step = step.reshape(n, xs.shape[0], -1).clone()
             step[..., 0] = torch.where(same, bump, first)
             step = step.reshape(n, *xs.shape)
-    return pool[(where + step) % size].to(xs.dtype)
+    out = pool[(where + step) % size]
+    if xs.dim() > 1 and xs[0].numel() > 1:
+        out = _uniform_rows(out, xs.long(), pool, gen)
+    return out.to(xs.dtype)
+
+
+def _uniform_rows(out: Tensor, xs: Tensor, pool: Tensor, gen: torch.Generator) -> Tensor:
+    """Changed samples (n, k, *in) with every entry one id absent from the sample, where there is one.
+
+    Every position then changes, and the bag too, whatever the pooling makes equal: a permutation
+    (sum), proportional counts (mean) or the padding id, which changes neither sum nor mean. The
+    absent id is a value of x or one between its smallest minus one and its largest, so a valid index
+    of any table that x indexes. Samples that hold every such value keep the changes of ``_other_ids``.
+    """
+    k, length = xs.shape[0], xs[0].numel()
+    lo, hi = max(int(pool[0]) - 1, 0), int(pool[-1])
+    candidates = torch.unique(torch.cat([pool, torch.arange(lo, min(hi, lo + length) + 1, device=pool.device)]))
+    rows = out.reshape(out.shape[0], k, length).clone()
+    for i in range(k):
+        absent = candidates[~torch.isin(candidates, xs[i].reshape(-1))]
+        if absent.numel():
+            pick = absent[torch.randint(0, absent.numel(), (rows.shape[0],), generator=gen, device=pool.device)]
+            rows[:, i, :] = pick[:, None]
+    return rows.reshape(out.shape)
 
 
 def _randn(shape: tuple[int, ...], gen: torch.Generator, like: Tensor) -> Tensor:

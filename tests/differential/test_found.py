@@ -333,17 +333,19 @@ def test_embedding_bag_by_offsets_in_primitive_ops() -> None:
             torch.testing.assert_close(torch.func.jacfwd(bag)(w), want, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("ids", [[[2, 0], [0, 2]], [[2, 0], [2, 0]], [[0, 0, 2], [0, 2, 0]]])
-def test_coupling_probe_sees_a_pooling_layer_over_permuted_ids(ids: list) -> None:
-    """The probe changes every id to another value seen in the batch; of two values that is a permutation of a
+@pytest.mark.parametrize("ids", [[[2, 0], [0, 2]], [[2, 0], [2, 0]], [[0, 0, 2], [0, 2, 0]], [[2, 0], [2, 2]]])
+@pytest.mark.parametrize("mode, padding_idx", [("sum", None), ("mean", None), ("sum", 0), ("mean", 0)])
+def test_coupling_probe_sees_a_pooling_layer_over_permuted_ids(ids: list, mode: str, padding_idx: "int | None") -> None:
+    """The probe changed every id to another value seen in the batch; of two values that is a permutation of a
     bag, the same bag to EmbeddingBag's sum: the probe missed cumsum(z, 0) after it and gave the samples-alone
-    gradients, which are not the batch's (soak: embeddingbag ... per_sample_grads, B = 2)."""
+    gradients, which are not the batch's (soak: embeddingbag ... per_sample_grads, B = 2). [2, 0] -> [2, 2] is
+    the same bag too, to mean with padding_idx 0: a changed sample now holds one id it did not hold."""
     torch.manual_seed(0)
 
     class Bagged(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.emb, self.tail = nn.EmbeddingBag(4, 2, mode="sum"), nn.Linear(2, 2)
+            self.emb, self.tail = nn.EmbeddingBag(4, 2, mode=mode, padding_idx=padding_idx), nn.Linear(2, 2)
 
         def forward(self, x: Tensor) -> Tensor:
             return self.tail(torch.cumsum(self.emb(x), 0))
