@@ -193,10 +193,12 @@ def _folded(graph: fx.Graph, g: fx.Node, c: fx.Node, y: fx.Node, w: fx.Node) -> 
         f = call(_aten.rsub.Scalar, (call(_aten.mul.Tensor, (y, y)), 1))
     else:  # sigmoid_backward: C y (1 - y)
         f = call(_aten.mul.Tensor, (y, call(_aten.rsub.Scalar, (y, 1))))
-    ct = call(_aten.permute.default, (call(_aten.reshape.default, (c, [d, h])), [1, 0]))  # (H, D)
-    m = call(_aten.mul.Tensor, (call(_aten.unsqueeze.default, (ct, 2)), call(_aten.unsqueeze.default, (w, 1))))
-    m = call(_aten.clone.default, (m,), {"memory_format": torch.contiguous_format})  # (H, D, J)
-    return call(_aten.reshape.default, (f, [b, h])), call(_aten.view.default, (m, [h, d * j]))
+    # M^T (D J, H) in rows, read transposed: MKL's NT product is ~8% faster than NN at these shapes
+    wt = call(_aten.unsqueeze.default, (call(_aten.permute.default, (w, [1, 0])), 0))  # (1, J, H)
+    m = call(_aten.mul.Tensor, (call(_aten.reshape.default, (c, [d, 1, h])), wt))  # (D, J, H)
+    m = call(_aten.clone.default, (m,), {"memory_format": torch.contiguous_format})
+    m = call(_aten.permute.default, (call(_aten.view.default, (m, [d * j, h])), [1, 0]))  # (H, D J)
+    return call(_aten.reshape.default, (f, [b, h])), m
 
 
 def _square_sums(views: list[fx.Node]) -> Optional[list[fx.Node]]:
