@@ -127,6 +127,8 @@ def constants(gm: fx.GraphModule) -> bool:
                 env[node] = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 -- an op that cannot run here: keep the graph as it is
         return False
+    if not all(isinstance(env[n], Tensor) for n in frontier):  # a tuple of tensors (split): not folded
+        return False
     for i, node in enumerate(frontier):
         name = f"_jacmode_constant{i}"
         gm.register_buffer(name, env[node].clone(), persistent=False)
