@@ -208,3 +208,14 @@ def test_constants_refuse_an_input_written_into_a_constant_and_a_read_before_a_w
     assert rewrites.constants(gm)
     a = torch.rand(3)
     torch.testing.assert_close(gm(a), folded(a))
+
+
+def test_constants_leave_a_folded_tuple_alone():
+    def f(a):
+        parts = a.new_ones(4).split(2)  # a tuple of constants, read through getitem
+        return a[:2] * parts[0] + a[2:] * parts[1]
+
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f, tracing_mode="fake")(torch.rand(4))
+    rewrites.constants(gm)
+    a = torch.rand(4)
+    torch.testing.assert_close(gm(a), f(a))

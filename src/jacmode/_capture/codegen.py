@@ -141,6 +141,9 @@ def _scalar(v: Any) -> bool:
 
 
 def _frozen(a: Any) -> Any:
+    """A hashable key of an engine argument (a range is one already: equal and hashed by value)."""
+    if type(a) is range or type(a) is int:
+        return a
     if isinstance(a, (list, tuple, range)):
         return tuple(_frozen(v) for v in a)
     return a
@@ -156,7 +159,7 @@ def _modes_active() -> bool:
 
 
 def _meta(t: Tensor) -> tuple:
-    return (tuple(t.shape), t.stride(), t.dtype, t.device, t.requires_grad)
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)  # torch.Size: a tuple
 
 
 def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args: Any) -> Tensor:
@@ -221,7 +224,8 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z
     except Exception as err:  # noqa: BLE001 -- a rule that branches on values, an op fake tensors lack
         return f"make_fx could not trace the program ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
     rewrites.constants(gm)
-    gm = rewrites.constant_directions(gm, compiled=mode is not None and mode["backend"] is not None) or gm
+    gm = rewrites.constant_directions(gm, compiled=mode is not None and mode["backend"] is not None,
+                                      in_place=not grad) or gm
     fuse(gm, in_place=not grad)
     if mode is not None and mode["backend"] is not None:
         from .compiled import compiled, options

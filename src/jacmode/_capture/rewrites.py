@@ -127,6 +127,8 @@ def constants(gm: fx.GraphModule) -> bool:
                 env[node] = node.target(*args, **kwargs)
     except Exception:  # noqa: BLE001 -- an op that cannot run here: keep the graph as it is
         return False
+    if not all(isinstance(env[n], Tensor) for n in frontier):  # a tuple of tensors (split): not folded
+        return False
     for i, node in enumerate(frontier):
         name = f"_jacmode_constant{i}"
         gm.register_buffer(name, env[node].clone(), persistent=False)
@@ -193,10 +195,12 @@ def _folded(graph: fx.Graph, g: fx.Node, c: fx.Node, y: fx.Node, w: fx.Node) -> 
         f = call(_aten.rsub.Scalar, (call(_aten.mul.Tensor, (y, y)), 1))
     else:  # sigmoid_backward: C y (1 - y)
         f = call(_aten.mul.Tensor, (y, call(_aten.rsub.Scalar, (y, 1))))
-    ct = call(_aten.permute.default, (call(_aten.reshape.default, (c, [d, h])), [1, 0]))  # (H, D)
-    m = call(_aten.mul.Tensor, (call(_aten.unsqueeze.default, (ct, 2)), call(_aten.unsqueeze.default, (w, 1))))
-    m = call(_aten.clone.default, (m,), {"memory_format": torch.contiguous_format})  # (H, D, J)
-    return call(_aten.reshape.default, (f, [b, h])), call(_aten.view.default, (m, [h, d * j]))
+    # M^T (D J, H) in rows, read transposed: MKL's NT product is ~8% faster than NN at these shapes
+    wt = call(_aten.unsqueeze.default, (call(_aten.permute.default, (w, [1, 0])), 0))  # (1, J, H)
+    m = call(_aten.mul.Tensor, (call(_aten.reshape.default, (c, [d, 1, h])), wt))  # (D, J, H)
+    m = call(_aten.clone.default, (m,), {"memory_format": torch.contiguous_format})
+    m = call(_aten.permute.default, (call(_aten.view.default, (m, [d * j, h])), [1, 0]))  # (H, D J)
+    return call(_aten.reshape.default, (f, [b, h])), m
 
 
 def _square_sums(views: list[fx.Node]) -> Optional[list[fx.Node]]:
@@ -223,8 +227,10 @@ def _rows(b: int, row_bytes: int) -> int:
     return -(-b // even)
 
 
-def _square_sum(graph: fx.Graph, f: fx.Node, m: fx.Node, d: int, b: int, j: int, itemsize: int) -> fx.Node:
-    """(1, B, J): sum over d of (f @ M)[:, d, :]^2, block by block over the samples."""
+def _square_sum(graph: fx.Graph, f: fx.Node, m: fx.Node, d: int, b: int, j: int, itemsize: int,
+                in_place: bool) -> fx.Node:
+    """(1, B, J): sum over d of (f @ M)[:, d, :]^2, block by block over the samples; ``in_place``
+    squares each block's fresh product in place (code without grad)."""
     call = graph.call_function
     rows = _rows(b, d * j * itemsize)
     parts = []
@@ -232,15 +238,17 @@ def _square_sum(graph: fx.Graph, f: fx.Node, m: fx.Node, d: int, b: int, j: int,
         e = min(b, s + rows)
         o = call(_aten.mm.default, (call(_aten.slice.Tensor, (f, 0, s, e)) if rows < b else f, m))
         o = call(_aten.view.default, (o, [e - s, d, j]))
-        parts.append(call(_aten.sum.dim_IntList, (call(_aten.mul.Tensor, (o, o)), [1])))
+        square = _aten.mul_.Tensor if in_place else _aten.mul.Tensor
+        parts.append(call(_aten.sum.dim_IntList, (call(square, (o, o)), [1])))
     total = parts[0] if len(parts) == 1 else call(_aten.cat.default, (parts, 0))
     return call(_aten.unsqueeze.default, (total, 0))
 
 
-def constant_directions(gm: fx.GraphModule, compiled: bool = False) -> Optional[fx.GraphModule]:
+def constant_directions(gm: fx.GraphModule, compiled: bool = False, in_place: bool = False) -> Optional[fx.GraphModule]:
     """gm with [Constant directions through a linear map] applied, or None where nothing applies
     (or the rewritten graph could not be checked with fake tensors): blocked where the result
-    feeds only a sum of squares, permuted only for ``compiled`` code (see the note)."""
+    feeds only a sum of squares, permuted only for ``compiled`` code (see the note); ``in_place``
+    for code that runs without grad."""
     if not ENABLED:
         return None
     new = copy.deepcopy(gm)
@@ -274,7 +282,7 @@ def constant_directions(gm: fx.GraphModule, compiled: bool = False) -> Optional[
         with graph.inserting_before(mm):
             f, m = _folded(graph, g, split[0], split[1], w)
             if sums is not None:
-                total = _square_sum(graph, f, m, d, b, j, gv.element_size())
+                total = _square_sum(graph, f, m, d, b, j, gv.element_size(), in_place and not compiled)
             else:
                 out = graph.call_function(_aten.mm.default, (f, m))
                 out = graph.call_function(_aten.permute.default, (
