@@ -1,0 +1,249 @@
+"""One call described (:class:`Call`): its leaves and riders, its output layout, torch.func's layout restored.
+
+See the note [Several arguments] in ``_args/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+from .flat import Flat, Leaf, Rider, _fmt
+
+
+_OUTPUTS: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[Any, list[tuple[int, ...]]]]]" = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class Call:
+    """One call of f, described: the flat function and input, and the layout to restore.
+
+    Attributes:
+        fn: the flat function (:class:`Flat`), or f itself for a call of one tensor.
+        x: the flat input handed to the engines: (B, D) (unbatched (N,)), or the tensor itself.
+        batch: B (1 when unbatched).
+    """
+
+    f: Callable[..., Any]
+    batched: bool
+    argnums: tuple[int, ...]
+    int_argnums: bool
+    has_aux: bool
+    args_spec: TreeSpec  # of (args, kwargs)
+    leaves: list[Any]  # all leaves of (args, kwargs), differentiated ones included
+    diff: list[Leaf]
+    diff_specs: dict[int, TreeSpec]  # argnum -> pytree spec of that argument
+    riders: dict[int, Rider]  # leaf index -> rider
+    batch: int
+    names: tuple[str, ...]  # f's positional parameter names, as far as known
+    out_spec: Any = None  # TreeSpec of f's output without aux, once f was evaluated
+    out_shapes: list[tuple[int, ...]] = field(default_factory=list)  # per-sample output leaf shapes
+    fn: Any = None
+    x: Any = None
+    simple: bool = False  # one differentiated tensor, nothing else: fn is f, x is that tensor
+    _signature: Optional[tuple] = None
+
+    def signature(self) -> tuple:
+        """The call's structure without values: pytree specs, argnums, riders' kinds and shapes,
+        the non-tensor arguments (by value when hashable, else by identity). Computed once per call."""
+        if self._signature is None:
+            self._signature = self._structure()
+        return self._signature
+
+    def _structure(self) -> tuple:
+        others: list[Any] = []
+        for j, v in enumerate(self.leaves):
+            if isinstance(v, Tensor):
+                r = self.riders.get(j)
+                shape = tuple(v.shape[1:]) if r is not None and r.batched else tuple(v.shape)
+                others.append(None if r is None else (r.batched, shape, v.dtype, v.device))
+            else:
+                try:
+                    hash(v)
+                    others.append(("value", type(v), v))
+                except TypeError:
+                    others.append(("id", id(v)))
+        return (str(self.args_spec), self.argnums, self.int_argnums, self.has_aux, self.batched,
+                tuple(others))
+
+    def _out_key(self) -> tuple:
+        return (self.signature(), tuple(leaf.shape for leaf in self.diff))
+
+    def _remember(self) -> None:
+        """Keep the output structure for later calls of the same structure (whose engine may run a
+        captured program only, never f itself)."""
+        try:
+            _OUTPUTS.setdefault(self.f, {})[self._out_key()] = (self.out_spec, self.out_shapes)
+        except TypeError:  # f not weakly referenceable, or an unhashable key: not kept
+            pass
+
+    def recall(self) -> None:
+        """The output structure of an earlier call of the same structure, if known."""
+        try:
+            known = _OUTPUTS.get(self.f, {}).get(self._out_key())
+        except TypeError:
+            known = None
+        if known is not None and self.out_spec is None:
+            self.out_spec, self.out_shapes = known
+
+    # ---- outputs -------------------------------------------------------------------------
+    def flat_output(self, out: Any, b: Optional[int]) -> Tensor:
+        """f's output without aux, as one tensor: a single tensor as is, else (b, Y) / (Y,)."""
+        if self.has_aux:
+            out = _split_aux(out)[0]
+        leaves, spec = tree_flatten(out)
+        if not leaves or not all(isinstance(t, Tensor) for t in leaves):
+            raise TypeError(
+                f"f: expected f to return a tensor or a pytree (tuple, list, dict) of tensors, got "
+                f"{type(out).__name__} ({_fmt(out)}). Return tensors only; put anything else in the auxiliary "
+                "output with has_aux=True.")
+        shapes = [tuple(t.shape[1:]) if b is not None else tuple(t.shape) for t in leaves]
+        if self.out_spec is None:
+            self.out_spec, self.out_shapes = spec, shapes
+            self._remember()
+        elif spec != self.out_spec or shapes != self.out_shapes:
+            raise ValueError(
+                f"f: returned a different output structure on a later evaluation ({spec} with per-sample shapes "
+                f"{shapes}, first {self.out_spec} with {self.out_shapes}). jacmode evaluates f several times; "
+                "its outputs must keep their structure.")
+        if len(leaves) == 1 and not isinstance(out, (tuple, list, dict)):
+            return leaves[0]
+        if b is not None:
+            for t in leaves:
+                if t.dim() == 0 or t.shape[0] != b:
+                    raise ValueError(
+                        f"f: every output must have the batch dimension {b} first when batched=True, got an output "
+                        f"of shape {tuple(t.shape)}. Return per-sample outputs, or pass batched=False.")
+            return torch.cat([t.reshape(b, -1) for t in leaves], dim=1)
+        return torch.cat([t.reshape(-1) for t in leaves])
+
+    def _out_blocks(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        lo, blocks = 0, []
+        for s in self.out_shapes:
+            n = math.prod(s)
+            blocks.append((lo, n, s))
+            lo += n
+        return blocks
+
+    def _ensure(self) -> None:
+        """Learn the output structure by one evaluation when no engine evaluated f (rarely needed)."""
+        if self.out_spec is None:
+            from ._state import preserved_state  # noqa: PLC0415 -- _state imports this module
+
+            with torch.no_grad(), preserved_state(self.f):
+                Flat(self)(self.x.detach())
+
+    def single_output(self) -> bool:
+        self._ensure()
+        return self.out_spec is not None and self.out_spec.num_leaves == 1 and self.out_spec.type is None
+
+    def outputs(self, flat: Tensor, lead: tuple[int, ...]) -> Any:
+        """A per-sample result shaped like the flat output, ``(*lead, *out)``, in f's output pytree."""
+        if self.single_output():
+            return flat
+        parts = [flat.reshape(*lead, -1)[..., lo:lo + n].reshape(*lead, *s) for lo, n, s in self._out_blocks()]
+        self._ensure()
+        return tree_unflatten(parts, self.out_spec)
+
+    def jacobian(self, flat: Tensor) -> Any:
+        """The flat Jacobian (B, Y, D) (unbatched (Y, N)) in torch.func's layout (see the note)."""
+        lead = (flat.shape[0],) if self.batched else ()
+        self._ensure()
+        outs = self._out_blocks()
+        per_out = []
+        for lo_y, n_y, s_y in outs:
+            rows = flat[:, lo_y:lo_y + n_y] if self.batched else flat[lo_y:lo_y + n_y]
+            per_arg = []
+            for a in self.argnums:
+                mine = [leaf for leaf in self.diff if leaf.arg == a]
+                blocks = [rows[..., leaf.lo:leaf.lo + leaf.size].reshape(*lead, *s_y, *leaf.shape) for leaf in mine]
+                per_arg.append(tree_unflatten(blocks, self.diff_specs[a]))
+            per_out.append(per_arg[0] if self.int_argnums else tuple(per_arg))
+        if self.single_output():
+            return per_out[0]
+        return tree_unflatten(per_out, self.out_spec)
+
+    def hessian(self, flat: Tensor) -> Any:
+        """The flat per-sample Hessian (B, Y, D, D) in torch.func's layout (``hessian(f, argnums)``
+        under vmap): per output leaf, for an int argnums the input pytree of input pytrees, for a
+        tuple the tuple (argnum i) of input pytrees of tuples (argnum j) of input pytrees, each
+        block (B, *out_leaf, *in_i_leaf, *in_j_leaf)."""
+        lead = (flat.shape[0],)
+        self._ensure()
+        per_out = []
+
+        def inner(rows: Tensor, s_y: tuple[int, ...], li: Leaf) -> Any:
+            per_arg = []
+            for a in self.argnums:
+                blocks = [rows[..., li.lo:li.lo + li.size, lj.lo:lj.lo + lj.size].reshape(*lead, *s_y, *li.shape, *lj.shape)
+                          for lj in self.diff if lj.arg == a]
+                per_arg.append(tree_unflatten(blocks, self.diff_specs[a]))
+            return per_arg[0] if self.int_argnums else tuple(per_arg)
+
+        for lo_y, n_y, s_y in self._out_blocks():
+            rows = flat[:, lo_y:lo_y + n_y]
+            per_arg = [tree_unflatten([inner(rows, s_y, li) for li in self.diff if li.arg == a], self.diff_specs[a])
+                       for a in self.argnums]
+            per_out.append(per_arg[0] if self.int_argnums else tuple(per_arg))
+        if self.single_output():
+            return per_out[0]
+        return tree_unflatten(per_out, self.out_spec)
+
+    def aux(self) -> Any:
+        """The auxiliary output of ``has_aux=True`` at the call's arguments (one more call of f)."""
+        pos, kw = tree_unflatten(list(self.leaves), self.args_spec)
+        return _split_aux(self.f(*pos, **kw))[1]
+
+    # ---- coordinates ---------------------------------------------------------------------
+    def coordinate(self, c: Any, name: str = "dims") -> int:
+        """The column of z of coordinate ``c``: an int (counted flat in z), an argument's name with one
+        coordinate per sample (``"t"``), or a pair (name or position, index within that argument)."""
+        if isinstance(c, bool):
+            raise TypeError(f"{name}: expected coordinates as ints or argument names, got {c!r}.")
+        if isinstance(c, int):
+            return c
+        if isinstance(c, str):
+            arg, idx = self._arg_of(c, name), None
+        elif isinstance(c, tuple) and len(c) == 2 and isinstance(c[1], int) and isinstance(c[0], (str, int)):
+            arg, idx = (self._arg_of(c[0], name) if isinstance(c[0], str) else c[0]), c[1]
+        else:
+            raise TypeError(
+                f"{name}: expected a coordinate as an int, an argument name such as 't', or a pair such as "
+                f"('x', 1), got {c!r}.")
+        mine = [leaf for leaf in self.diff if leaf.arg == arg]
+        if not mine:
+            raise ValueError(
+                f"{name}: coordinate {c!r} names argument {arg}, which is not differentiated (argnums="
+                f"{self.argnums}). Add it to argnums.")
+        size = sum(leaf.size for leaf in mine)
+        if idx is None:
+            if size != 1:
+                raise ValueError(
+                    f"{name}: argument {c!r} has {size} coordinates per sample; name one of them as "
+                    f"({c!r}, i) with 0 <= i < {size}.")
+            idx = 0
+        if not -size <= idx < size:
+            raise ValueError(f"{name}: coordinate {c!r} is out of range: argument {arg} has {size} coordinates "
+                             "per sample.")
+        return mine[0].lo + idx % size
+
+    def _arg_of(self, label: str, name: str) -> int:
+        if label not in self.names:
+            raise ValueError(
+                f"{name}: {label!r} is not the name of a positional argument of f (its arguments are "
+                f"{list(self.names)}). Name coordinates by f's parameter names, or by position as (argnum, i).")
+        return self.names.index(label)
+
+
+def _split_aux(out: Any) -> tuple[Any, Any]:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        raise TypeError(
+            f"f: has_aux=True expects f to return a pair (output, aux), got {type(out).__name__} "
+            f"({_fmt(out)}). Return `out, aux`, or pass has_aux=False.")
+    return out

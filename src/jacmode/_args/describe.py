@@ -1,0 +1,238 @@
+"""Describe a call: argnums and in_dims checked, f's parameter names, the leaves and riders (:func:`describe_call`).
+
+See the note [Several arguments] in ``_args/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import weakref
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import TreeSpec, tree_flatten
+
+from .call import Call
+from .flat import Argnums, Flat, InDims, Leaf, Rider, _fmt
+
+
+_SIGNATURES: "weakref.WeakKeyDictionary[Any, tuple[tuple[str, ...], Optional[bool]]]" = weakref.WeakKeyDictionary()
+
+
+def _positional(f: Any) -> tuple[tuple[str, ...], Optional[bool]]:
+    """(names of f's positional parameters, whether it takes exactly one or fewer; None: unknown),
+    from ``inspect.signature`` of f (a module's forward), remembered per function (or module class)."""
+    key = type(f) if isinstance(f, torch.nn.Module) else f
+    try:
+        hit = _SIGNATURES.get(key)
+    except TypeError:
+        hit = None
+    if hit is not None:
+        return hit
+    target = f.forward if isinstance(f, torch.nn.Module) else f
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        found: tuple[tuple[str, ...], Optional[bool]] = ((), None)
+    else:
+        kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        names = tuple(p.name for p in params if p.kind in kinds)
+        varargs = any(p.kind == inspect.Parameter.VAR_POSITIONAL for p in params)
+        found = (names, False if varargs else len(names) <= 1)
+    try:
+        _SIGNATURES[key] = found
+    except TypeError:  # not weakly referenceable: not remembered
+        pass
+    return found
+
+
+def parameter_names(f: Any) -> tuple[str, ...]:
+    """The names of f's positional parameters (a module's forward's), or () when unknown."""
+    return _positional(f)[0]
+
+
+def check_argnums(argnums: Any, n_args: int) -> tuple[tuple[int, ...], bool]:
+    """Normalised ``argnums`` (non-negative, in the order given) and whether it was an int."""
+    as_int = isinstance(argnums, int) and not isinstance(argnums, bool)
+    items = (argnums,) if as_int else argnums
+    if not isinstance(items, tuple) or not items or not all(
+            isinstance(a, int) and not isinstance(a, bool) for a in items):
+        raise TypeError(
+            f"argnums: expected an int or a non-empty tuple of ints (torch.func's convention), got {_fmt(argnums)}. "
+            "Use e.g. argnums=0 or argnums=(0, 1).")
+    out = []
+    for a in items:
+        if not -n_args <= a < n_args:
+            raise ValueError(
+                f"argnums: {a} is out of range for a call with {n_args} positional argument(s). Pass argnums "
+                f"between {-n_args} and {n_args - 1}.")
+        out.append(a % n_args)
+    if len(set(out)) != len(out):
+        raise ValueError(f"argnums: each argument may be named once, got {argnums!r}.")
+    return tuple(out), as_int
+
+
+def _in_dim(in_dims: Any, pos: Optional[int], key: Optional[str], names: tuple[str, ...]) -> Optional[int]:
+    """in_dims of one argument (positional ``pos`` or keyword ``key``): 0 (batched) or None (broadcast)."""
+    if in_dims is None or isinstance(in_dims, int):
+        return in_dims
+    if isinstance(in_dims, (tuple, list)):
+        return in_dims[pos] if pos is not None else 0
+    assert isinstance(in_dims, dict)
+    if key is not None:
+        return in_dims.get(key, 0)
+    assert pos is not None
+    if pos in in_dims:
+        return in_dims[pos]
+    if pos < len(names) and names[pos] in in_dims:
+        return in_dims[names[pos]]
+    return 0
+
+
+def check_in_dims(in_dims: Any, n_args: int) -> None:
+    """``in_dims``: 0 or None for all, a tuple with one 0/None per positional argument, or a dict."""
+    def ok(v: Any) -> bool:
+        return v is None or (v == 0 and isinstance(v, int) and not isinstance(v, bool))
+
+    if ok(in_dims):
+        return
+    if isinstance(in_dims, (tuple, list)):
+        if len(in_dims) != n_args or not all(ok(v) for v in in_dims):
+            raise ValueError(
+                f"in_dims: expected one entry (0: batched with the samples, None: broadcast) per positional "
+                f"argument ({n_args}), got {_fmt(in_dims)}.")
+        return
+    if isinstance(in_dims, dict):
+        if not all(ok(v) for v in in_dims.values()):
+            raise ValueError(f"in_dims: each value must be 0 (batched) or None (broadcast), got {_fmt(in_dims)}.")
+        return
+    raise TypeError(
+        f"in_dims: expected 0, None, a tuple with one 0/None per positional argument, or a dict "
+        f"{{name or position: 0/None}}, got {_fmt(in_dims)}. (jacmode batches along dim 0 only.)")
+
+
+def describe_call(
+    f: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Optional[dict[str, Any]] = None,
+    *,
+    argnums: Argnums = 0,
+    in_dims: InDims = 0,
+    has_aux: bool = False,
+    batched: bool = True,
+    floating: bool = True,
+) -> Call:
+    """Describe ``f(*args, **kwargs)`` as a flat problem (see the note).
+
+    Args:
+        f: the user's function.
+        args: its positional arguments; ``args[i]`` for i in ``argnums`` are differentiated (tensors or
+            pytrees of tensors).
+        kwargs: keyword arguments passed through.
+        argnums: which positional arguments are differentiated.
+        in_dims: how non-differentiated tensors are treated: 0 batched along dim 0 with the samples,
+            None broadcast; for all, per positional argument (tuple), or by name/position (dict).
+        has_aux: f returns (output, aux); aux is not differentiated.
+        batched: dim 0 of every differentiated tensor holds the B samples.
+        floating: differentiated tensors must be floating point (False: the caller checks).
+
+    Returns:
+        The :class:`Call`; ``call.fn`` and ``call.x`` are what the engines take.
+    """
+    kwargs = dict(kwargs or {})
+    if not isinstance(args, tuple) or not args:
+        raise TypeError("f: expected at least one positional argument to differentiate with respect to.")
+    nums, as_int = check_argnums(argnums, len(args))
+    check_in_dims(in_dims, len(args))
+    names = parameter_names(f)
+    leaves, spec = tree_flatten((tuple(args), kwargs))
+    # leaf index ranges per positional argument
+    starts, i = [], 0
+    for a in args:
+        starts.append(i)
+        i += len(tree_flatten(a)[0])
+    n_pos = i
+    owner = [next(k for k in range(len(args)) if starts[k] <= j < (starts[k + 1] if k + 1 < len(args) else n_pos))
+             for j in range(n_pos)]
+    diff: list[Leaf] = []
+    diff_specs: dict[int, TreeSpec] = {}
+    batch: Optional[int] = None
+    lo = 0
+    for a in nums:
+        a_leaves, a_spec = tree_flatten(args[a])
+        diff_specs[a] = a_spec
+        if not a_leaves:
+            raise ValueError(f"argnums: argument {a} holds no tensors to differentiate ({_fmt(args[a])}).")
+        for k, t in enumerate(a_leaves):
+            where = f"argument {a}" + (f" (leaf {k})" if len(a_leaves) > 1 else "")
+            if not isinstance(t, Tensor):
+                raise TypeError(
+                    f"{where}: expected a tensor to differentiate, got {type(t).__name__} ({_fmt(t)}). Differentiated "
+                    "arguments must be tensors or pytrees (tuple, list, dict) of tensors; move other values out of "
+                    "argnums.")
+            if floating and not t.is_floating_point():
+                raise TypeError(
+                    f"{where}: differentiating needs a real floating dtype, got {t.dtype}. Convert with `.float()`, "
+                    "or leave it out of argnums (integer ids, masks) so it is passed through.")
+            if batched:
+                if t.dim() == 0:
+                    raise ValueError(
+                        f"{where}: batched=True needs a batch dimension, got a 0-d tensor. Pass it with a "
+                        "leading sample dimension, or batched=False.")
+                if batch is None:
+                    batch = t.shape[0]
+                elif t.shape[0] != batch:
+                    raise ValueError(
+                        f"{where}: every differentiated tensor needs the same number of samples along dim 0, got "
+                        f"{t.shape[0]} and {batch}.")
+            shape = tuple(t.shape[1:]) if batched else tuple(t.shape)
+            size = math.prod(shape)
+            diff.append(Leaf(arg=a, index=starts[a] + k, shape=shape, lo=lo, size=size))
+            lo += size
+    dtypes = {leaves[d.index].dtype for d in diff}
+    devices = {leaves[d.index].device for d in diff}
+    if len(dtypes) > 1 or len(devices) > 1:
+        raise TypeError(
+            f"argnums: the differentiated tensors must share one dtype and device, got {sorted(map(str, dtypes))} on "
+            f"{sorted(map(str, devices))}. Convert them, e.g. `t.to(x)`.")
+    b = batch if batched and batch is not None else 1
+    diff_index = {d.index for d in diff}
+    riders: dict[int, Rider] = {}
+    kw_names = list(kwargs)
+    kw_leaf_owner: dict[int, str] = {}
+    j = n_pos
+    for name in kw_names:
+        for _ in tree_flatten(kwargs[name])[0]:
+            kw_leaf_owner[j] = name
+            j += 1
+    for j, t in enumerate(leaves):
+        if j in diff_index or not isinstance(t, Tensor):
+            continue
+        pos = owner[j] if j < n_pos else None
+        dim = _in_dim(in_dims, pos, kw_leaf_owner.get(j), names) if batched else None
+        if dim == 0:
+            where = f"argument {pos}" if pos is not None else f"keyword argument {kw_leaf_owner[j]!r}"
+            if t.dim() == 0 or t.shape[0] != b:
+                raise ValueError(
+                    f"in_dims: {where} is batched along dim 0 with the samples (in_dims=0, vmap's default), but "
+                    f"its shape {tuple(t.shape)} has no dim 0 of size B = {b}. Pass in_dims=None for it (broadcast "
+                    "to every sample), e.g. in_dims=" + ("(0, None)" if pos is not None else "{'name': None}") + ".")
+        riders[j] = Rider(value=t, batched=dim == 0)
+    call = Call(f=f, batched=batched, argnums=nums, int_argnums=as_int, has_aux=has_aux, args_spec=spec,
+                leaves=leaves, diff=diff, diff_specs=diff_specs, riders=riders, batch=b, names=names)
+    simple = (len(args) == 1 and not kwargs and len(diff) == 1 and not has_aux and as_int
+              and diff_specs[nums[0]].num_leaves == 1 and diff_specs[nums[0]].type is None)
+    call.simple = simple
+    call.recall()
+    if simple:
+        call.fn, call.x = f, leaves[diff[0].index]
+    else:
+        call.fn = Flat(call)
+        ts = [leaves[d.index] for d in diff]
+        if len(ts) == 1:
+            call.x = ts[0]  # its own shape: (B, *in)
+        else:
+            call.x = torch.cat([t.reshape(b, -1) if batched else t.reshape(-1) for t in ts], dim=-1)
+    return call
