@@ -92,7 +92,7 @@ def derivative(
                 f, *args, order=order, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux,
                 structure=structure, chunk_size=chunk_size, create_graph=create_graph))
         return _derivative(f, args[0], o, structure, chunk_size, create_graph)
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     args, legacy = _args.legacy_trailing(f, args, order is not None, _is_int, "order", "jm.derivative(u, x, t, argnums=1, order=2)")
     order = legacy if legacy is not None else (1 if order is None else order)
     call = _args.front(f, args, kwargs, argnums=0 if argnums is None else argnums, in_dims=in_dims,
@@ -269,7 +269,7 @@ def partial(
         return _traceable.eager("several arguments", lambda: partial(
             f, *args, dims=dims, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux,
             structure=structure, chunk_size=chunk_size, create_graph=create_graph))
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims, "dims",
                                          "jm.partial(u, x, t, dims=('x', 't'))")
     dims = legacy if legacy is not None else dims
@@ -368,7 +368,7 @@ def partials(
                                                     create_graph=create_graph),
                                    f, x, [check_dims(d, math.prod(x.shape[1:])) for d in ds], opts.structure,
                                    opts.create_graph)
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims_list, "dims",
                                          "jm.partials(u, x, t, dims=[('t',), ('x', 'x')])")
     dims = legacy if legacy is not None else dims
@@ -458,7 +458,7 @@ def hessian(
         >>> h_xx.shape, h_xt                                     # 2 t, 2 x
         (torch.Size([1, 1, 1, 1]), tensor([[[[2.]]]]))
     """
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     if call.simple:
         return _hessian(f, call.x, structure, chunk_size, create_graph)
@@ -610,7 +610,7 @@ def laplacian(
         # laplacian(f, x): what the front would find (a simple call), without it
         return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
                           chunk_size, create_graph)
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     result = _laplacian(call.fn, call.x, weight, samples, distribution, generator, return_std, structure,
                         chunk_size, create_graph)
@@ -687,7 +687,7 @@ def divergence(
         >>> jm.divergence(lambda x, t: x ** 2 * t, x, torch.tensor([[1.], [2.]]))   # t: a rider
         tensor([ 6., 28.])
     """
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     result = _divergence(call.fn, call.x, structure, chunk_size, create_graph)
     return result if call.simple else _args.finish(call, result)

@@ -77,7 +77,7 @@ def plan(
         >>> p.sample_chunk < 64 and p.workspace_bytes <= 50_000   # samples chunked to fit the budget
         True
     """
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux, batched=batched,
                        floating=wrt == "inputs")
     if not call.simple and wrt != "inputs":
@@ -210,7 +210,7 @@ def jacobian(
                 create_graph=create_graph, flatten=flatten, out=out))
         return _jacobian(f, args[0], wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
                          flatten, out)
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux, batched=batched,
                        floating=wrt == "inputs")
     if call.simple:

@@ -240,7 +240,7 @@ def operator(
         tensor([[-1.],
                 [ 8.]])
     """
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     call, terms = _front(f, args, terms, argnums, in_dims, kwargs, has_aux, directions)
     result = _operator(call.fn, call.x, terms, directions, structure, chunk_size, create_graph)
     return result if call.simple else _args.finish(call, call.outputs(result, (call.x.shape[0],)))
@@ -494,7 +494,7 @@ def biharmonic(
         >>> jm.biharmonic(lambda x: (x ** 4).sum(1) + (x[:, 0] * x[:, 1]) ** 2, x)   # 24 + 24 + 8
         tensor([56.])
     """
-    # ---- front: the call of several arguments as one flat function (see _args.py) ----
+    # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     result = _biharmonic(call.fn, call.x, samples, distribution, generator, return_std, structure, chunk_size,
                          create_graph)
