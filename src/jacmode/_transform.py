@@ -222,7 +222,7 @@ class Transformed:
                  op: Optional[Callable[..., Any]] = None) -> None:
         self._spec = spec
         self._op = op
-        # the options of the several-arguments front (_args.py): a call with them goes through the
+        # the options of the several-arguments front (_args/): a call with them goes through the
         # entry point's front, which describes the call as a flat function and comes back here
         self._front = {k: options[k] for k in _FRONT if k in options}
         options = {k: v for k, v in options.items() if k not in _FRONT}
