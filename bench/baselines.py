@@ -116,6 +116,22 @@ class CumsumNet(PinnNet):
         return self.out(x.cumsum(-1))
 
 
+class CNN(nn.Module):
+    """The CNN class of bench/targets.py section 11 (and bench/psg_floor.py): two unpadded 3 x 3
+    convolutions and a Linear on 28 x 28 images."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(1, 8, 3)
+        self.c2 = nn.Conv2d(8, 8, 3)
+        self.fc = nn.Linear(8 * 24 * 24, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = torch.relu(self.c1(x))
+        x = torch.relu(self.c2(x))
+        return self.fc(x.flatten(1))
+
+
 def mnist_mlp() -> nn.Module:
     """Problem 1's model as users write it: ``MLP(784, 20, 10)``, P = 15,910."""
     return MLP(28 * 28, 20, 10)

@@ -37,12 +37,11 @@ import torch
 import torch.nn.functional as F
 
 import jacmode as jm
-from bench.baselines import MLP
+from bench.baselines import CNN, MLP
 from jacmode._probes import layerio, layerwise, probes
 from jacmode._probes import products as engine
 from jacmode._rules.base import NotCovered
 from jacmode._rules.linear import LinearRule
-from torch import nn
 
 NEW_WRITE, NEW_LINEAR_WRITE = layerwise.write, LinearRule.write
 
@@ -92,21 +91,6 @@ def as_before(fn):
             engine.per_sample_grads_layers, layerwise.write, LinearRule.write = (
                 AFTER_LAYERS, NEW_WRITE, NEW_LINEAR_WRITE)
     return run
-
-
-class CNN(nn.Module):
-    """bench/targets.py section 11's CNN class."""
-
-    def __init__(self):
-        super().__init__()
-        self.c1 = nn.Conv2d(1, 8, 3)
-        self.c2 = nn.Conv2d(8, 8, 3)
-        self.fc = nn.Linear(8 * 24 * 24, 10)
-
-    def forward(self, x):
-        x = torch.relu(self.c1(x))
-        x = torch.relu(self.c2(x))
-        return self.fc(x.flatten(1))
 
 
 def before_layers(model, cov, x, losses, named, result, clone=True):

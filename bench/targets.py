@@ -20,6 +20,7 @@ from torch.func import functional_call, grad, jacrev, vmap
 
 import jacmode as jm
 from bench.baselines import (
+    CNN,
     MLP,
     NetX,
     PinnNet,
@@ -215,18 +216,6 @@ def main() -> None:
         )
         del buf, src
         gc.collect()
-
-        class CNN(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.c1 = nn.Conv2d(1, 8, 3)
-                self.c2 = nn.Conv2d(8, 8, 3)
-                self.fc = nn.Linear(8 * 24 * 24, 10)
-
-            def forward(self, x):
-                x = torch.relu(self.c1(x))
-                x = torch.relu(self.c2(x))
-                return self.fc(x.flatten(1))
 
         class ResMLP(nn.Module):
             def __init__(self, d=64, n=3):
