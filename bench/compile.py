@@ -96,6 +96,18 @@ def in_variant(name: str, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
+def variants(base: nn.Module, label: str, call: Callable[[nn.Module], object], ref: str,
+             baseline: Callable[[], object]) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
+    """The cases ``ref`` (the baseline) and ``call`` on a copy of ``base`` per variant, and each
+    variant's first call in ms (timed once, before the cases run)."""
+    def on(v: str, net: nn.Module) -> Callable[[], object]:
+        return in_variant(v, lambda: call(net))
+
+    runs = {f"{v} {label}": on(v, copy.deepcopy(base)) for v in ("interp", "gen", "comp")}
+    first = {k: 1e3 * timed(fn) for k, fn in runs.items()}
+    return {ref: baseline, **runs}, first
+
+
 def netx(batch: int) -> None:
     torch.manual_seed(0)
     base = net_x()
@@ -106,12 +118,8 @@ def netx(batch: int) -> None:
             return base(t)
 
     for order in (2, 4):
-        nets = {v: copy.deepcopy(base) for v in ("interp", "gen", "comp")}
-        first = {f"{v} order={order}": 1e3 * timed(in_variant(v, lambda n=nets[v]: jm.derivative(n, t, order=order)))
-                 for v in nets}
-        cases = {"forward (no grad)": forward}
-        cases.update({f"{v} order={order}": in_variant(v, lambda n=nets[v]: jm.derivative(n, t, order=order))
-                      for v in nets})
+        cases, first = variants(base, f"order={order}", lambda n: jm.derivative(n, t, order=order),
+                                "forward (no grad)", forward)
         show(f"net_x B={batch}: derivative(order={order}) / one no-grad forward "
              f"(targets: comp <= {2 if order == 2 else 3.5}x, gen no worse than interp)", side_by_side(cases),
              "forward (no grad)", first)
@@ -128,10 +136,7 @@ def lap() -> None:
         g = torch.autograd.grad(u.sum(), xx, create_graph=True)[0]
         return sum(torch.autograd.grad(g[:, i].sum(), xx, create_graph=True)[0][:, i] for i in range(10))
 
-    nets = {v: copy.deepcopy(base) for v in ("interp", "gen", "comp")}
-    first = {f"{v} laplacian": 1e3 * timed(in_variant(v, lambda n=nets[v]: jm.laplacian(n, x))) for v in nets}
-    cases = {"nested backprop": nested}
-    cases.update({f"{v} laplacian": in_variant(v, lambda n=nets[v]: jm.laplacian(n, x)) for v in nets})
+    cases, first = variants(base, "laplacian", lambda n: jm.laplacian(n, x), "nested backprop", nested)
     show("PinnNet(10, 64, 2) B=4096 laplacian (target: comp >= 5x faster than nested backprop)",
          side_by_side(cases), "nested backprop", first)
 
@@ -153,10 +158,7 @@ def train() -> None:
         u_t, u_xx = jm.partials(net, x, [(0,), (1, 1)], create_graph=True)
         ((u_t - 0.1 * u_xx) ** 2).mean().backward()
 
-    nets = {v: copy.deepcopy(base) for v in ("interp", "gen", "comp")}
-    first = {f"{v} partials step": 1e3 * timed(in_variant(v, lambda n=nets[v]: step(n))) for v in nets}
-    cases = {"autograd idiom": idiom}
-    cases.update({f"{v} partials step": in_variant(v, lambda n=nets[v]: step(n)) for v in nets})
+    cases, first = variants(base, "partials step", step, "autograd idiom", idiom)
     ms = side_by_side(cases)
     show("PinnNet(2, 64, 2) B=10000 training step, u_t and u_xx with create_graph, then backward "
          "(targets: comp >= 2x, eager >= 1.5x faster than the idiom)", ms, "autograd idiom", first)
