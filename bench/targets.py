@@ -190,21 +190,14 @@ def main() -> None:
             "(info)",
         )
         x = torch.rand(512, 784)
-        row(
-            11,
-            "MLP class B=512: jacmode / alloc+fill",
-            lambda: jm.jacobian(m, x, wrt="params"),
-            fill((512, 10, 15910)),
-            "<= 1.25x",
-        )
-        s = mnist_mlp_sequential()
-        row(
-            11,
-            "Sequential twin B=512: jacmode / alloc+fill",
-            lambda: jm.jacobian(s, x, wrt="params"),
-            fill((512, 10, 15910)),
-            "(info)",
-        )
+        for label, net, target in (("MLP class", m, "<= 1.25x"), ("Sequential twin", mnist_mlp_sequential(), "(info)")):
+            row(
+                11,
+                f"{label} B=512: jacmode / alloc+fill",
+                lambda net=net: jm.jacobian(net, x, wrt="params"),
+                fill((512, 10, 15910)),
+                target,
+            )
         buf = torch.empty(512, 10, 15910)
         src = torch.ones(512, 10, 15910)
         row(
