@@ -15,6 +15,7 @@ from torch.func import functional_call, jacrev, vmap
 import jacmode as jm
 from jacmode._capture import capture, codegen
 from jacmode._probes import generated
+from conftest import ref_param_jacobian
 
 CALLS = codegen.AFTER_CALLS + 1  # the last calls run generated code
 
@@ -38,17 +39,6 @@ def _oracle(model, x, names=None):
 
     jac = vmap(jacrev(one), in_dims=(None, 0))({n: params[n] for n in names}, x)
     return torch.cat([jac[n].reshape(x.shape[0], jac[n].shape[1], -1) for n in names], -1)
-
-
-def _loop_oracle(model, x):
-    """(B, Y, P) by autograd.grad, one sample and one output at a time (any Python in forward)."""
-    params = [p for p in model.parameters()]
-    rows = []
-    for b in range(x.shape[0]):
-        out = model(x[b : b + 1]).reshape(-1)
-        rows.append(torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)])
-                                 for o in out]))
-    return torch.stack(rows)
 
 
 def _interpreted(model, x, **kw):
@@ -193,7 +183,7 @@ def test_what_cannot_be_generated_is_interpreted_and_exact():
         for _ in range(CALLS):
             got = jm.jacobian(model, x, wrt="params", mode="reverse" if model is not branch else "auto")
         assert not _codes(model)
-        torch.testing.assert_close(got, _loop_oracle(model, x), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(got, ref_param_jacobian(model, x), rtol=1e-10, atol=1e-12)
     dropout = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
     for _ in range(CALLS):  # random layers: every call draws its masks through the interpreted engine
         jm.jacobian(dropout, x, wrt="params", mode="reverse")
