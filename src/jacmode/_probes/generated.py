@@ -208,7 +208,7 @@ def _fold_constants(gm: fx.GraphModule) -> None:
     for node in graph.nodes:
         target = node.target
         ok = (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-              and not target._schema.is_mutable and not _random(target)
+              and not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
               and all(pure.get(a, False) for a in node.all_input_nodes))
         pure[node] = ok
     for node in graph.nodes:  # what a mutating op writes stays computed per call, with its ancestors
@@ -279,10 +279,6 @@ def _collapse_views(graph: fx.Graph) -> None:
                                       (base, list(val.shape), list(val.stride()), val.storage_offset()))
         new.meta = dict(node.meta)
         node.replace_all_uses_with(new)
-
-
-def _random(target: Any) -> bool:
-    return getattr(target, "is_random", False) or "rand" in target._schema.name or "bernoulli" in target._schema.name
 
 
 @contextlib.contextmanager
