@@ -40,7 +40,6 @@ from __future__ import annotations
 from .flat import (  # noqa: F401
     Argnums,
     InDims,
-    _fmt,
     Leaf,
     Rider,
     Flat,
@@ -53,12 +52,9 @@ from .flat import (  # noqa: F401
     signature,
 )
 from .call import (  # noqa: F401
-    _OUTPUTS,
     Call,
-    _split_aux,
 )
 from .describe import (  # noqa: F401
-    _positional,
     parameter_names,
     check_argnums,
     _in_dim,
@@ -69,17 +65,12 @@ from .front import (  # noqa: F401
     front,
     flat_jacobian,
     finish,
-    accepts_one,
     legacy_trailing,
     coordinate_args,
     resolve,
 )
 from .params import (  # noqa: F401
-    _ROWS_OF,
-    _SUBCLASSES,
-    _forward_rows,
     params_call,
-    _HANDLES,
     module_of_rows,
     rows_bound,
     params_layout,
