@@ -67,6 +67,17 @@ ENABLED = True  # internal switch: False runs the interpreter always (tests comp
 AFTER_CALLS = 3  # generate on this call of a signature (1: the first); see the note on first calls
 MAX_SIGNATURES = 16  # generated versions kept per program; further signatures are interpreted
 
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block Taylor-path calls always interpret (tests compare the two paths)."""
+    global ENABLED
+    old, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = old
+
+
 _MODE: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar("jacmode_codegen", default=None)
 
 
