@@ -259,11 +259,10 @@ _IN_PLACE = {_aten.add.Tensor: _aten.add_.Tensor, _aten.sub.Tensor: _aten.sub_.T
              _aten.mul.Tensor: _aten.mul_.Tensor, _aten.div.Tensor: _aten.div_.Tensor,
              _aten.addcmul.default: _aten.addcmul_.default, _aten.tanh.default: _aten.tanh_.default,
              _aten.neg.default: _aten.neg_.default}
+_IN_PLACE_OPS = frozenset(_IN_PLACE.values())
 
 
-def _val(n: Any) -> Optional[Tensor]:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v if isinstance(v, Tensor) else None
+_val = rewrites._val  # the example value traced for a node, when a tensor
 
 
 def _dtype(n: Any) -> Optional[torch.dtype]:
@@ -322,7 +321,6 @@ def _overwrite_dead(graph: fx.Graph) -> None:
         node.target = target
         fresh.add(node)
         # the result aliases its operand: nothing reads the operand afterwards (single user)
-    del order
 
 
 _VIEWS = {"view", "reshape", "expand", "permute", "transpose", "t", "slice", "select", "unsqueeze", "squeeze",
@@ -335,4 +333,4 @@ def _fresh_op(n: fx.Node) -> bool:
     name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
     if name in _VIEWS or target is operator.getitem:
         return False
-    return target in _ELEMENTWISE or target in set(_IN_PLACE.values()) or name in ("mm", "addmm", "bmm", "clone")
+    return target in _ELEMENTWISE or target in _IN_PLACE_OPS or name in ("mm", "addmm", "bmm", "clone")
