@@ -155,7 +155,7 @@ def _frozen(a: Any) -> Any:
     """A hashable key of an engine argument (a range is one already: equal and hashed by value)."""
     if type(a) is range or type(a) is int:
         return a
-    if isinstance(a, (list, tuple, range)):
+    if isinstance(a, (list, tuple)):
         return tuple(_frozen(v) for v in a)
     return a
 
@@ -197,13 +197,13 @@ def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args
         if calls < (1 if mode is not None else AFTER_CALLS):
             table[key] = calls
             return interpret(program, z, in_shape, *args)
-        entry = table[key] = _generate(name, program, layout, values, z, in_shape, args, grad, mode)
+        entry = table[key] = _generate(name, program, layout, values, tensors, z, in_shape, args, grad, mode)
     if isinstance(entry, str):  # could not be generated: why, and the interpreter serves
         return interpret(program, z, in_shape, *args)
     return entry(z, *tensors)
 
 
-def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z: Tensor,
+def _generate(name: str, program: Program, layout: _Layout, values: list[Any], tensors: list[Tensor], z: Tensor,
               in_shape: tuple[int, ...], args: tuple, grad: bool, mode: Optional[dict[str, Any]]) -> Any:
     """The generated code of one signature, or the reason it could not be made."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -228,7 +228,6 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z
                 stack.enter_context(_reparametrize_module(m, swap))
             return interpret(copy, zz, in_shape, *args)
 
-    _, tensors = layout.read(program)
     try:
         with torch.enable_grad():  # see the note: no in-place reuse decided from reference counts
             gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
