@@ -4,7 +4,6 @@ create_graph through the generated code."""
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import warnings
 
@@ -29,13 +28,7 @@ class Pinn(nn.Module):
         return self.out(x)
 
 
-@contextlib.contextmanager
-def interpreter():
-    codegen.ENABLED = False
-    try:
-        yield
-    finally:
-        codegen.ENABLED = True
+interpreter = codegen.disabled
 
 
 def _generated(f) -> list:

@@ -4,7 +4,6 @@ against the interpreter and float64 torch.func oracles (codegen, laplacian, crea
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -16,13 +15,7 @@ from jacmode._capture import capture, codegen, rewrites
 _aten = torch.ops.aten
 
 
-@contextlib.contextmanager
-def interpreter():
-    codegen.ENABLED = False
-    try:
-        yield
-    finally:
-        codegen.ENABLED = True
+interpreter = codegen.disabled
 
 
 def _net(d: int, h: int, act: type, hidden: int = 2) -> nn.Module:

@@ -38,9 +38,7 @@ from .._state import RngReplay
 from .._transforms import in_transform
 from .._capture import taylor as _taylor
 from .._capture.capture import Program
-
-Seeds = Callable[[int, int], Tensor]
-Place = Callable[[int, int, Tensor], None]
+from .reverse import Place, Seeds, chunks
 
 _FORWARD_AD_LOCK = threading.RLock()  # see the note on threads above
 
@@ -84,8 +82,7 @@ def forward_columns(
     reset before each chunk, so random layers (dropout in training mode) draw the same masks for
     every direction.
     """
-    for start in range(0, n, chunk_size):
-        stop = min(n, start + chunk_size)
+    for start, stop in chunks(n, chunk_size):
         if rng is not None:
             rng.reset()
         place(start, stop, pushforward(fn, primal, seeds(start, stop)))
@@ -101,6 +98,5 @@ def layerwise_columns(
     row broadcast over the batch. Same contract as ``forward_columns`` with broadcast seeds, for
     ``primal`` of shape (B, D); the products placed have shape (k, B, Y).
     """
-    for start in range(0, n, chunk_size):
-        stop = min(n, start + chunk_size)
+    for start, stop in chunks(n, chunk_size):
         place(start, stop, _taylor.first(program, primal, in_shape, range(start, stop)))

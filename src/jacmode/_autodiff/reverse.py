@@ -31,6 +31,12 @@ Seeds = Callable[[int, int], Tensor]
 Place = Callable[[int, int, Tensor], None]
 
 
+def chunks(n: int, chunk_size: int) -> Iterator[tuple[int, int]]:
+    """The blocks ``(start, stop)`` of ``n`` directions, ``chunk_size`` at a time (the last one shorter)."""
+    for start in range(0, n, chunk_size):
+        yield start, min(n, start + chunk_size)
+
+
 @contextlib.contextmanager
 def recording() -> Iterator[Callable[[Tensor], Tensor]]:
     """Grad mode on for a vjp engine; yields what to apply to its products (see the note)."""
@@ -66,8 +72,7 @@ def reverse_rows(
     """
     with recording() as out:
         vjp_fn = vjp(fn, primal)[1]
-        for start in range(0, n, chunk_size):
-            stop = min(n, start + chunk_size)
+        for start, stop in chunks(n, chunk_size):
             place(start, stop, out(pullback(vjp_fn, seeds(start, stop))))
 
 
@@ -137,6 +142,5 @@ def sample_rows(
 
     batched = vmap(rows, in_dims=(0, None))
     with recording() as out:
-        for start in range(0, n, chunk_size):
-            stop = min(n, start + chunk_size)
+        for start, stop in chunks(n, chunk_size):
             place(start, stop, out(batched(primal, eye[start:stop])))

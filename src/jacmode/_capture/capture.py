@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from .._args import Flat, traced_body
 from .._cache import WeakCache
 from .._rules.base import Traced
+from .._state import _filled
 from .._rules.table import META, lookup
 from .bound import Attributes, Bound, Watch, sources
 from .program import Program, Ref, Step, check, reject  # noqa: F401 -- the engines' view of capture
@@ -73,14 +74,6 @@ def _used_modules(fn: Any) -> list[nn.Module]:
     glob = getattr(fn, "__globals__", {})
     found += [glob[n] for n in code.co_names if n in glob]
     return [m for m in found if isinstance(m, nn.Module)]
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents
-    except ValueError:
-        return False
-    return True
 
 
 def _hooked(m: nn.Module) -> bool:

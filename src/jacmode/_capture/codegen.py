@@ -67,6 +67,17 @@ ENABLED = True  # internal switch: False runs the interpreter always (tests comp
 AFTER_CALLS = 3  # generate on this call of a signature (1: the first); see the note on first calls
 MAX_SIGNATURES = 16  # generated versions kept per program; further signatures are interpreted
 
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Inside the block Taylor-path calls always interpret (tests compare the two paths)."""
+    global ENABLED
+    old, ENABLED = ENABLED, False
+    try:
+        yield
+    finally:
+        ENABLED = old
+
+
 _MODE: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar("jacmode_codegen", default=None)
 
 
@@ -144,7 +155,7 @@ def _frozen(a: Any) -> Any:
     """A hashable key of an engine argument (a range is one already: equal and hashed by value)."""
     if type(a) is range or type(a) is int:
         return a
-    if isinstance(a, (list, tuple, range)):
+    if isinstance(a, (list, tuple)):
         return tuple(_frozen(v) for v in a)
     return a
 
@@ -186,13 +197,13 @@ def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args
         if calls < (1 if mode is not None else AFTER_CALLS):
             table[key] = calls
             return interpret(program, z, in_shape, *args)
-        entry = table[key] = _generate(name, program, layout, values, z, in_shape, args, grad, mode)
+        entry = table[key] = _generate(name, program, layout, values, tensors, z, in_shape, args, grad, mode)
     if isinstance(entry, str):  # could not be generated: why, and the interpreter serves
         return interpret(program, z, in_shape, *args)
     return entry(z, *tensors)
 
 
-def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z: Tensor,
+def _generate(name: str, program: Program, layout: _Layout, values: list[Any], tensors: list[Tensor], z: Tensor,
               in_shape: tuple[int, ...], args: tuple, grad: bool, mode: Optional[dict[str, Any]]) -> Any:
     """The generated code of one signature, or the reason it could not be made."""
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -217,7 +228,6 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], z
                 stack.enter_context(_reparametrize_module(m, swap))
             return interpret(copy, zz, in_shape, *args)
 
-    _, tensors = layout.read(program)
     try:
         with torch.enable_grad():  # see the note: no in-place reuse decided from reference counts
             gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
@@ -248,11 +258,10 @@ _IN_PLACE = {_aten.add.Tensor: _aten.add_.Tensor, _aten.sub.Tensor: _aten.sub_.T
              _aten.mul.Tensor: _aten.mul_.Tensor, _aten.div.Tensor: _aten.div_.Tensor,
              _aten.addcmul.default: _aten.addcmul_.default, _aten.tanh.default: _aten.tanh_.default,
              _aten.neg.default: _aten.neg_.default}
+_IN_PLACE_OPS = frozenset(_IN_PLACE.values())
 
 
-def _val(n: Any) -> Optional[Tensor]:
-    v = n.meta.get("val") if isinstance(n, fx.Node) else None
-    return v if isinstance(v, Tensor) else None
+_val = rewrites._val  # the example value traced for a node, when a tensor
 
 
 def _dtype(n: Any) -> Optional[torch.dtype]:
@@ -311,7 +320,6 @@ def _overwrite_dead(graph: fx.Graph) -> None:
         node.target = target
         fresh.add(node)
         # the result aliases its operand: nothing reads the operand afterwards (single user)
-    del order
 
 
 _VIEWS = {"view", "reshape", "expand", "permute", "transpose", "t", "slice", "select", "unsqueeze", "squeeze",
@@ -324,4 +332,4 @@ def _fresh_op(n: fx.Node) -> bool:
     name = getattr(getattr(target, "overloadpacket", None), "__name__", "")
     if name in _VIEWS or target is operator.getitem:
         return False
-    return target in _ELEMENTWISE or target in set(_IN_PLACE.values()) or name in ("mm", "addmm", "bmm", "clone")
+    return target in _ELEMENTWISE or target in _IN_PLACE_OPS or name in ("mm", "addmm", "bmm", "clone")

@@ -28,15 +28,19 @@ from typing import Any, Union
 DATA_FILE = "calibrated.json"  # a resource of this package (jacmode/_planning/calibrated.json)
 
 
+def _resource() -> Any:
+    return resources.files(__package__ or "jacmode._planning").joinpath(DATA_FILE)
+
+
 def path() -> Path:
     """Where the data file lies (the calibrators write it there; an installed package has it too)."""
-    return Path(str(resources.files(__package__ or "jacmode._planning").joinpath(DATA_FILE)))
+    return Path(str(_resource()))
 
 
 def load(source: Union[str, Path] = DATA_FILE) -> dict[str, Any]:
     """The data file's contents, checked for the names the planner reads; ``source``: a path or the resource name."""
     if str(source) == DATA_FILE:
-        text = resources.files(__package__ or "jacmode._planning").joinpath(DATA_FILE).read_text()
+        text = _resource().read_text()
     else:
         text = Path(source).read_text()
     data = json.loads(text)
