@@ -219,16 +219,6 @@ def modules_of(f: Any) -> list[nn.Module]:
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
 
 
-def _walk(m: nn.Module, found: list[nn.Module], seen: set[int]) -> None:
-    """``m.modules()`` after m, in its order (pre-order, each module once), without the name
-    prefixes ``named_modules`` builds: it runs on every call."""
-    for child in m._modules.values():
-        if child is not None and id(child) not in seen:
-            seen.add(id(child))
-            found.append(child)
-            _walk(child, found, seen)
-
-
 def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None, survey: Optional["Survey"] = None,
                     grad: Optional[bool] = None) -> "_Preserved":
     """Run a block and leave ``f`` exactly as found, even on error: ``f`` if it is an ``nn.Module``,
