@@ -64,19 +64,25 @@ def problem_key(f: Any, x: Tensor, batched: bool, wrt: Any, structure: str, full
     (the probes, their completeness check) fail their checks and the torch.func engines serve,
     while a fact found outside (coverage verified by a backward pass) must not be used inside.
     """
-    flags = tuple(_flags(m) for m in f.modules()) if isinstance(f, nn.Module) else ()
+    if isinstance(f, nn.Module):
+        glob = _global_hooks()  # process-wide: read once, not per module
+        flags = tuple(_flags(m, glob) for m in f.modules())
+    else:
+        flags = ()
     shape = tuple(x.shape) if full_shape or not batched else tuple(x.shape[1:])
     wrt_key = wrt if isinstance(wrt, str) else tuple(wrt)
     return (shape, x.dtype, str(x.device), batched, wrt_key, structure, flags, torch.is_inference_mode_enabled())
 
 
-def _flags(m: nn.Module) -> Any:
+def _flags(m: nn.Module, glob: Optional[tuple[Any, ...]] = None) -> Any:
     """A module's training flag, and the handles of its hooks when it has any (a hook added later,
-    e.g. one that scales an output, must not find the facts found without it)."""
+    e.g. one that scales an output, must not find the facts found without it); ``glob``: the
+    process-wide hooks (:func:`_global_hooks`) when the caller read them for all its modules."""
+    if glob is None:
+        glob = _global_hooks()
     if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
         return (m.training, tuple(m._forward_hooks), tuple(m._forward_pre_hooks), tuple(m._backward_hooks),
-                tuple(m._backward_pre_hooks), _global_hooks())
-    glob = _global_hooks()
+                tuple(m._backward_pre_hooks), glob)
     return (m.training, glob) if any(glob) else m.training
 
 

@@ -53,7 +53,7 @@ from ._capture.capture import Program
 from ._problem import captured, connected, describe, riders_independent
 from ._rules import decompositions
 from ._rules.base import Unsupported
-from ._state import RngReplay, modules_of, preserved_state
+from ._state import RngReplay, Survey, modules_of, preserved_state
 from ._structure import one_hot
 
 Fn = Callable[[Tensor], Tensor]
@@ -192,9 +192,11 @@ def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create
 
 @contextlib.contextmanager
 def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] = None,
-           key: Optional[tuple] = None) -> Iterator[Target]:
+           key: Optional[tuple] = None, survey: Optional[Survey] = None) -> Iterator[Target]:
     """The :class:`Target` of f at x; from f's profile for ``key`` when it has one (``_profile.py``),
-    else found (capture and its check, or ``describe`` with the coupling probe) and profiled."""
+    else found (capture and its check, or ``describe`` with the coupling probe) and profiled.
+    ``survey``: the modules as the key's walk read them (``_profile.walked``), for the guard of a
+    profile hit, which runs nothing before it (a first call captures first, and walks again)."""
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     in_shape = tuple(x.shape[1:])
     source = f if isinstance(f, Flat) else None
@@ -224,7 +226,7 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
             yield Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,
                          out_shape=out_shape, widest=widest, source=source)
         return
-    with preserved_state(f, modules), grad_mode:
+    with preserved_state(f, modules, survey if found is not None else None), grad_mode:
         if found is None:
             p = describe(f, x, opts, OPERATOR_WAYS_OUT)
             out_shape, coupled, random, z = p.out_shape, p.structure == "coupled", p.random, p.z
@@ -247,7 +249,7 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
     depend on which operator asks, so all operators of the same f and x share one profile.
     """
     modules = modules_of(f)
-    key = _profile.key(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules)
+    key, survey = _profile.walked(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules)
     try:
         was = torch.is_grad_enabled()  # a repeated call of a captured program: no context managers
         torch._C._set_grad_enabled(opts.create_graph)
@@ -258,7 +260,7 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
             torch._C._set_grad_enabled(was)
         if hit is not None:
             return connected(result, f, x, True) if opts.create_graph else result  # type: ignore[return-value]
-        with target(f, x, opts, modules, key) as t:
+        with target(f, x, opts, modules, key, survey) as t:
             return connected(body(t), f, x, opts.create_graph)
     except Unsupported as err:
         _profile.forget(f, key)

@@ -185,13 +185,26 @@ PRODUCT_INSTEAD = ("inside a transform, use jm.jacobian(f, x, wrt='params'), whi
 
 def _setup(f: Any, x: Any, wrt: Wrt, chunk_size: Any, max_memory: Any, flatten: Any = True, name: str = "x",
            product: str = "per_sample_grads") -> tuple[Options, list[tuple[str, nn.Parameter]]]:
+    opts = _checked(f, x, wrt, chunk_size, max_memory, flatten, name, product)
+    return opts, _selected(f, x, opts)
+
+
+def _checked(f: Any, x: Any, wrt: Wrt, chunk_size: Any, max_memory: Any, flatten: Any = True, name: str = "x",
+             product: str = "per_sample_grads") -> Options:
+    """The checks of a product's call that a profile hit makes too: f, the options, the input."""
     _checks.check_function(f)
     _checks.check_outside_transforms(product, PRODUCT_WHY, PRODUCT_INSTEAD)
     opts = _checks.check_product_options(wrt=wrt, chunk_size=chunk_size, max_memory=max_memory, flatten=flatten)
     _checks.check_not_arguments(x, name)
     _checks.check_input(x, wrt="params", batched=True, name=name)
+    return opts
+
+
+def _selected(f: Any, x: Any, opts: Options) -> list[tuple[str, nn.Parameter]]:
+    """The devices checked and the parameters selected: what a profile hit of per_sample_grads
+    holds already (its key names the devices and the selection)."""
     _checks.check_devices(f, x)
-    return opts, _checks.check_param_selection(f, opts.param_names)
+    return _checks.check_param_selection(f, opts.param_names)
 
 
 def _out_shape(f: Any, x: Tensor) -> tuple[int, ...]:
@@ -274,16 +287,11 @@ def per_sample_grads(
                                            wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
     if in_transform():  # vmap over an ensemble's parameters, grad of a meta-objective: torch.func's idiom
         return per_sample_grads_transformed(f, x, loss, y, wrt, flatten)
-    _checks.check_function(f)
-    _checks.check_outside_transforms("per_sample_grads", PRODUCT_WHY, PRODUCT_INSTEAD)
-    opts = _checks.check_product_options(wrt=wrt, chunk_size=chunk_size, max_memory=max_memory, flatten=flatten)
-    _checks.check_not_arguments(x, "x")
-    _checks.check_input(x, wrt="params", batched=True, name="x")
+    opts = _checked(f, x, wrt, chunk_size, max_memory, flatten)
     if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path (no profile)
         from ._autodiff import traceable as _traceable
 
-        _checks.check_devices(f, x)
-        selected = _checks.check_param_selection(f, opts.param_names)
+        selected = _selected(f, x, opts)
         _checks.check_loss(loss)
         _checks.check_torch_loss(loss, y, "per_sample_grads")
         _checks.check_target(y, x.shape[0])
@@ -298,8 +306,7 @@ def per_sample_grads(
     key, survey = _profile.walked(_PSG_TOKEN, (x,), {"y": y, "loss": _loss_key(loss), "opts": opts}, modules)
     found = _profile.find(f, key)
     if found is None or bound_values(f) is not None:  # the selection of a hit is the profile's (same key)
-        _checks.check_devices(f, x)
-        selected = _checks.check_param_selection(f, opts.param_names)
+        selected = _selected(f, x, opts)
     else:
         selected = found.facts[3]
     _checks.check_loss(loss)

@@ -14,7 +14,7 @@ The key is built in one place, :func:`key`, from
 * the transform's options (a small integer per distinct, validated set of options, ``token``),
 * the call's signature (:func:`call_signature`: shapes, dtypes, devices and ``requires_grad`` of
   the tensors, names and hashable values of the other arguments; never a tensor's values),
-* the modules the function is made of (:func:`modules_key`): their identity and order, training
+* the modules the function is made of (:func:`_walk`): their identity and order, training
   flags, the handles of their forward / backward hooks (a hook added later is a new key) and the
   process-wide module hooks, dropout probabilities, every parameter's slot name, identity,
   ``requires_grad``, dtype, shape and device, and every buffer's name, dtype, shape and device,
@@ -103,14 +103,10 @@ def _hooks(m: nn.Module) -> tuple[Any, ...]:
             tuple(m._backward_pre_hooks))
 
 
-def modules_key(modules: list[nn.Module]) -> tuple[Any, ...]:
-    """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note)."""
-    return _walk(modules)[0]
-
-
 def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
-    """:func:`modules_key` and the guard's :class:`~jacmode._state.Survey` of ``modules`` in one
-    walk (a repeated call reads every module and parameter once, for both)."""
+    """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note), and the
+    guard's :class:`~jacmode._state.Survey` of them, in one walk (a repeated call reads every
+    module and parameter once, for both)."""
     parts: list[Any] = []
     add = parts.append
     # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a

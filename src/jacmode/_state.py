@@ -17,7 +17,7 @@ may raise halfway. ``preserved_state`` therefore
   counters of all buffers, restores the flags and gradients on exit, and restores any buffer that
   a custom layer modified in place from a copy taken lazily only for modules in training mode.
 
-It also changes one process-wide setting for the duration of the call (``_transformable_kernels``):
+It also changes one process-wide setting for the duration of the call (``_kernels_in``):
 it switches off the inference fast path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoder``
 and restricts ``scaled_dot_product_attention`` to its math backend, because the fused kernels
 (``_transformer_encoder_layer_fwd``, flash attention) have no forward-AD rule and no vmap rule
@@ -68,7 +68,9 @@ _MHA_GLOBAL = isinstance(getattr(_MHA, "_is_fastpath_enabled", None), bool)  # s
 
 
 def _kernels_in() -> None:
-    """Enter :class:`_TransformableKernels` (a function: ``_Preserved`` calls it on every call)."""
+    """Use only attention kernels that jvp and vmap can transform (see the note above), until
+    :func:`_kernels_out`: the first user in saves the flags and sets them, the last one out restores
+    them, the others only count (functions: ``_Preserved`` calls them on every call)."""
     with _KERNELS_LOCK:
         if _KERNELS["users"] == 0:
             if _MHA_GLOBAL:  # what get/set_fastpath_enabled read and write, without two calls
@@ -101,25 +103,6 @@ def _kernels_out() -> None:
                 _MHA._is_fastpath_enabled = _KERNELS["fastpath"]
             else:  # pragma: no cover
                 _MHA.set_fastpath_enabled(_KERNELS["fastpath"])
-
-
-class _TransformableKernels:
-    """Use only attention kernels that jvp and vmap can transform (see the note above).
-
-    A class rather than a generator context (it runs on every call): the first user in saves the
-    flags and sets them, the last one out restores them; the others only count.
-    """
-
-    def __enter__(self) -> None:
-        _kernels_in()
-
-    def __exit__(self, *exc: Any) -> None:
-        _kernels_out()
-
-
-def _transformable_kernels() -> _TransformableKernels:
-    """Use only attention kernels that jvp and vmap can transform (see the note above)."""
-    return _TransformableKernels()
 
 
 _MKLDNN: dict[str, Any] = {"users": 0, "enabled": True}
@@ -217,16 +200,6 @@ def modules_of(f: Any) -> list[nn.Module]:
                 stack.extend([c for c in reversed(m._modules.values()) if c is not None])
         return found
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
-
-
-def _walk(m: nn.Module, found: list[nn.Module], seen: set[int]) -> None:
-    """``m.modules()`` after m, in its order (pre-order, each module once), without the name
-    prefixes ``named_modules`` builds: it runs on every call."""
-    for child in m._modules.values():
-        if child is not None and id(child) not in seen:
-            seen.add(id(child))
-            found.append(child)
-            _walk(child, found, seen)
 
 
 def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None, survey: Optional["Survey"] = None,
