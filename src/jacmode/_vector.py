@@ -664,7 +664,7 @@ def output_hessian_times(loss: Any, out: Tensor, u: Tensor, y: Optional[Tensor])
             g = torch.autograd.grad(loss(leaf, y).sum(), leaf, create_graph=True)[0]
             if not g.requires_grad:
                 return torch.zeros_like(u)
-            return torch.autograd.grad(g, leaf, u, allow_unused=True)[0] if g.requires_grad else torch.zeros_like(u)
+            return torch.autograd.grad(g, leaf, u, allow_unused=True)[0]
     n_out = math.prod(out.shape[1:])
     h = _checks.check_hessians(loss(out), out.shape[0], n_out)
     return torch.einsum("byz,bz->by", h.to(u.dtype), u.reshape(u.shape[0], n_out)).reshape(u.shape)
