@@ -423,7 +423,7 @@ def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool
         raise ValueError(f"{'has_aux' if has_aux else 'create_graph'}: per-sample products (per_sample=True) return "
                          "plain (B, P) rows of a model with one tensor output; pass per_sample=False for torch.func's "
                          "whole-batch vjp, which takes it.")
-    engine, _ = _per_sample_engine(sel.model, args, kw, in_dims, sel, chunk_size)
+    engine = _per_sample_engine(sel.model, args, kw, in_dims, sel, chunk_size)
     out = engine.output
 
     def per_sample_fn(u: Any) -> Vector:
@@ -444,7 +444,7 @@ def _split_rows(sel: Params, rows: Tensor) -> Vector:
 
 
 def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], in_dims: Any, sel: Params,
-                       chunk_size: Optional[int]) -> tuple[_eng.PerSampleVjp, Any]:
+                       chunk_size: Optional[int]) -> _eng.PerSampleVjp:
     from ._products import bind, release
 
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
@@ -465,7 +465,7 @@ def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], 
                                        probes_ok=not sel.functional, rebind=rebind)
         finally:
             release(g)
-    return engine, x
+    return engine
 
 
 # ---- hvp --------------------------------------------------------------------------------------
@@ -800,6 +800,6 @@ def linearize(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", kwargs:
     assert flat.spec is not None
     per = True if per_sample is None else _check_flag(per_sample, "per_sample")
     def rows() -> _eng.PerSampleVjp:
-        return _per_sample_engine(sel.model, args, kw, in_dims, sel, None)[0]
+        return _per_sample_engine(sel.model, args, kw, in_dims, sel, None)
 
     return Linearized(rec, None, flat.spec, sel, rows if per else None)
