@@ -66,6 +66,11 @@ def _check_flag(value: Any, name: str) -> bool:
     return value
 
 
+def _check_chunk(chunk_size: Any) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int or None, got {_fmt(chunk_size)}.")
+
+
 def _kwargs(kwargs: Any) -> dict[str, Any]:
     if kwargs is None:
         return {}
@@ -447,8 +452,7 @@ def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], 
                        chunk_size: Optional[int]) -> _eng.PerSampleVjp:
     from ._products import bind, release
 
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected a positive int or None, got {_fmt(chunk_size)}.")
+    _check_chunk(chunk_size)
     g, x = bind(f, args if len(args) > 1 else args[0], kw or None, in_dims)
     _checks.check_input(x, wrt="params", batched=True)
     # a cached Bound serves the next call of the same form too: the engine points it back at its
@@ -527,8 +531,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
                          f"the check), got {_fmt(structure)}.")
     kw = _kwargs(kwargs)
     kind = _wrt_kind(wrt)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected a positive int or None, got {_fmt(chunk_size)}.")
+    _check_chunk(chunk_size)
     if kind == "inputs":
         if loss is not None or y is not None:
             raise ValueError(f"{'loss' if loss is not None else 'y'}: applies to wrt='params' with a model; with "
