@@ -178,9 +178,13 @@ class Params:
             dtype = self.values[0].dtype
             if v.dtype != dtype:
                 raise TypeError(f"{name}: expected dtype {dtype} (that of the parameters), got {v.dtype}.")
-            return [t.view(p.shape) for t, p in zip(v.split(self.sizes), self.values)]
+            return self.parts(v)
         raise TypeError(f"{name}: expected a dict name -> tensor or a flat (P,) tensor of parameter values, got "
                         f"{type(v).__name__} ({_fmt(v)}).")
+
+    def parts(self, flat: Tensor) -> list[Tensor]:
+        """A flat (P,) vector as one tensor per parameter, unchecked."""
+        return [t.view(p.shape) for t, p in zip(flat.split(self.sizes), self.values)]
 
     def join(self, parts: Sequence[Tensor], lead: tuple[int, ...] = ()) -> Vector:
         if self.as_dict:
@@ -445,7 +449,7 @@ def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool
 def _split_rows(sel: Params, rows: Tensor) -> Vector:
     if not sel.as_dict:
         return rows
-    return {n: t.reshape(rows.shape[0], *p.shape) for n, t, p in zip(sel.names, rows.split(sel.sizes, dim=1), sel.values)}
+    return sel.join(rows.split(sel.sizes, dim=1), (rows.shape[0],))
 
 
 def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], in_dims: Any, sel: Params,
@@ -732,7 +736,7 @@ class Linearized:
             if isinstance(v, dict):
                 vs = [v[n] for n in self._sel.names]
             else:
-                vs = [t.view(p.shape) for t, p in zip(v.split(self._sel.sizes), self._sel.values)]
+                vs = self._sel.parts(v)
         else:
             vs = tree_flatten(tangents)[0]
         return tree_unflatten(self._rec.jvp(vs), self._outspec)
