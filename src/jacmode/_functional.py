@@ -50,7 +50,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _checks
-from ._transforms import outside, plain
+from ._transforms import in_transform, outside, plain
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -365,7 +365,7 @@ def _target(f: Any, prep: _Prepared, tensor_output: bool
 
     hidden = None
     sample_dims = _spelling(f, prep)
-    if sample_dims is None and len(prep.batched) == 1 and not _in_transform():
+    if sample_dims is None and len(prep.batched) == 1 and not in_transform():
         hidden = _disguised(f, prep.leaves, prep.spec, prep.diff, prep.batched)
     if hidden is not None:
         model, x_in, slots, _ = hidden
@@ -500,12 +500,6 @@ def _one_slice(t: Tensor, dim: int) -> Tensor:
     while t.dim() > dim:
         t = t[0]
     return t
-
-
-def _in_transform() -> bool:
-    from ._transforms import in_transform  # noqa: PLC0415
-
-    return in_transform()
 
 
 def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: list[int]
