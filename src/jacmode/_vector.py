@@ -454,26 +454,22 @@ def _split_rows(sel: Params, rows: Tensor) -> Vector:
 
 def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], in_dims: Any, sel: Params,
                        chunk_size: Optional[int]) -> _eng.PerSampleVjp:
-    from ._products import bind, release
+    from ._products import bound
 
     _check_chunk(chunk_size)
-    g, x = bind(f, args if len(args) > 1 else args[0], kw or None, in_dims)
-    _checks.check_input(x, wrt="params", batched=True)
-    # a cached Bound serves the next call of the same form too: the engine points it back at its
-    # own call before every pass that runs the model again
-    call = getattr(g, "_jm_call", None)
-    rebind = (lambda: g.use(call)) if call is not None else None
-    with preserved_state(f), preserved_state(g), torch.no_grad():
-        probe(g, x, check=x.shape[0] > 1, ways_out=VJP_WAYS_OUT,
-              validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
-        named = list(zip(sel.names, sel.values))
-        chunk = chunk_size or max(1, min(x.shape[0], 256))
-        try:
-            engine = _eng.PerSampleVjp(g, x, named, chunk, _has_random_layers(g) or sel.functional,
-                                       probes_ok=not sel.functional, rebind=rebind)
-        finally:
-            release(g)
-    return engine
+    with bound(f, args if len(args) > 1 else args[0], kw or None, in_dims) as (g, x):
+        _checks.check_input(x, wrt="params", batched=True)
+        # a cached Bound serves the next call of the same form too: the engine points it back at its
+        # own call before every pass that runs the model again
+        call = getattr(g, "_jm_call", None)
+        rebind = (lambda: g.use(call)) if call is not None else None
+        with preserved_state(f), preserved_state(g), torch.no_grad():
+            probe(g, x, check=x.shape[0] > 1, ways_out=VJP_WAYS_OUT,
+                  validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
+            named = list(zip(sel.names, sel.values))
+            chunk = chunk_size or max(1, min(x.shape[0], 256))
+            return _eng.PerSampleVjp(g, x, named, chunk, _has_random_layers(g) or sel.functional,
+                                     probes_ok=not sel.functional, rebind=rebind)
 
 
 # ---- hvp --------------------------------------------------------------------------------------
