@@ -240,8 +240,8 @@ def _outputs(out: Any, has_aux: bool) -> tuple[list[Tensor], TreeSpec, Any]:
 class _Flat:
     """f as a function of a list of leaves: output leaves, with the spec and aux kept."""
 
-    def __init__(self, f: Callable[..., Any], rebuild: Callable[[list[Tensor]], Any], has_aux: bool) -> None:
-        self.f, self.rebuild, self.has_aux = f, rebuild, has_aux
+    def __init__(self, rebuild: Callable[[list[Tensor]], Any], has_aux: bool) -> None:
+        self.rebuild, self.has_aux = rebuild, has_aux
         self.spec: Optional[TreeSpec] = None
 
     def __call__(self, leaves: list[Tensor]) -> tuple[list[Tensor], Any]:
@@ -256,11 +256,11 @@ def _inputs_flat(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     def rebuild(ls: list[Tensor]) -> Any:
         return f(*tree_unflatten(ls, spec), **kwargs)
 
-    return _Flat(f, rebuild, has_aux), leaves, spec
+    return _Flat(rebuild, has_aux), leaves, spec
 
 
 def _params_flat(sel: Params, args: tuple[Any, ...], kwargs: dict[str, Any], has_aux: bool) -> _Flat:
-    return _Flat(sel.model, lambda ls: sel.call(ls, args, kwargs), has_aux)
+    return _Flat(lambda ls: sel.call(ls, args, kwargs), has_aux)
 
 
 # ---- jvp --------------------------------------------------------------------------------------
