@@ -24,8 +24,8 @@ the module itself, run while the module *holds* the dict's tensors:
 * caches that key facts by parameter identity would see new tensors at every step of a
   functional optimiser, miss, and grow without bound. A bound dict's tensors count by their
   place, shape, dtype, device and flag instead: in the repeated-call signature
-  (:func:`identities`; a hit reads this call's tensors, ``_problem.again``, and the cached facts
-  keep none of them) and in the probe coverage's key (:func:`selection_key`, which also names the
+  (``_profile._walk`` reads :data:`_BOUND`; a hit reads this call's tensors, ``_problem.again``,
+  and the cached facts keep none of them) and in the probe coverage's key (:func:`selection_key`, which also names the
   submodules holding them), whose cached coverage reads this call's tensors (:func:`refreshed`).
 
 Under ``torch.func.vmap`` over stacked parameters (ensembles) the dict's tensors are vmap's
@@ -133,17 +133,6 @@ def selection_key(model: nn.Module, named: Sequence[tuple[str, Tensor]]) -> tupl
             return -1
 
     return ("bound", tuple((n, owner(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in named))
-
-
-def identities(model: nn.Module, params: Sequence[Tensor]) -> tuple:
-    """The parameter objects of a module, for the repeated-call cache (``_calls.py``): their ids, except
-    for a bound dict's tensors, new at every step of a functional optimiser, which count by their place,
-    shape, dtype and device (``_problem.again`` reads them again on a hit)."""
-    values = bound_values(model)
-    if values is None:
-        return tuple(map(id, params))
-    mine = {id(t) for t in values.values()}
-    return tuple(("bound", tuple(p.shape), p.dtype, p.device) if id(p) in mine else id(p) for p in params)
 
 
 def refreshed(cov: Any, named: Sequence[tuple[str, Tensor]]) -> Any:
