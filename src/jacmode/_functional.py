@@ -24,8 +24,8 @@ the module itself, run while the module *holds* the dict's tensors:
 * caches that key facts by parameter identity would see new tensors at every step of a
   functional optimiser, miss, and grow without bound. A bound dict's tensors count by their
   place, shape, dtype, device and flag instead: in the repeated-call signature
-  (:func:`identities`; a hit reads this call's tensors, ``_problem.again``, and the cached facts
-  keep none of them) and in the probe coverage's key (:func:`selection_key`, which also names the
+  (``_profile._walk`` reads :data:`_BOUND`; a hit reads this call's tensors, ``_problem.again``,
+  and the cached facts keep none of them) and in the probe coverage's key (:func:`selection_key`, which also names the
   submodules holding them), whose cached coverage reads this call's tensors (:func:`refreshed`).
 
 Under ``torch.func.vmap`` over stacked parameters (ensembles) the dict's tensors are vmap's
@@ -50,7 +50,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _checks
-from ._transforms import outside, plain
+from ._transforms import in_transform, outside, plain
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -133,17 +133,6 @@ def selection_key(model: nn.Module, named: Sequence[tuple[str, Tensor]]) -> tupl
             return -1
 
     return ("bound", tuple((n, owner(n), tuple(p.shape), p.dtype, p.requires_grad) for n, p in named))
-
-
-def identities(model: nn.Module, params: Sequence[Tensor]) -> tuple:
-    """The parameter objects of a module, for the repeated-call cache (``_calls.py``): their ids, except
-    for a bound dict's tensors, new at every step of a functional optimiser, which count by their place,
-    shape, dtype and device (``_problem.again`` reads them again on a hit)."""
-    values = bound_values(model)
-    if values is None:
-        return tuple(map(id, params))
-    mine = {id(t) for t in values.values()}
-    return tuple(("bound", tuple(p.shape), p.dtype, p.device) if id(p) in mine else id(p) for p in params)
 
 
 def refreshed(cov: Any, named: Sequence[tuple[str, Tensor]]) -> Any:
@@ -365,7 +354,7 @@ def _target(f: Any, prep: _Prepared, tensor_output: bool
 
     hidden = None
     sample_dims = _spelling(f, prep)
-    if sample_dims is None and len(prep.batched) == 1 and not _in_transform():
+    if sample_dims is None and len(prep.batched) == 1 and not in_transform():
         hidden = _disguised(f, prep.leaves, prep.spec, prep.diff, prep.batched)
     if hidden is not None:
         model, x_in, slots, _ = hidden
@@ -500,12 +489,6 @@ def _one_slice(t: Tensor, dim: int) -> Tensor:
     while t.dim() > dim:
         t = t[0]
     return t
-
-
-def _in_transform() -> bool:
-    from ._transforms import in_transform  # noqa: PLC0415
-
-    return in_transform()
 
 
 def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: list[int]

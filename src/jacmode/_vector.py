@@ -66,6 +66,11 @@ def _check_flag(value: Any, name: str) -> bool:
     return value
 
 
+def _check_chunk(chunk_size: Any) -> None:
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive int or None, got {_fmt(chunk_size)}.")
+
+
 def _kwargs(kwargs: Any) -> dict[str, Any]:
     if kwargs is None:
         return {}
@@ -173,9 +178,13 @@ class Params:
             dtype = self.values[0].dtype
             if v.dtype != dtype:
                 raise TypeError(f"{name}: expected dtype {dtype} (that of the parameters), got {v.dtype}.")
-            return [t.view(p.shape) for t, p in zip(v.split(self.sizes), self.values)]
+            return self.parts(v)
         raise TypeError(f"{name}: expected a dict name -> tensor or a flat (P,) tensor of parameter values, got "
                         f"{type(v).__name__} ({_fmt(v)}).")
+
+    def parts(self, flat: Tensor) -> list[Tensor]:
+        """A flat (P,) vector as one tensor per parameter, unchecked."""
+        return [t.view(p.shape) for t, p in zip(flat.split(self.sizes), self.values)]
 
     def join(self, parts: Sequence[Tensor], lead: tuple[int, ...] = ()) -> Vector:
         if self.as_dict:
@@ -231,8 +240,8 @@ def _outputs(out: Any, has_aux: bool) -> tuple[list[Tensor], TreeSpec, Any]:
 class _Flat:
     """f as a function of a list of leaves: output leaves, with the spec and aux kept."""
 
-    def __init__(self, f: Callable[..., Any], rebuild: Callable[[list[Tensor]], Any], has_aux: bool) -> None:
-        self.f, self.rebuild, self.has_aux = f, rebuild, has_aux
+    def __init__(self, rebuild: Callable[[list[Tensor]], Any], has_aux: bool) -> None:
+        self.rebuild, self.has_aux = rebuild, has_aux
         self.spec: Optional[TreeSpec] = None
 
     def __call__(self, leaves: list[Tensor]) -> tuple[list[Tensor], Any]:
@@ -247,11 +256,11 @@ def _inputs_flat(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     def rebuild(ls: list[Tensor]) -> Any:
         return f(*tree_unflatten(ls, spec), **kwargs)
 
-    return _Flat(f, rebuild, has_aux), leaves, spec
+    return _Flat(rebuild, has_aux), leaves, spec
 
 
 def _params_flat(sel: Params, args: tuple[Any, ...], kwargs: dict[str, Any], has_aux: bool) -> _Flat:
-    return _Flat(sel.model, lambda ls: sel.call(ls, args, kwargs), has_aux)
+    return _Flat(lambda ls: sel.call(ls, args, kwargs), has_aux)
 
 
 # ---- jvp --------------------------------------------------------------------------------------
@@ -423,7 +432,7 @@ def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool
         raise ValueError(f"{'has_aux' if has_aux else 'create_graph'}: per-sample products (per_sample=True) return "
                          "plain (B, P) rows of a model with one tensor output; pass per_sample=False for torch.func's "
                          "whole-batch vjp, which takes it.")
-    engine, _ = _per_sample_engine(sel.model, args, kw, in_dims, sel, chunk_size)
+    engine = _per_sample_engine(sel.model, args, kw, in_dims, sel, chunk_size)
     out = engine.output
 
     def per_sample_fn(u: Any) -> Vector:
@@ -440,32 +449,27 @@ def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool
 def _split_rows(sel: Params, rows: Tensor) -> Vector:
     if not sel.as_dict:
         return rows
-    return {n: t.reshape(rows.shape[0], *p.shape) for n, t, p in zip(sel.names, rows.split(sel.sizes, dim=1), sel.values)}
+    return sel.join(rows.split(sel.sizes, dim=1), (rows.shape[0],))
 
 
 def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], in_dims: Any, sel: Params,
-                       chunk_size: Optional[int]) -> tuple[_eng.PerSampleVjp, Any]:
-    from ._products import bind, release
+                       chunk_size: Optional[int]) -> _eng.PerSampleVjp:
+    from ._products import bound
 
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected a positive int or None, got {_fmt(chunk_size)}.")
-    g, x = bind(f, args if len(args) > 1 else args[0], kw or None, in_dims)
-    _checks.check_input(x, wrt="params", batched=True)
-    # a cached Bound serves the next call of the same form too: the engine points it back at its
-    # own call before every pass that runs the model again
-    call = getattr(g, "_jm_call", None)
-    rebind = (lambda: g.use(call)) if call is not None else None
-    with preserved_state(f), preserved_state(g), torch.no_grad():
-        probe(g, x, check=x.shape[0] > 1, ways_out=VJP_WAYS_OUT,
-              validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
-        named = list(zip(sel.names, sel.values))
-        chunk = chunk_size or max(1, min(x.shape[0], 256))
-        try:
-            engine = _eng.PerSampleVjp(g, x, named, chunk, _has_random_layers(g) or sel.functional,
-                                       probes_ok=not sel.functional, rebind=rebind)
-        finally:
-            release(g)
-    return engine, x
+    _check_chunk(chunk_size)
+    with bound(f, args if len(args) > 1 else args[0], kw or None, in_dims) as (g, x):
+        _checks.check_input(x, wrt="params", batched=True)
+        # a cached Bound serves the next call of the same form too: the engine points it back at its
+        # own call before every pass that runs the model again
+        call = getattr(g, "_jm_call", None)
+        rebind = (lambda: g.use(call)) if call is not None else None
+        with preserved_state(f), preserved_state(g), torch.no_grad():
+            probe(g, x, check=x.shape[0] > 1, ways_out=VJP_WAYS_OUT,
+                  validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
+            named = list(zip(sel.names, sel.values))
+            chunk = chunk_size or max(1, min(x.shape[0], 256))
+            return _eng.PerSampleVjp(g, x, named, chunk, _has_random_layers(g) or sel.functional,
+                                     probes_ok=not sel.functional, rebind=rebind)
 
 
 # ---- hvp --------------------------------------------------------------------------------------
@@ -527,8 +531,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
                          f"the check), got {_fmt(structure)}.")
     kw = _kwargs(kwargs)
     kind = _wrt_kind(wrt)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size: expected a positive int or None, got {_fmt(chunk_size)}.")
+    _check_chunk(chunk_size)
     if kind == "inputs":
         if loss is not None or y is not None:
             raise ValueError(f"{'loss' if loss is not None else 'y'}: applies to wrt='params' with a model; with "
@@ -664,7 +667,7 @@ def output_hessian_times(loss: Any, out: Tensor, u: Tensor, y: Optional[Tensor])
             g = torch.autograd.grad(loss(leaf, y).sum(), leaf, create_graph=True)[0]
             if not g.requires_grad:
                 return torch.zeros_like(u)
-            return torch.autograd.grad(g, leaf, u, allow_unused=True)[0] if g.requires_grad else torch.zeros_like(u)
+            return torch.autograd.grad(g, leaf, u, allow_unused=True)[0]
     n_out = math.prod(out.shape[1:])
     h = _checks.check_hessians(loss(out), out.shape[0], n_out)
     return torch.einsum("byz,bz->by", h.to(u.dtype), u.reshape(u.shape[0], n_out)).reshape(u.shape)
@@ -729,7 +732,7 @@ class Linearized:
             if isinstance(v, dict):
                 vs = [v[n] for n in self._sel.names]
             else:
-                vs = [t.view(p.shape) for t, p in zip(v.split(self._sel.sizes), self._sel.values)]
+                vs = self._sel.parts(v)
         else:
             vs = tree_flatten(tangents)[0]
         return tree_unflatten(self._rec.jvp(vs), self._outspec)
@@ -800,6 +803,6 @@ def linearize(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", kwargs:
     assert flat.spec is not None
     per = True if per_sample is None else _check_flag(per_sample, "per_sample")
     def rows() -> _eng.PerSampleVjp:
-        return _per_sample_engine(sel.model, args, kw, in_dims, sel, None)[0]
+        return _per_sample_engine(sel.model, args, kw, in_dims, sel, None)
 
     return Linearized(rec, None, flat.spec, sel, rows if per else None)

@@ -72,20 +72,8 @@ def _unpack_tree(tree: Any) -> Any:
 def jvp_reverse(fn: Fn, primals: Sequence[Tensor], tangents: Sequence[Tensor],
                 create_graph: bool) -> tuple[list[Tensor], list[Tensor], Any]:
     """(outputs, J v, extra) as the vjp of the linear map u -> J^T u (no forward mode needed)."""
-    with torch.enable_grad():
-        leaves = [p if (create_graph and p.requires_grad) else p.detach().requires_grad_(True) for p in primals]
-        outs, extra = fn(leaves)
-        diff = [o for o in outs if o.requires_grad]
-        us = [torch.zeros_like(o, requires_grad=True) for o in diff]
-        g = torch.autograd.grad(diff, leaves, us, create_graph=True, allow_unused=True) if diff else [None] * len(leaves)
-        pairs = [(gi, t) for gi, t in zip(g, tangents) if gi is not None and gi.requires_grad]
-        jv = (torch.autograd.grad([a for a, _ in pairs], us, [t for _, t in pairs], create_graph=create_graph,
-                                  allow_unused=True) if pairs else [None] * len(us))
-    jv_d = iter(_zeros_for(jv, diff))
-    full = [next(jv_d) if o.requires_grad else torch.zeros_like(o) for o in outs]
-    if not create_graph:
-        return [o.detach() for o in outs], [t.detach() for t in full], extra
-    return list(outs), full, extra
+    rec = Recorded(fn, primals, create_graph)
+    return rec.values(), rec.jvp(tangents), rec.extra
 
 
 def jvp_any(fn: Fn, primals: Sequence[Tensor], tangents: Sequence[Tensor],
