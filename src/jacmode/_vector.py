@@ -33,6 +33,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from . import _checks, _losses
 from ._coupling import probe
 from ._autodiff import vector as _eng
+from ._args.flat import _fmt
 from ._autodiff.bags import holds_bags, primitive_bags
 from ._problem import _has_random_layers
 from ._rules.embedding import forward_gap
@@ -52,11 +53,6 @@ VJP_WAYS_OUT = (
     "differentiate; or pass per_sample=False for the whole-batch product u^T J (P,), which needs no "
     "independence."
 )
-
-
-def _fmt(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 # ---- arguments --------------------------------------------------------------------------------
