@@ -38,9 +38,9 @@ def _graphs(f) -> list[torch.fx.GraphModule]:
     program = capture.program_for(f)
     out = []
     for v in getattr(program, "_codegen", {}).values():
-        gm = getattr(v, "__wrapped__", v)
+        gm = getattr(v, "__wrapped__", getattr(v, "__self__", v))  # compiled, or a bound forward
         if isinstance(gm, torch.fx.GraphModule):
-            out.append(gm)
+            out.append(getattr(gm, "aten_graph", gm))  # the rewritten aten graph, before bindings.fast
     return out
 
 

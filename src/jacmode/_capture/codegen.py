@@ -59,7 +59,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._transforms import in_transform
-from . import rewrites
+from . import bindings, rewrites
 from . import taylor as _taylor
 from .program import Program, Step
 
@@ -241,7 +241,7 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], t
         from .compiled import compiled, options
 
         return compiled(gm, mode["backend"], **options(mode["backend"], z.device, mode["kwargs"]))
-    return gm
+    return bindings.fast(gm, [z, *tensors]).forward  # not through nn.Module.__call__
 
 
 def _constant(t: Tensor) -> Callable[[], Tensor]:
