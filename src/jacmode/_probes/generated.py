@@ -263,8 +263,9 @@ def _shared_bmm(graph: fx.Graph) -> None:
             continue
         a, b = node.args
         va, vb, val = (getattr(n, "meta", {}).get("val") for n in (a, b, node))
-        if (not all(isinstance(v, Tensor) for v in (va, vb, val)) or vb.stride(0) != 0 or not val.is_contiguous()
-                or va.shape[0] < 2):
+        if not (isinstance(va, Tensor) and isinstance(vb, Tensor) and isinstance(val, Tensor)):
+            continue
+        if vb.stride(0) != 0 or not val.is_contiguous() or va.shape[0] < 2:
             continue
         nb, k, m = va.shape
         with graph.inserting_before(node):
