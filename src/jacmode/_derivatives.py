@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import _args, _operators
+from . import _args, _checks, _operators
 from ._args import Argnums, InDims
 from ._cache import WeakCache
 from ._checks import Options
@@ -388,7 +388,7 @@ def partials(
     else:
         call = _front(f, args, kwargs, argnums, in_dims, has_aux, [c for d in dims for c in _coords(d)])
         fn, x = call.fn, call.x
-    opts = validated(fn, x, "x", structure, chunk_size, create_graph)
+    opts = validated(fn, x, "x", structure, chunk_size, create_graph, devices=False)  # evaluate checks them
     if not dims:
         raise ValueError("dims: expected at least one partial, e.g. [(0,), (1, 1)], got an empty list.")
     n = math.prod(x.shape[1:])
@@ -400,7 +400,14 @@ def partials(
                               lambda z, s: t.run("partials", z, targets, scale=s))
         return tuple(r.reshape(x.shape[0], *t.out_shape) for r in flat.unbind(0))
 
-    result = evaluate(fn, x, opts, body)
+    def direct(t: Target) -> Any:  # body as one engine call: all samples in one pass
+        if (opts.chunk_size is not None and opts.chunk_size < t.z.shape[0]) or t.coupled or t.rng is not None \
+                or not _all_there(t):
+            return None
+        shape = (x.shape[0], *t.out_shape)
+        return "partials", (targets,), lambda flat: tuple(r.reshape(shape) for r in flat.unbind(0))
+
+    result = evaluate(fn, x, opts, body, (("partials", tuple(targets), opts.chunk_size), direct))
     if call is None or call.simple:
         return result
     # ---- tail: f's output pytree ----
@@ -625,7 +632,9 @@ def laplacian(
 def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, generator: Any, return_std: Any,
                structure: Any, chunk_size: Any, create_graph: Any) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The body of :func:`laplacian` for a function of one tensor."""
-    opts = validated(f, x, "x", structure, chunk_size, create_graph)
+    opts = validated(f, x, "x", structure, chunk_size, create_graph, devices=False)  # checked below
+    if torch.compiler.is_compiling() or weight is not None or samples is not None or return_std:
+        _checks.check_devices(f, x)  # evaluate checks them from its walk
     if torch.compiler.is_compiling():  # compile: a traceable path
         def again() -> Union[Tensor, tuple[Tensor, Tensor]]:
             return laplacian(f, x, weight=weight, samples=samples, distribution=distribution, generator=generator,
@@ -643,7 +652,14 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
             t.z.new_zeros(x.shape[0], math.prod(t.out_shape)))
         return total.reshape(x.shape[0], *t.out_shape)
 
-    return evaluate(f, x, opts, body)
+    def direct(t: Target) -> Any:  # body as one engine call: one chunk of directions, all samples at once
+        chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size, SUM_PASS_BYTES)
+        if len(chunks) != 1 or width is not None or t.coupled or t.rng is not None or not _all_there(t):
+            return None
+        shape = (x.shape[0], *t.out_shape)
+        return "laplacian", (chunks[0],), lambda out: out.reshape(shape)
+
+    return evaluate(f, x, opts, body, (("laplacian", opts.chunk_size), direct))
 
 
 def divergence(
@@ -712,6 +728,11 @@ def _divergence(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph:
         return _sum_over_coordinates(t, opts, trace, x.new_zeros(x.shape[0]))
 
     return evaluate(f, x, opts, body)
+
+
+def _all_there(t: Target) -> bool:
+    """Samples and outputs there are (``Target.over_samples`` returns zeros without running otherwise)."""
+    return bool(t.z.shape[0]) and bool(math.prod(t.out_shape))
 
 
 def _sum_over_coordinates(t: Target, opts: Options, term: Callable[[range, Optional[int]], Tensor], empty: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -175,12 +175,16 @@ def _order(name: str, args: tuple[Any, ...]) -> int:
     return 1 if name == "first" else 2
 
 
-def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create_graph: Any) -> Options:
+def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create_graph: Any,
+              devices: bool = True) -> Options:
+    """The checks of a derivative operator's input and options. ``devices=False``: the caller
+    checks the devices of f's parameters itself (:func:`evaluate` with ``direct``, from its walk)."""
     _checks.check_input(x, wrt="inputs", batched=True, name=name)
     _checks.check_function(f)  # what _jacobian._options checks, x once
     opts = _checks.check_options(wrt="inputs", mode="forward", batched=True, structure=structure,
                                  chunk_size=chunk_size, create_graph=create_graph, flatten=True)
-    _checks.check_devices(f, x)
+    if devices:
+        _checks.check_devices(f, x)
     if opts.structure == "diagonal":
         raise ValueError(
             "structure: 'diagonal' does not apply to the derivative operators. Use 'auto' (the "
@@ -240,22 +244,47 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
 
 
 T = TypeVar("T")
+# how an operator's body reads as one engine call (see evaluate): (engine function, its arguments,
+# how the result is assembled from that call's output), or None where it is not one such call
+Direct = Callable[[Target], Optional[tuple[str, tuple[Any, ...], Callable[[Tensor], Any]]]]
 
 
-def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
+def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
+             direct: Optional[tuple[Hashable, Direct]] = None) -> T:
     """``body`` of the :class:`Target` of f; on ``Unsupported``, again on the generic path.
 
     The target's facts (engine, shapes, coupling) are profiled per f and signature: they do not
     depend on which operator asks, so all operators of the same f and x share one profile.
+
+    ``direct``: (a key of the operator and its arguments that the profile's key does not hold,
+    e.g. ``chunk_size``; how its body reads as one engine call). A profile hit whose body is one
+    call of generated code keeps that code, ready, in the profile (``Profile.runs``); the next
+    hits run it straight away (``_capture/codegen.Ready``, which re-checks all that the code's
+    own key holds), without a :class:`Target` or the code's look-up. A caller passing ``direct``
+    validated without the devices (``validated(..., devices=False)``): they are checked here, from
+    the walk (its first parameter is ``check_devices``' first).
     """
     modules = modules_of(f)
     key, survey = _profile.walked(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules)
+    if direct is not None and survey.params and survey.params[0].device != x.device:
+        _checks.check_devices(f, x)  # its error (for a module; a plain function's modules are not checked)
     try:
         was = torch.is_grad_enabled()  # a repeated call of a captured program: no context managers
         torch._C._set_grad_enabled(opts.create_graph)
         try:
-            hit = _hit(f, x, opts, key)
+            found = _profile.find(f, key)
+            if direct is not None and found is not None and not isinstance(f, Flat):
+                run = found.runs.get(direct[0])
+                if run and _profile.fresh(found.facts[0], x):  # the generated code, ready
+                    out = run[0]((x if opts.create_graph else x.detach()).reshape(x.shape[0], run[1]))
+                    if out is not None:
+                        result = run[2](out)
+                        return connected(result, f, x, True) if opts.create_graph else result
+                    found.runs.pop(direct[0], None)  # what the code's key holds changed: made again below
+            hit = None if found is None else _hit(f, x, opts, found)
             result = None if hit is None else body(hit)
+            if hit is not None and direct is not None and direct[0] not in found.runs:  # type: ignore[union-attr]
+                _keep_direct(found, direct, hit)  # type: ignore[arg-type]
         finally:
             torch._C._set_grad_enabled(was)
         if hit is not None:
@@ -272,12 +301,23 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
         return connected(body(t), f, x, opts.create_graph)
 
 
-def _hit(f: Any, x: Tensor, opts: Options, key: tuple) -> Optional[Target]:
+def _keep_direct(found: _profile.Profile, direct: tuple[Hashable, Direct], t: Target) -> None:
+    """Keep in the profile the generated code that ``t``'s body just ran as its one engine call,
+    once that code exists (from the call that generates it, ``codegen.AFTER_CALLS``); False where
+    it never will (the body is not one call, or the program cannot be generated)."""
+    if t.source is not None or t.program is None:
+        return
+    plan = direct[1](t)
+    code = None if plan is None else _codegen.ready(plan[0], t.program, t.z, t.in_shape, *plan[1])
+    if plan is None or code is False:
+        found.runs[direct[0]] = False
+    elif code is not None:
+        found.runs[direct[0]] = (code, t.z.shape[1], plan[2])
+
+
+def _hit(f: Any, x: Tensor, opts: Options, found: _profile.Profile) -> Optional[Target]:
     """The :class:`Target` of a profile hit with a fresh captured program (what :func:`target`
     yields for it, without its generator context and grad-mode context), else None."""
-    found = _profile.find(f, key)
-    if found is None:
-        return None
     program, out_shape, coupled, random, widest = found.facts
     if program is None or not _profile.fresh(program, x):
         return None  # the guarded path, or capture again (target)

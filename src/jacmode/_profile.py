@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 import torch
@@ -64,11 +64,15 @@ class Profile:
             problem's facts and the decision (plan), for the derivative operators the target's
             engine choice and shapes, for ``per_sample_grads`` the coverage and the split.
         holds: the modules and parameters of the key, kept alive so their ids stay unique.
+        runs: what a repeated call of this profile runs straight away, per entry point and
+            arguments (the derivative operators: the generated code and how its result is
+            assembled, ``_operands.evaluate``); it re-checks what the key does not hold.
     """
 
     op: str
     facts: Any
     holds: tuple[Any, ...] = ()
+    runs: dict[Any, Any] = field(default_factory=dict)
 
 
 def _value_key(v: Any) -> Hashable:
