@@ -260,35 +260,42 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
     e.g. ``chunk_size``; how its body reads as one engine call). A profile hit whose body is one
     call of generated code keeps that code, ready, in the profile (``Profile.runs``); the next
     hits run it straight away (``_capture/codegen.Ready``, which re-checks all that the code's
-    own key holds), without a :class:`Target` or the code's look-up. A caller passing ``direct``
-    validated without the devices (``validated(..., devices=False)``): they are checked here, from
-    the walk (its first parameter is ``check_devices``' first).
+    own key holds), without a :class:`Target` or the code's look-up; its key is walked without the
+    guard's survey (the guarded path of a function without a captured program walks again). A
+    caller passing ``direct`` validated without the devices (``validated(..., devices=False)``):
+    they are checked here where no profile is found (a profile's key holds the devices of x and of
+    every parameter, as they were when its first call checked them).
     """
     modules = modules_of(f)
-    key, survey = _profile.walked(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules)
-    if direct is not None and survey.params and survey.params[0].device != x.device:
-        _checks.check_devices(f, x)  # its error (for a module; a plain function's modules are not checked)
+    key, survey = _profile.walked(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules,
+                                  survey=direct is None)
+    found = None
     try:
         was = torch.is_grad_enabled()  # a repeated call of a captured program: no context managers
         torch._C._set_grad_enabled(opts.create_graph)
         try:
             found = _profile.find(f, key)
+            hit: Optional[Target] = None
+            out = None
             if direct is not None and found is not None and not isinstance(f, Flat):
                 run = found.runs.get(direct[0])
-                if run and _profile.fresh(found.facts[0], x):  # the generated code, ready
+                if run and _profile.fresh(found.facts[0], x, run[3]):  # the generated code, ready
                     out = run[0]((x if opts.create_graph else x.detach()).reshape(x.shape[0], run[1]))
                     if out is not None:
                         result = run[2](out)
-                        return connected(result, f, x, True) if opts.create_graph else result
-                    found.runs.pop(direct[0], None)  # what the code's key holds changed: made again below
-            hit = None if found is None else _hit(f, x, opts, found)
-            result = None if hit is None else body(hit)
-            if hit is not None and direct is not None and direct[0] not in found.runs:  # type: ignore[union-attr]
-                _keep_direct(found, direct, hit)  # type: ignore[arg-type]
+                    else:  # what the code's key holds changed: made again below
+                        found.runs.pop(direct[0], None)
+            if out is None:
+                hit = None if found is None else _hit(f, x, opts, found)
+                result = None if hit is None else body(hit)
+                if hit is not None and direct is not None and direct[0] not in found.runs:  # type: ignore[union-attr]
+                    _keep_direct(found, direct, hit, x)  # type: ignore[arg-type]
         finally:
             torch._C._set_grad_enabled(was)
-        if hit is not None:
+        if out is not None or hit is not None:
             return connected(result, f, x, True) if opts.create_graph else result  # type: ignore[return-value]
+        if direct is not None and found is None:
+            _checks.check_devices(f, x)  # validated without them (see above)
         with target(f, x, opts, modules, key, survey) as t:
             return connected(body(t), f, x, opts.create_graph)
     except Unsupported as err:
@@ -301,18 +308,21 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
         return connected(body(t), f, x, opts.create_graph)
 
 
-def _keep_direct(found: _profile.Profile, direct: tuple[Hashable, Direct], t: Target) -> None:
+def _keep_direct(found: _profile.Profile, direct: tuple[Hashable, Direct], t: Target, x: Tensor) -> None:
     """Keep in the profile the generated code that ``t``'s body just ran as its one engine call,
     once that code exists (from the call that generates it, ``codegen.AFTER_CALLS``); False where
     it never will (the body is not one call, or the program cannot be generated)."""
     if t.source is not None or t.program is None:
         return
     plan = direct[1](t)
-    code = None if plan is None else _codegen.ready(plan[0], t.program, t.z, t.in_shape, *plan[1])
+    # the profile's parameters: a hit's key checked their identity, shape, dtype, device and requires_grad
+    vouched = {id(p) for p in found.holds if isinstance(p, Tensor)}
+    code = None if plan is None else _codegen.ready(plan[0], t.program, t.z, t.in_shape, *plan[1], vouched=vouched)
     if plan is None or code is False:
         found.runs[direct[0]] = False
     elif code is not None:
-        found.runs[direct[0]] = (code, t.z.shape[1], plan[2])
+        # (x's signature is the profile's: its key in program.checked too)
+        found.runs[direct[0]] = (code, t.z.shape[1], plan[2], _profile.checked_key(x))
 
 
 def _hit(f: Any, x: Tensor, opts: Options, found: _profile.Profile) -> Optional[Target]:

@@ -107,10 +107,10 @@ def _hooks(m: nn.Module) -> tuple[Any, ...]:
             tuple(m._backward_pre_hooks))
 
 
-def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+def _walk(modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...], Optional[Survey]]:
     """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note), and the
     guard's :class:`~jacmode._state.Survey` of them, in one walk (a repeated call reads every
-    module and parameter once, for both)."""
+    module and parameter once, for both). ``survey=False``: the key alone (the same key), and None."""
     parts: list[Any] = []
     add = parts.append
     # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
@@ -124,7 +124,8 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
     buffers: list[tuple[nn.Module, str, Any]] = []
     for m in modules:
         flag = m.training
-        training.append(flag)
+        if survey:
+            training.append(flag)
         add(id(m))
         add(flag)
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
@@ -134,20 +135,24 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
         own = m._parameters
         if own:
             add(tuple(own))
-            row: list[Any] = []
-            for name, p in own.items():
-                slots.append((m, name, p))
-                if p is None:
-                    row.append(None)
-                    continue
-                ident = id(p)
-                flag = p.requires_grad
-                if ident not in params:
-                    params[ident] = p
-                    flags.append(flag)
-                    grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
-                row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
-            add(tuple(row))
+            if not survey:  # the same rows as below
+                add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
+                                                   p.shape, p.device) for p in own.values()]))
+            else:
+                row: list[Any] = []
+                for name, p in own.items():
+                    slots.append((m, name, p))
+                    if p is None:
+                        row.append(None)
+                        continue
+                    ident = id(p)
+                    flag = p.requires_grad
+                    if ident not in params:
+                        params[ident] = p
+                        flags.append(flag)
+                        grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
+                    row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
+                add(tuple(row))
         buf = m._buffers
         if buf:
             add(tuple(buf))
@@ -156,13 +161,16 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
                 if b is None:
                     row.append(None)
                     continue
-                buffers.append((m, name, b))
+                if survey:
+                    buffers.append((m, name, b))
                 row.append((b.dtype, b.shape, b.device))
             add(tuple(row))
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
         add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
              tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
+    if not survey:
+        return tuple(parts), None
     return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
@@ -172,25 +180,38 @@ def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list
 
 
 def walked(token: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-           modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+           modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...], Optional[Survey]]:
     """:func:`key`, and the :class:`~jacmode._state.Survey` of ``modules`` that the same walk
-    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call)."""
-    mods, found = _walk(modules)
+    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call).
+    ``survey=False``: the key alone, and None for the survey (a call that seldom needs the guard)."""
+    mods, found = _walk(modules, survey)
     return (token, call_signature(args, kwargs) if kwargs else (tensor_key(args[0]),) if len(args) == 1 and
             isinstance(args[0], Tensor) else call_signature(args, kwargs), mods, in_transform(),
             torch.is_inference_mode_enabled(), torch.is_grad_enabled()), found
 
 
-def fresh(program: Any, x: Tensor) -> bool:
+def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) -> bool:
     """Whether a captured program a profile holds still serves inputs like ``x``: it reads what f
     reads (the tensors and Python values it took from f's closure, globals and modules are
     unchanged, ``_capture/bound.py``: a rebound name or a changed scalar is not in the key), and no
-    engine rejected it for this input signature since (``_capture/capture.reject``)."""
+    engine rejected it for this input signature since (``_capture/capture.reject``).
+    ``signature``: x's key in ``program.checked`` (:func:`checked_key`), where the caller has it."""
     if program is None:
         return True
-    if not isinstance(program.checked.get((tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
+    if not isinstance(program.checked.get(checked_key(x) if signature is None else signature), tuple):
         return False
-    return all(b.fresh() for b in (*program.bound, *program.guards))
+    for b in program.bound:
+        if not b.fresh():
+            return False
+    for g in program.guards:
+        if not g.fresh():
+            return False
+    return True
+
+
+def checked_key(x: Tensor) -> tuple[Any, ...]:
+    """x's input signature in a captured program's ``checked`` table (``_capture/program.py``)."""
+    return (tuple(x.shape[1:]), x.dtype, x.device.type)
 
 
 def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:

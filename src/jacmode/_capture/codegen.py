@@ -51,7 +51,7 @@ import contextlib
 import contextvars
 import dataclasses
 import operator
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Collection, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -222,41 +222,57 @@ class Ready:
     ``_operands.evaluate``) runs it without building and hashing that key again.
 
     ``ready(z)`` checks what :func:`run`'s key holds, by comparison with the values it was made
-    with: the conditions of generated code (switch, compiling, transforms, inference mode, modes),
+    with: the conditions of generated code (switch, compiling, modes; torch.func transforms,
+    inference mode and z's layout are in the caller's profile key),
     the backend, grad mode, z's shape, strides, dtype, device and ``requires_grad``, the program's
     tensors read afresh (each one's metadata) and Python values, and the leaf modules' scalar
     settings; it returns the code's result, or None where anything differs (the caller then takes
     :func:`run`, which finds or generates the code of the new key).
     """
 
-    __slots__ = ("program", "layout", "code", "z_meta", "grad", "backend", "metas", "values")
+    __slots__ = ("program", "layout", "code", "z_meta", "grad", "backend", "metas", "values", "same", "strides")
 
     def __init__(self, program: Program, layout: _Layout, code: Callable[..., Tensor], z_meta: tuple, grad: bool,
-                 backend: Optional[str], metas: tuple, values: tuple, settings: tuple) -> None:
+                 backend: Optional[str], metas: tuple, values: tuple, settings: tuple,
+                 same: Optional[tuple[Tensor, ...]] = None) -> None:
         self.program, self.layout, self.code = program, layout, code
         self.z_meta, self.grad, self.backend, self.metas = z_meta, grad, backend, metas
         self.values = (values, settings)
+        # the tensors, where the caller vouches for all but their strides while they are these objects
+        self.same, self.strides = same, tuple(m[1] for m in metas)
 
     def __call__(self, z: Tensor) -> Optional[Tensor]:
-        if (not ENABLED or torch.compiler.is_compiling() or in_transform() or torch.is_inference_mode_enabled()
-                or z.layout != torch.strided or _modes_active() or torch.is_grad_enabled() is not self.grad):
+        """The code's result for z, or None where a check fails. The caller holds in its own key
+        what this call does not check again: torch.func transforms, inference mode, z's layout."""
+        if not ENABLED or torch.compiler.is_compiling() or _modes_active() or torch.is_grad_enabled() is not self.grad:
             return None
         mode = _MODE.get()
         if (None if mode is None else mode["backend"]) != self.backend or _meta(z) != self.z_meta:
             return None
         layout = self.layout
         values, tensors = layout.read(self.program)
-        if (tuple(map(_meta, tensors)) != self.metas
-                or (tuple(v if _scalar(v) else type(v) for v in values), layout.settings()) != self.values):
+        same = self.same
+        if same is not None and len(tensors) == len(same) and all(map(operator.is_, tensors, same)):
+            if tuple([t.stride() for t in tensors]) != self.strides:
+                return None
+        elif tuple(map(_meta, tensors)) != self.metas:
+            return None
+        if (tuple(v if _scalar(v) else type(v) for v in values), layout.settings()) != self.values:
             return None
         return self.code(z, *tensors)
 
 
-def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args: Any) -> Union[Ready, None, bool]:
+def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args: Any,
+          vouched: Collection[int] = ()) -> Union[Ready, None, bool]:
     """The :class:`Ready` code of ``run(name, program, z, in_shape, *args)`` as called now, where
     that call would run generated code already made (eager, not compiled: a compiled call keeps
     :func:`run`); None where it would not (yet); False where the program is interpreted for good
-    at this key (the code could not be generated, too many signatures, values in containers)."""
+    at this key (the code could not be generated, too many signatures, values in containers).
+
+    ``vouched``: ids of tensors whose shape, dtype, device and ``requires_grad`` the caller checks
+    before every call of the result for as long as they are the same objects (a profile's
+    parameters, whose key holds them): where the program reads only such tensors, the result
+    compares their identity and strides instead of all their metadata."""
     if (not ENABLED or torch.compiler.is_compiling() or in_transform() or torch.is_inference_mode_enabled()
             or z.layout != torch.strided or _modes_active() or _MODE.get() is not None):
         return None
@@ -275,7 +291,8 @@ def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *ar
         return False
     if not callable(entry):
         return None
-    return Ready(program, layout, entry, _meta(z), grad, None, metas, scalars, settings)
+    same = tuple(tensors) if tensors and all(id(t) in vouched for t in tensors) else None
+    return Ready(program, layout, entry, _meta(z), grad, None, metas, scalars, settings, same)
 
 
 def _generate(name: str, program: Program, layout: _Layout, values: list[Any], tensors: list[Tensor], z: Tensor,
