@@ -201,6 +201,9 @@ def _is_dims(v: Any) -> bool:
     return _is_int(v) or (isinstance(v, (tuple, list)) and all(_is_int(d) or isinstance(d, str) for d in v))
 
 
+_TARGETS: dict[tuple[Any, ...], tuple[tuple[int, ...], ...]] = {}  # (dims of int tuples, D) -> check_dims of each
+
+
 def _is_dims_list(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and bool(v) and all(isinstance(d, (tuple, list)) for d in v)
 
@@ -392,8 +395,16 @@ def partials(
     if not dims:
         raise ValueError("dims: expected at least one partial, e.g. [(0,), (1, 1)], got an empty list.")
     n = math.prod(x.shape[1:])
-    targets = [check_dims(d if call is None or call.simple else _args.resolve(call, _coords(d), "dims"), n)
-               for d in dims]
+    if call is None:  # dims of int tuples (checked above): each distinct dims checked once per D
+        known = _TARGETS.get((tuple(dims), n))
+        if known is None:
+            known = tuple(check_dims(d, n) for d in dims)
+            if len(_TARGETS) >= 256:
+                _TARGETS.clear()
+            _TARGETS[tuple(dims), n] = known
+        targets = list(known)
+    else:
+        targets = [check_dims(d if call.simple else _args.resolve(call, _coords(d), "dims"), n) for d in dims]
 
     def body(t: Target) -> tuple[Tensor, ...]:
         flat = t.over_samples(opts.chunk_size, (len(targets),),
@@ -405,7 +416,9 @@ def partials(
                 or not _all_there(t):
             return None
         shape = (x.shape[0], *t.out_shape)
-        return "partials", (targets,), lambda flat: tuple(r.reshape(shape) for r in flat.unbind(0))
+        if len(t.out_shape) == 1:  # (k, B, Y): each partial is (B, Y) already
+            return "partials", (targets,), lambda flat: flat.unbind(0)
+        return "partials", (targets,), lambda flat: tuple([r.reshape(shape) for r in flat.unbind(0)])
 
     result = evaluate(fn, x, opts, body, (("partials", tuple(targets), opts.chunk_size), direct))
     if call is None or call.simple:
@@ -633,9 +646,10 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
                structure: Any, chunk_size: Any, create_graph: Any) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The body of :func:`laplacian` for a function of one tensor."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph, devices=False)  # checked below
-    if torch.compiler.is_compiling() or weight is not None or samples is not None or return_std:
-        _checks.check_devices(f, x)  # evaluate checks them from its walk
-    if torch.compiler.is_compiling():  # compile: a traceable path
+    compiling = torch.compiler.is_compiling()
+    if compiling or weight is not None or samples is not None or return_std:
+        _checks.check_devices(f, x)  # evaluate checks them where it finds no profile
+    if compiling:  # compile: a traceable path
         def again() -> Union[Tensor, tuple[Tensor, Tensor]]:
             return laplacian(f, x, weight=weight, samples=samples, distribution=distribution, generator=generator,
                              return_std=return_std, structure=structure, chunk_size=chunk_size,
@@ -657,6 +671,8 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
         if len(chunks) != 1 or width is not None or t.coupled or t.rng is not None or not _all_there(t):
             return None
         shape = (x.shape[0], *t.out_shape)
+        if len(t.out_shape) == 1:  # (B, Y) already
+            return "laplacian", (chunks[0],), _same
         return "laplacian", (chunks[0],), lambda out: out.reshape(shape)
 
     return evaluate(f, x, opts, body, (("laplacian", opts.chunk_size), direct))
@@ -728,6 +744,10 @@ def _divergence(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph:
         return _sum_over_coordinates(t, opts, trace, x.new_zeros(x.shape[0]))
 
     return evaluate(f, x, opts, body)
+
+
+def _same(out: Tensor) -> Tensor:
+    return out
 
 
 def _all_there(t: Target) -> bool:

@@ -230,7 +230,8 @@ class Ready:
     :func:`run`, which finds or generates the code of the new key).
     """
 
-    __slots__ = ("program", "layout", "code", "z_meta", "grad", "backend", "metas", "values", "same", "strides")
+    __slots__ = ("program", "layout", "code", "z_meta", "grad", "backend", "metas", "values", "same", "strides",
+                 "slots")
 
     def __init__(self, program: Program, layout: _Layout, code: Callable[..., Tensor], z_meta: tuple, grad: bool,
                  backend: Optional[str], metas: tuple, values: tuple, settings: tuple,
@@ -240,6 +241,11 @@ class Ready:
         self.values = (values, settings)
         # the tensors, where the caller vouches for all but their strides while they are these objects
         self.same, self.strides = same, tuple(m[1] for m in metas)
+        # where they are all the leaf modules' (no reading steps) and no slot is empty: the dicts and
+        # names they are read from (a slot emptied or filled is another object there)
+        slots = [(owner._parameters if kind == "p" else owner._buffers, name)
+                 for _, slots in layout.modules for owner, kind, name in slots]
+        self.slots = None if same is None or layout.steps or len(slots) != len(same) else slots
 
     def __call__(self, z: Tensor) -> Optional[Tensor]:
         """The code's result for z, or None where a check fails. The caller holds in its own key
@@ -250,8 +256,22 @@ class Ready:
         if (None if mode is None else mode["backend"]) != self.backend or _meta(z) != self.z_meta:
             return None
         layout = self.layout
+        slots, same = self.slots, self.same
+        if slots is not None:  # the vouched tensors of the leaf modules, read where layout.read reads them
+            try:
+                tensors = [d[k] for d, k in slots]
+            except KeyError:
+                return None
+            if not all(map(operator.is_, tensors, same)):  # type: ignore[arg-type]
+                values, tensors = layout.read(self.program)  # another tensor (or None): all their metadata
+                if tuple(map(_meta, tensors)) != self.metas:
+                    return None
+            elif tuple([t.stride() for t in tensors]) != self.strides:
+                return None
+            if layout.settings() != self.values[1]:  # no reading steps: no values
+                return None
+            return self.code(z, *tensors)
         values, tensors = layout.read(self.program)
-        same = self.same
         if same is not None and len(tensors) == len(same) and all(map(operator.is_, tensors, same)):
             if tuple([t.stride() for t in tensors]) != self.strides:
                 return None
