@@ -15,6 +15,7 @@ from torch import Tensor
 
 from . import _args, _checks, _operators
 from ._args import Argnums, InDims
+from ._args.front import accepts_one
 from ._cache import WeakCache
 from ._checks import Options
 from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
@@ -371,6 +372,19 @@ def partials(
                                                     create_graph=create_graph),
                                    f, x, [check_dims(d, math.prod(x.shape[1:])) for d in ds], opts.structure,
                                    opts.create_graph)
+    walked = None
+    if (kwargs is None and has_aux is False and argnums is None and type(in_dims) is int and in_dims == 0
+            and (chunk_size is None or type(chunk_size) is int) and args and isinstance(args[0], Tensor)):
+        # a repeated simple call (the front's, below): the code its profile holds ready, else the walk
+        ds = dims if len(args) == 1 else args[1] if (
+            dims is None and len(args) == 2 and accepts_one(f) is True) else None
+        if (type(ds) in (list, tuple) and ds and callable(f)
+                and all(type(d) is tuple and all(type(c) is int for c in d) for d in ds)):
+            known = _TARGETS.get((tuple(ds), math.prod(args[0].shape[1:])))  # dims checked before
+            if known is not None:
+                walked = _operands.direct_call(f, args[0], structure, create_graph, ("partials", known, chunk_size))
+                if walked is not None and not isinstance(walked, _operands.Walked):
+                    return walked
     # ---- front: the call of several arguments as one flat function (see _args/) ----
     args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims_list, "dims",
                                          "jm.partials(u, x, t, dims=[('t',), ('x', 'x')])")
@@ -420,7 +434,8 @@ def partials(
             return "partials", (targets,), lambda flat: flat.unbind(0)
         return "partials", (targets,), lambda flat: tuple([r.reshape(shape) for r in flat.unbind(0)])
 
-    result = evaluate(fn, x, opts, body, (("partials", tuple(targets), opts.chunk_size), direct))
+    result = evaluate(fn, x, opts, body, (("partials", tuple(targets), opts.chunk_size), direct),
+                      walked if call is None else None)
     if call is None or call.simple:
         return result
     # ---- tail: f's output pytree ----
@@ -628,8 +643,13 @@ def laplacian(
     if (len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int and argnums == 0
             and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor) and callable(f)):
         # laplacian(f, x): what the front would find (a simple call), without it
+        walked = None
+        if weight is None and samples is None and return_std is False and (chunk_size is None or type(chunk_size) is int):
+            walked = _operands.direct_call(f, args[0], structure, create_graph, ("laplacian", chunk_size))
+            if walked is not None and not isinstance(walked, _operands.Walked):  # the code its profile holds ready
+                return walked  # type: ignore[no-any-return]
         return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
-                          chunk_size, create_graph)
+                          chunk_size, create_graph, walked)
     # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     result = _laplacian(call.fn, call.x, weight, samples, distribution, generator, return_std, structure,
@@ -643,8 +663,9 @@ def laplacian(
 
 
 def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, generator: Any, return_std: Any,
-               structure: Any, chunk_size: Any, create_graph: Any) -> Union[Tensor, tuple[Tensor, Tensor]]:
-    """The body of :func:`laplacian` for a function of one tensor."""
+               structure: Any, chunk_size: Any, create_graph: Any,
+               walked: Optional[_operands.Walked] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """The body of :func:`laplacian` for a function of one tensor (``walked``: ``evaluate``'s)."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph, devices=False)  # checked below
     compiling = torch.compiler.is_compiling()
     if compiling or weight is not None or samples is not None or return_std:
@@ -675,7 +696,7 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
             return "laplacian", (chunks[0],), _same
         return "laplacian", (chunks[0],), lambda out: out.reshape(shape)
 
-    return evaluate(f, x, opts, body, (("laplacian", opts.chunk_size), direct))
+    return evaluate(f, x, opts, body, (("laplacian", opts.chunk_size), direct), walked)
 
 
 def divergence(

@@ -249,8 +249,60 @@ T = TypeVar("T")
 Direct = Callable[[Target], Optional[tuple[str, tuple[Any, ...], Callable[[Tensor], Any]]]]
 
 
+class Walked:
+    """What :func:`direct_call` found where it could not run code straight away: the modules and
+    the key it walked, for :func:`evaluate` right after (one walk per call)."""
+
+    __slots__ = ("modules", "key")
+
+    def __init__(self, modules: list[nn.Module], key: tuple[Any, ...]) -> None:
+        self.modules, self.key = modules, key
+
+
+def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hashable) -> Any:
+    """The result of a derivative operator's call ``(f, x)`` from the code its profile holds ready
+    (see :func:`evaluate`), before any other work: what its key holds (x's shapes, dtype and device,
+    f's modules and parameters, the options as validated by the call that made the profile) is
+    what the call's checks would check; ``name`` is :func:`evaluate`'s ``direct[0]``. Else a
+    :class:`Walked` for ``evaluate(..., walked=)``, or None where the options are not plain
+    values that a profile's token can name (the call validates them and raises).
+    """
+    if type(create_graph) is not bool or type(structure) is not str or isinstance(f, Flat):
+        return None
+    token = _TARGET_TOKEN.get((structure, create_graph))
+    if token is None:
+        return None
+    modules = modules_of(f)
+    key = _profile.walked(token, (x,), {}, modules, survey=False)[0]
+    found = _profile.find(f, key)
+    if found is not None:
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(create_graph)
+        try:
+            out = _ready(found, name, f, x, create_graph)
+        finally:
+            torch._C._set_grad_enabled(was)
+        if out is not None:
+            return connected(out[0], f, x, True) if create_graph else out[0]
+    return Walked(modules, key)
+
+
+def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:
+    """(the result,) from the profile's code ready for ``name``, under the grad mode set to
+    ``create_graph``; None where it has none, or its checks fail (then dropped: the call makes it
+    again)."""
+    run = found.runs.get(name)
+    if not run or not _profile.fresh(found.facts[0], x, run[3]):
+        return None
+    out = run[0]((x if create_graph else x.detach()).reshape(x.shape[0], run[1]))
+    if out is None:  # what the code's key holds changed
+        found.runs.pop(name, None)
+        return None
+    return (run[2](out),)
+
+
 def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
-             direct: Optional[tuple[Hashable, Direct]] = None) -> T:
+             direct: Optional[tuple[Hashable, Direct]] = None, walked: Optional["Walked"] = None) -> T:
     """``body`` of the :class:`Target` of f; on ``Unsupported``, again on the generic path.
 
     The target's facts (engine, shapes, coupling) are profiled per f and signature: they do not
@@ -264,11 +316,16 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
     guard's survey (the guarded path of a function without a captured program walks again). A
     caller passing ``direct`` validated without the devices (``validated(..., devices=False)``):
     they are checked here where no profile is found (a profile's key holds the devices of x and of
-    every parameter, as they were when its first call checked them).
+    every parameter, as they were when its first call checked them). ``walked``: what
+    :func:`direct_call` found for this call (with ``direct``, and f not a ``Flat``).
     """
-    modules = modules_of(f)
-    key, survey = _profile.walked(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules,
-                                  survey=direct is None)
+    token = _TARGET_TOKEN[opts.structure, opts.create_graph]
+    if walked is not None and walked.key[0] == token:  # direct_call looked this key up, and found no code ready
+        modules, key, survey, tried = walked.modules, walked.key, None, True
+    else:  # (inside a torch.func transform create_graph is True whatever the call said: another token)
+        modules = modules_of(f)
+        key, survey = _profile.walked(token, (x,), {}, modules, survey=direct is None)
+        tried = False
     found = None
     try:
         was = torch.is_grad_enabled()  # a repeated call of a captured program: no context managers
@@ -277,14 +334,10 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
             found = _profile.find(f, key)
             hit: Optional[Target] = None
             out = None
-            if direct is not None and found is not None and not isinstance(f, Flat):
-                run = found.runs.get(direct[0])
-                if run and _profile.fresh(found.facts[0], x, run[3]):  # the generated code, ready
-                    out = run[0]((x if opts.create_graph else x.detach()).reshape(x.shape[0], run[1]))
-                    if out is not None:
-                        result = run[2](out)
-                    else:  # what the code's key holds changed: made again below
-                        found.runs.pop(direct[0], None)
+            if direct is not None and found is not None and not tried and not isinstance(f, Flat):
+                out = _ready(found, direct[0], f, x, opts.create_graph)
+                if out is not None:
+                    result = out[0]
             if out is None:
                 hit = None if found is None else _hit(f, x, opts, found)
                 result = None if hit is None else body(hit)
