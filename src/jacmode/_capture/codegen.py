@@ -259,18 +259,18 @@ class Ready:
         slots, same = self.slots, self.same
         if slots is not None:  # the vouched tensors of the leaf modules, read where layout.read reads them
             try:
-                tensors = [d[k] for d, k in slots]
+                found: list[Any] = [d[k] for d, k in slots]
             except KeyError:
                 return None
-            if not all(map(operator.is_, tensors, same)):  # type: ignore[arg-type]
-                values, tensors = layout.read(self.program)  # another tensor (or None): all their metadata
-                if tuple(map(_meta, tensors)) != self.metas:
+            if not all(map(operator.is_, found, same)):  # type: ignore[arg-type]
+                found = layout.read(self.program)[1]  # another tensor (or None): all their metadata
+                if tuple(map(_meta, found)) != self.metas:
                     return None
-            elif tuple([t.stride() for t in tensors]) != self.strides:
+            elif tuple([t.stride() for t in found]) != self.strides:
                 return None
             if layout.settings() != self.values[1]:  # no reading steps: no values
                 return None
-            return self.code(z, *tensors)
+            return self.code(z, *found)
         values, tensors = layout.read(self.program)
         if same is not None and len(tensors) == len(same) and all(map(operator.is_, tensors, same)):
             if tuple([t.stride() for t in tensors]) != self.strides:
