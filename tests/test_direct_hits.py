@@ -257,3 +257,57 @@ def test_attributes_compare_values_and_types() -> None:
     del m.beta
     m.other = 1.0  # as many attributes, one of them another
     assert not a.fresh()
+
+
+_G = {"w": torch.randn(2, 6, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_a_closure_tensor_rebound_or_updated_is_read(name: str) -> None:
+    """A plain function over closure tensors (read by the program's reading steps, not vouched
+    for by any module): rebinding, an in-place update and a new shape are followed."""
+    torch.manual_seed(1)
+    w1 = torch.randn(2, 6, dtype=torch.float64)
+    w2 = torch.randn(6, 1, dtype=torch.float64)
+
+    def f(x: Tensor) -> Tensor:
+        return torch.tanh(torch.tanh(x @ w1) @ w2)
+
+    x = torch.randn(4, 2, dtype=torch.float64)
+    _warm(name, f, x)
+    w1 = w1 * 0.5 + 0.1  # rebound: a new tensor in the cell
+    for _ in range(2):
+        _check(name, f, x)
+    with torch.no_grad():
+        w2.mul_(2.0)
+    _check(name, f, x)
+    w1 = torch.randn(2, 3, dtype=torch.float64)  # another shape: captured again
+    w2 = torch.randn(3, 1, dtype=torch.float64)
+    for _ in range(2):
+        _check(name, f, x)
+
+
+def _global_f(x: Tensor) -> Tensor:
+    return torch.sin(x @ _G["w"]).sum(1, keepdim=True)
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_a_global_tensor_replaced_is_read(name: str) -> None:
+    x = torch.randn(4, 2, dtype=torch.float64)
+    _warm(name, _global_f, x)
+    old = _G["w"]
+    try:
+        _G["w"] = torch.randn(2, 6, dtype=torch.float64)
+        for _ in range(2):
+            _check(name, _global_f, x)
+    finally:
+        _G["w"] = old
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_a_bias_removed_later_is_read(name: str) -> None:
+    f, x = _model()
+    _warm(name, f, x)
+    f.fc2.bias = None
+    for _ in range(3):
+        _check(name, f, x)

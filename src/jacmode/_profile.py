@@ -137,7 +137,9 @@ def _walk(modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...
             add(tuple(own))
             if not survey:  # the same rows as below
                 add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
-                                                   p.shape, p.device) for p in own.values()]))
+                                                   p.shape, p.device) for p in own.values()]) if bound else
+                    tuple([None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device)
+                           for p in own.values()]))
             else:
                 row: list[Any] = []
                 for name, p in own.items():
