@@ -205,6 +205,17 @@ def _is_dims(v: Any) -> bool:
 _TARGETS: dict[tuple[Any, ...], tuple[tuple[int, ...], ...]] = {}  # (dims of int tuples, D) -> check_dims of each
 
 
+def _int_tuples(dims: Sequence[Any]) -> bool:
+    """Every entry a tuple of ints (not bools: ``True == 1`` in a dict's key), as loops (every call)."""
+    for d in dims:
+        if type(d) is not tuple:
+            return False
+        for c in d:
+            if type(c) is not int:
+                return False
+    return True
+
+
 def _is_dims_list(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and bool(v) and all(isinstance(d, (tuple, list)) for d in v)
 
@@ -378,8 +389,7 @@ def partials(
         # a repeated simple call (the front's, below): the code its profile holds ready, else the walk
         ds = dims if len(args) == 1 else args[1] if (
             dims is None and len(args) == 2 and accepts_one(f) is True) else None
-        if (type(ds) in (list, tuple) and ds and callable(f)
-                and all(type(d) is tuple and all(type(c) is int for c in d) for d in ds)):
+        if type(ds) in (list, tuple) and ds and callable(f) and _int_tuples(ds):
             known = _TARGETS.get((tuple(ds), math.prod(args[0].shape[1:])))  # dims checked before
             if known is not None:
                 walked = _operands.direct_call(f, args[0], structure, create_graph, ("partials", known, chunk_size))

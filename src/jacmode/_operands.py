@@ -294,7 +294,8 @@ def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_gr
     run = found.runs.get(name)
     if not run or not _profile.fresh(found.facts[0], x, run[3]):
         return None
-    out = run[0]((x if create_graph else x.detach()).reshape(x.shape[0], run[1]))
+    z = x if create_graph else x.detach()
+    out = run[0](z if z.dim() == 2 else z.reshape(x.shape[0], run[1]))  # (B, N) already: z itself
     if out is None:  # what the code's key holds changed
         found.runs.pop(name, None)
         return None
