@@ -46,7 +46,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from . import _functional
 from ._args import Flat
 from ._cache import WeakCache, _resolved
-from ._state import Survey
+from ._state import Survey, modules_of
 from ._transforms import in_transform
 
 PER_FUNCTION = 16
@@ -116,16 +116,20 @@ def _walk(modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...
     # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
     # functional optimiser: they count by their place (slot, shape, dtype, device), not identity
     bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    if not survey:
+        for m in modules:
+            _module_key(m, add, bound)
+        _global_hooks(add)
+        return tuple(parts), None
     training: list[bool] = []
     slots: list[tuple[nn.Module, str, Any]] = []
     params: dict[int, Any] = {}
     flags: list[bool] = []
     grads: list[Any] = []
     buffers: list[tuple[nn.Module, str, Any]] = []
-    for m in modules:
+    for m in modules:  # what _module_key adds, and the survey
         flag = m.training
-        if survey:
-            training.append(flag)
+        training.append(flag)
         add(id(m))
         add(flag)
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
@@ -135,26 +139,20 @@ def _walk(modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...
         own = m._parameters
         if own:
             add(tuple(own))
-            if not survey:  # the same rows as below
-                add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
-                                                   p.shape, p.device) for p in own.values()]) if bound else
-                    tuple([None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device)
-                           for p in own.values()]))
-            else:
-                row: list[Any] = []
-                for name, p in own.items():
-                    slots.append((m, name, p))
-                    if p is None:
-                        row.append(None)
-                        continue
-                    ident = id(p)
-                    flag = p.requires_grad
-                    if ident not in params:
-                        params[ident] = p
-                        flags.append(flag)
-                        grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
-                    row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
-                add(tuple(row))
+            row: list[Any] = []
+            for name, p in own.items():
+                slots.append((m, name, p))
+                if p is None:
+                    row.append(None)
+                    continue
+                ident = id(p)
+                flag = p.requires_grad
+                if ident not in params:
+                    params[ident] = p
+                    flags.append(flag)
+                    grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
+                row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
+            add(tuple(row))
         buf = m._buffers
         if buf:
             add(tuple(buf))
@@ -163,17 +161,61 @@ def _walk(modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...
                 if b is None:
                     row.append(None)
                     continue
-                if survey:
-                    buffers.append((m, name, b))
+                buffers.append((m, name, b))
                 row.append((b.dtype, b.shape, b.device))
             add(tuple(row))
+    _global_hooks(add)
+    return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
+
+
+def _module_key(m: nn.Module, add: Any, bound: Any) -> None:
+    """One module's part of the key, as :func:`_walk` with its survey adds it."""
+    add(id(m))
+    add(m.training)
+    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        add(_hooks(m))
+    if isinstance(m, _DropoutNd):
+        add(m.p)
+    own = m._parameters
+    if own:
+        add(tuple(own))
+        add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
+                                           p.shape, p.device) for p in own.values()]) if bound else
+            tuple([None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device) for p in own.values()]))
+    buf = m._buffers
+    if buf:
+        add(tuple(buf))
+        add(tuple([None if b is None else (b.dtype, b.shape, b.device) for b in buf.values()]))
+
+
+def _global_hooks(add: Any) -> None:
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
         add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
              tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
-    if not survey:
-        return tuple(parts), None
-    return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
+
+
+def _tree(m: nn.Module, add: Any, bound: Any, seen: set[int]) -> None:
+    """:func:`_module_key` of m and of its submodules in ``modules_of``' order (pre-order, once each)."""
+    _module_key(m, add, bound)
+    for c in m._modules.values():
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            _tree(c, add, bound, seen)
+
+
+def module_key(token: int, x: Tensor, f: nn.Module) -> tuple[Any, ...]:
+    """``walked(token, (x,), {}, modules_of(f), survey=False)[0]`` for a module f, in one pass over
+    its tree (no list of its modules: a repeated call that runs code straight away needs none)."""
+    parts: list[Any] = []
+    bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    try:
+        _tree(f, parts.append, bound, {id(f)})
+    except RecursionError:  # deeper than the interpreter's limit
+        return walked(token, (x,), {}, modules_of(f), survey=False)[0]
+    _global_hooks(parts.append)
+    return (token, (tensor_key(x),), tuple(parts), in_transform(), torch.is_inference_mode_enabled(),
+            torch.is_grad_enabled())
 
 
 def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]) -> tuple[Any, ...]:
