@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ._probes import layerwise
 from ._capture.capture import reject
+from ._autodiff.fallback import translated_warnings
 from ._autodiff.forward import forward_columns, layerwise_columns
 from ._autodiff.reverse import per_sample_rows, reverse_rows, sample_rows
 from ._planning.plan import Plan
@@ -129,6 +130,9 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
             return res.target()
         except Unsupported as err:  # a rule's assumption broke at this size: the generic engine
             reject(p.program, p.x, str(err))
+            with translated_warnings():  # execute enters none for this engine (it runs no vmap)
+                engine(p.fn, z, plan.directions, seeds, place, step, rng)
+            return res.target()
     if not forward and plan.strategy == "broadcast" and _rows_per_sample(p):
         def place_sample_rows(s: int, e: int, blk: Tensor) -> None:
             if not (s == 0 and e == Y and res.whole(blk)):
