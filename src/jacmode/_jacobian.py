@@ -321,7 +321,10 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     profile = None if key is None else _profile.find(f, key)
     if profile is None:
         _checks.check_devices(f, x)
-    with preserved_state(f, modules, survey, grad=opts.create_graph):  # no_grad unless create_graph
+    # no_grad unless create_graph; a hit of Taylor mode over a program without attention leaves
+    # the attention kernels' flags alone (_state._kernels_in)
+    with preserved_state(f, modules, survey, grad=opts.create_graph,
+                         kernels=profile is None or _attention(profile.facts)):
         hit = None if profile is None else _again(profile.facts, f, x, opts, out is not None)
         problem = describe(f, x, opts) if hit is None else hit[0]
         if out is not None:
@@ -349,6 +352,20 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     return result if out is not None or not opts.create_graph else connected(result, f, x, True)
 
 
+def _attention(found: tuple[Problem, Decision]) -> bool:
+    """Whether the engine of a profile's plan may run attention kernels (``_state._kernels_in``):
+    all but Taylor mode over a captured program without attention operations or modules."""
+    problem, decision = found
+    plan = decision.plan
+    known = problem.__dict__.get("_attention")
+    if known is None or known[0] is not plan:  # per plan: execute may re-plan (decision.plan)
+        program = problem.program
+        known = problem.__dict__["_attention"] = (plan, not (
+            program is not None and plan.loop is None and plan.mode == "forward" and plan.strategy == "broadcast"
+            and not any("attention" in op.lower() or "transformer" in op.lower() for op in program.ops)))
+    return known[1]
+
+
 def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
            out_given: bool) -> Optional[tuple[Problem, Decision]]:
     """The problem at ``x`` and the decision of the profile, or None when memory no longer fits.
@@ -357,11 +374,20 @@ def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
     ``decide``, and the plan is reused only while its workspace fits the new budget.
     """
     problem, decision = found
-    if not _profile.fresh(problem.program, x):  # a value f's captured program took changed: describe again
-        return None
-    p = again(problem, f, x, opts)
-    result_bytes = p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
-    free = _memory.available_bytes(p.device)
+    hot = problem.__dict__.get("_hot")  # what the profile's key fixes (shapes, dtypes, devices), kept on its facts
+    if not _profile.fresh(problem.program, x, None if hot is None else hot[0]):
+        return None  # a value f's captured program took changed: describe again
+    plan = decision.plan
+    # Taylor mode over the captured program never runs f nor writes its input: z may be x itself
+    # (_problem.own_input copies it where a fallback runs f)
+    p = again(problem, f, x, opts, problem.program is not None and not opts.create_graph and plan.loop is None
+              and plan.mode == "forward" and plan.strategy == "broadcast" and problem.kind == "inputs")
+    if hot is None:
+        hot = problem.__dict__["_hot"] = (
+            (tuple(x.shape[1:]), x.dtype, x.device.type), p.device,
+            p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in))
+    result_bytes = hot[2]
+    free = _memory.available_bytes(hot[1])
     if not out_given and result_bytes > free:
         return None  # decide raises the MemoryError
     budget = opts.max_memory if opts.max_memory is not None else max(

@@ -194,15 +194,15 @@ def _gone(z: Tensor) -> Tensor:
     raise RuntimeError("jacmode: the facts of a problem have no function; call again()")  # pragma: no cover
 
 
-def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
+def again(p: Problem, f: Any, x: Tensor, opts: Options, shared: bool = False) -> Problem:
     """The problem of a call identical to the one ``p`` was made for, at a new ``x``.
 
     ``x`` has the shape, dtype and device of that call's input, and ``f``'s flags and parameters
     are those ``p`` was made for (its profile's key, see ``_profile.py``): what ``describe``
-    found still holds; only the values change.
+    found still holds; only the values change. ``shared``: see :func:`_inputs_problem`.
     """
     if p.kind == "inputs":
-        return _inputs_problem(f, x, opts, p)
+        return _inputs_problem(f, x, opts, p, shared)
     if bound_values(f) is not None:  # a dict's tensors: this call's (see _functional.py)
         selected = _checks.check_param_selection(f, [n for n, _ in p.params])
         return _params_problem(f, x, selected, opts, dataclasses.replace(p, probes=refreshed(p.probes, selected)))
@@ -221,9 +221,16 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
     return made
 
 
-def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem:
-    """The input problem at ``x``: flat values and the function of them; the rest from ``facts``."""
-    xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
+def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem, shared: bool = False) -> Problem:
+    """The input problem at ``x``: flat values and the function of them; the rest from ``facts``.
+
+    ``shared``: z is x's own memory, not a copy (see :func:`own_input`): only for an engine that
+    never runs f (Taylor mode over the captured program, whose rules write no value in place).
+    """
+    if shared:
+        xin = x.detach()
+    else:
+        xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
     p = type(facts).__new__(type(facts))  # copy.copy, without its reduce protocol (every repeated call)
     p.__dict__.update(facts.__dict__)
     p.x = x
@@ -242,7 +249,17 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem
         z = xin.reshape(n_in)
         fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
     p.fn, p.z = fn, z
+    if shared:
+        p.__dict__["_shares_x"] = True
     return p
+
+
+def own_input(p: Problem) -> None:
+    """Give ``p`` its own copy of x before an engine that runs f (which may modify its input in
+    place) uses a problem made with ``shared`` z: the fallbacks of Taylor mode (``_structure.run``,
+    ``decide.execute``)."""
+    if p.__dict__.pop("_shares_x", False):
+        p.z = p.z.clone()
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,

@@ -177,16 +177,24 @@ def walked(token: int, args: tuple[Any, ...], kwargs: dict[str, Any],
             torch.is_inference_mode_enabled(), torch.is_grad_enabled()), found
 
 
-def fresh(program: Any, x: Tensor) -> bool:
+def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) -> bool:
     """Whether a captured program a profile holds still serves inputs like ``x``: it reads what f
     reads (the tensors and Python values it took from f's closure, globals and modules are
     unchanged, ``_capture/bound.py``: a rebound name or a changed scalar is not in the key), and no
-    engine rejected it for this input signature since (``_capture/capture.reject``)."""
+    engine rejected it for this input signature since (``_capture/capture.reject``).
+    ``signature``: ``(x.shape[1:], x.dtype, x.device.type)`` when the caller has it (a profile
+    hit: the key fixes it)."""
     if program is None:
         return True
-    if not isinstance(program.checked.get((tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
+    if not isinstance(program.checked.get(signature or (tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
         return False
-    return all(b.fresh() for b in (*program.bound, *program.guards))
+    for b in program.bound:
+        if not b.fresh():
+            return False
+    for g in program.guards:
+        if not g.fresh():
+            return False
+    return True
 
 
 def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:

@@ -36,7 +36,7 @@ from ._autodiff.fallback import translated_warnings
 from ._autodiff.forward import forward_columns, layerwise_columns
 from ._autodiff.reverse import per_sample_rows, reverse_rows, sample_rows
 from ._planning.plan import Plan
-from ._problem import Problem
+from ._problem import Problem, own_input
 from ._rules.base import NotCovered, Unsupported
 from ._state import RngReplay
 from ._transforms import in_transform
@@ -130,8 +130,9 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
             return res.target()
         except Unsupported as err:  # a rule's assumption broke at this size: the generic engine
             reject(p.program, p.x, str(err))
+            own_input(p)  # f runs now: never on x itself
             with translated_warnings():  # execute enters none for this engine (it runs no vmap)
-                engine(p.fn, z, plan.directions, seeds, place, step, rng)
+                engine(p.fn, p.z, plan.directions, seeds, place, step, rng)
             return res.target()
     if not forward and plan.strategy == "broadcast" and _rows_per_sample(p):
         def place_sample_rows(s: int, e: int, blk: Tensor) -> None:

@@ -19,7 +19,7 @@ from .._checks import Options
 from .._autodiff import fallback as _fallback
 from .._autodiff import loops as _loops
 from .._autodiff.fallback import Caps
-from .._problem import Problem
+from .._problem import Problem, own_input
 from .._structure import run
 from . import autotune as _autotune
 from . import footprint as _footprint
@@ -168,5 +168,6 @@ def execute(f: Any, p: Problem, d: Decision, opts: Options, out: Optional[Tensor
                 raise _fallback.explicit_error(plan.mode, *gap) from exc
             _fallback.learn(f, d.key, d.caps, plan, *gap)
             d.plan = _plan(f, d.key, p, opts, d.fp, d.caps, d.budget)
+            own_input(p)  # the next engine may run f: never on x itself
     raise RuntimeError("jacmode: no engine could run f")  # pragma: no cover
 
