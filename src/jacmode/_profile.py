@@ -119,15 +119,20 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
     grads: list[Any] = []
     buffers: list[tuple[nn.Module, str, Any]] = []
     for m in modules:
-        flag = m.training
+        d = m.__dict__  # what nn.Module keeps there, read without attribute look-ups (every call walks)
+        try:
+            flag, own, buf = d["training"], d["_parameters"], d["_buffers"]
+            hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+        except KeyError:  # a module keeping them elsewhere (a ScriptModule): its attributes
+            flag, own, buf = m.training, m._parameters, m._buffers
+            hooked = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
         training.append(flag)
         add(id(m))
         add(flag)
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        if hooked:
             add(_hooks(m))
         if isinstance(m, _DropoutNd):  # p = 0 or not: random layers or none (the problem's facts)
             add(m.p)
-        own = m._parameters
         if own:
             add(tuple(own))
             row: list[Any] = []
@@ -144,7 +149,6 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
                     grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
                 row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
             add(tuple(row))
-        buf = m._buffers
         if buf:
             add(tuple(buf))
             row = []
