@@ -419,7 +419,10 @@ def _assemble(p: Problem, flat: Tensor, opts: Options, out: Optional[Tensor]) ->
         return flat.reshape(p.x.shape)
     lead = (p.batch, *p.out_shape) if p.batched else tuple(p.out_shape)
     if p.kind == "inputs":
-        return flat.reshape((*lead, *p.in_shape)).contiguous()  # a tuple: both may be empty (0-d x)
+        shape = (*lead, *p.in_shape)  # a tuple: both may be empty (0-d x)
+        if flat.shape == shape and flat.is_contiguous():  # the engine's layout already (a repeated call)
+            return flat
+        return flat.reshape(shape).contiguous()
     if opts.flatten:
         return flat.contiguous()
     sizes = [s.numel() for _, s in p.params]

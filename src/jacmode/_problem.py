@@ -227,10 +227,9 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem, shared: bo
     ``shared``: z is x's own memory, not a copy (see :func:`own_input`): only for an engine that
     never runs f (Taylor mode over the captured program, whose rules write no value in place).
     """
-    if shared:
-        xin = x.detach()
-    else:
-        xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
+    if shared and facts.batched and facts.structure != "diagonal" and not isinstance(f, Flat):
+        return _shared_inputs_problem(f, x, facts)
+    xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
     p = type(facts).__new__(type(facts))  # copy.copy, without its reduce protocol (every repeated call)
     p.__dict__.update(facts.__dict__)
     p.x = x
@@ -249,8 +248,22 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem, shared: bo
         z = xin.reshape(n_in)
         fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
     p.fn, p.z = fn, z
-    if shared:
-        p.__dict__["_shares_x"] = True
+    return p
+
+
+def _shared_inputs_problem(f: Any, x: Tensor, facts: Problem) -> Problem:
+    """:func:`_inputs_problem` of a batched call whose z is x's own memory (``shared``): a repeated
+    call's, with the fewest new objects (x itself where it is (B, D) already and needs no detach)."""
+    p = type(facts).__new__(type(facts))
+    d = p.__dict__
+    d.update(facts.__dict__)
+    batch, n_in, n_out, in_shape = facts.batch, facts.n_in, facts.n_out, facts.in_shape
+    d["x"] = x
+    d["z"] = x if len(in_shape) == 1 and x.dim() == 2 and not x.requires_grad else x.detach().reshape(batch, n_in)
+    d["fn"] = lambda z: f(z.reshape(batch, *in_shape)).reshape(batch, n_out)
+    if facts.program is not None:
+        d["row_fn"] = lambda zb: f(zb.reshape(1, *in_shape)).reshape(n_out)
+    d["_shares_x"] = True
     return p
 
 
