@@ -198,8 +198,13 @@ def jacobian(
     if (not compiling and len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int
             and argnums == 0 and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor)
             and callable(f)):  # jacobian(f, x): what the front would find (a simple call), without it
-        return _eager(f, args[0], wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten,
-                      out)
+        values = (wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten)  # _eager, inlined
+        t = _transform.eager_hit(jacobian, f, values, (type(wrt), type(mode), type(batched), type(structure),
+                                                       type(chunk_size), type(max_memory), type(create_graph),
+                                                       type(flatten)))
+        if t is None:
+            t = _transform.eager(jacobian, f, dict(zip(_OPTION_NAMES, values)))
+        return _run(t, f, args[0], _NO_DATA if out is None else {"out": out})
     if compiling:  # inside the user's torch.compile: no front (its caches do not trace)
         from ._autodiff import traceable as _traceable
 
