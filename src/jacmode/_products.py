@@ -346,9 +346,10 @@ def per_sample_grads(
             kernels = bool(rest_names) or any(isinstance(m, _ATTENTION) for m in modules)
             found.__dict__["hot"] = (opts, selected, names, params, n_params, dtype, torch_loss, rest_names,
                                      kernels)
-    _checks.check_fits(batch * n_params * dtype.itemsize,
-                       _budget(opts, x.device, result=True), f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
-                       "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
+    needed, budget = batch * n_params * dtype.itemsize, _budget(opts, x.device, result=True)
+    if needed > budget:  # (the message is formatted only then)
+        _checks.check_fits(needed, budget, f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
+                           "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
 
     def losses(out: Tensor) -> Tensor:
         return _checks.check_losses(loss(out) if y is None else loss(out, y), out.shape[0])

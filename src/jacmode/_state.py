@@ -192,12 +192,14 @@ def modules_of(f: Any) -> list[nn.Module]:
         stack = [f]
         while stack:
             m = stack.pop()
-            if id(m) in seen:
+            i = id(m)
+            if i in seen:
                 continue
-            seen.add(id(m))
+            seen.add(i)
             found.append(m)
-            if m._modules:
-                stack.extend([c for c in reversed(m._modules.values()) if c is not None])
+            children = m._modules
+            if children:
+                stack.extend([c for c in reversed(children.values()) if c is not None])
         return found
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
 
