@@ -290,10 +290,9 @@ def per_sample_grads(
     if in_transform():  # vmap over an ensemble's parameters, grad of a meta-objective: torch.func's idiom
         return per_sample_grads_transformed(f, x, loss, y, wrt, flatten)
     if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path (no profile)
-        opts = _checked(f, x, wrt, chunk_size, max_memory, flatten)
         from ._autodiff import traceable as _traceable
 
-        selected = _selected(f, x, opts)
+        selected = _selected(f, x, _checked(f, x, wrt, chunk_size, max_memory, flatten))
         _checks.check_loss(loss)
         _checks.check_torch_loss(loss, y, "per_sample_grads")
         _checks.check_target(y, x.shape[0])
@@ -309,9 +308,9 @@ def per_sample_grads(
     # and y's shape, checks nothing again: see _hit), else as validated.
     options: Any = (wrt, chunk_size, max_memory, flatten, type(wrt), type(chunk_size), type(max_memory),
                     type(flatten))  # types: 1 is not True
+    opts: Optional[Options] = None
     try:
         hash(options)
-        opts = None
     except TypeError:
         opts = _checked(f, x, wrt, chunk_size, max_memory, flatten)
         options = opts
@@ -346,6 +345,7 @@ def per_sample_grads(
             kernels = bool(rest_names) or any(isinstance(m, _ATTENTION) for m in modules)
             found.__dict__["hot"] = (opts, selected, names, params, n_params, dtype, torch_loss, rest_names,
                                      kernels)
+    assert opts is not None  # validated above, or on the first call of a hit's key
     needed, budget = batch * n_params * dtype.itemsize, _budget(opts, x.device, result=True)
     if needed > budget:  # (the message is formatted only then)
         _checks.check_fits(needed, budget, f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",

@@ -271,8 +271,8 @@ class _Preserved:
             _kernels_in()
         try:
             modules = self.modules
-            given = self.survey is not None
-            found = self.survey if given else survey(modules)
+            given = self.survey
+            found = given if given is not None else survey(modules)
             self.survey = None  # a context entered twice walks again
             self.training = training = found.training
             self.slots = found.slots
@@ -299,7 +299,7 @@ class _Preserved:
             if kernels:
                 _kernels_out()
             raise
-        return ModelView(modules, training, params, found.flags) if self.is_module and not given else None
+        return ModelView(modules, training, params, found.flags) if self.is_module and given is None else None
 
     def __exit__(self, *exc: Any) -> None:
         try:
