@@ -303,9 +303,10 @@ def per_sample_grads(
 
         return _traceable.per_sample_grads(again, f, x, loss, y, [n for n, _ in selected], flatten)
     # ---- profile: the coverage and the split of the parameters, found once per signature ----
-    # The key names the options as given where they are hashable (then a hit, whose first call
-    # validated the same options, f, x's kind and shape, the loss's code or type and reduction,
-    # and y's shape, checks nothing again: see _hit), else as validated.
+    # The key names the options as given, with their types, where they are hashable (then a hit,
+    # whose first call validated the same options, f, x's kind and shape, the loss's code or type
+    # and reduction, and y's shape, checks nothing again: from its second hit, the profile's "hot"
+    # entry holds what those checks and the selection gave), else as validated.
     options: Any = (wrt, chunk_size, max_memory, flatten, type(wrt), type(chunk_size), type(max_memory),
                     type(flatten))  # types: 1 is not True
     opts: Optional[Options] = None
@@ -318,7 +319,7 @@ def per_sample_grads(
     key, survey = _profile.walked(_PSG_TOKEN, (x,), {"y": y, "loss": _loss_key(loss), "opts": options}, modules)
     found = _profile.find(f, key)
     hot = None if found is None or bound_values(f) is not None else found.__dict__.get("hot")
-    if hot is not None:  # a repeated call: what the first call found and checked (see _Hot)
+    if hot is not None:  # a repeated call: what the first call found and checked
         opts, selected, names, params, n_params, dtype, torch_loss, rest_names, kernels = hot
         batch = x.shape[0]
     else:
