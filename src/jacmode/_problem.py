@@ -217,7 +217,8 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
     if template is None and isinstance(made, _LazyParams):
         made.dtype, made.device  # noqa: B018 -- computed once, kept in the template
         p.__dict__["_template"] = {k: v for k, v in made.__dict__.items()
-                                   if k not in ("fn", "x", "sample_fn", "subset_fn", "model", "_z")} | {"_z": None}
+                                   if k not in ("fn", "x", "sample_fn", "subset_fn", "model", "_z")} | {
+                                       "_z": None, "memo": {}}  # engines' cache on the profile (its key was checked)
     return made
 
 
