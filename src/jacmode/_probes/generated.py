@@ -76,21 +76,12 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
     ``memo``: a dict of the call's profile (``_problem.again``), given only where the profile's key
     was checked for this call; see [Generated code on the profile].
     """
-    if (not ENABLED or not codegen.ENABLED or torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or in_transform() or torch.is_inference_mode_enabled() or codegen._modes_active()
-            or x.layout != torch.strided or (out is not None and out.layout != torch.strided) or cov.uncovered):
+    if torch.is_grad_enabled() or cov.uncovered or not _applies(x, out):
         return None
     if memo is not None:
-        hit = memo.get("probe_code")
-        if hit is not None:
-            program, refs, layout, residual, code = hit
-            mode = codegen._MODE.get()
-            tensors = [d[n] for d, n in refs]
-            if (residual == (_meta(x), None if out is None else _meta(out), None if mode is None else mode["backend"],
-                             tuple((t.stride(), t.storage_offset(), t.requires_grad) for t in tensors),
-                             layout.settings())
-                    and all(b.fresh() for b in (*program.bound, *program.guards))):
-                return code(x, *tensors) if out is None else code(x, out, *tensors)
+        found = from_memo(memo, x, out)
+        if found is not None:
+            return found
     from .._capture.capture import program_for
 
     program = program_for(model)
@@ -130,6 +121,43 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
             (t.stride(), t.storage_offset(), t.requires_grad) for t in tensors), key[-1]), entry)
     return entry(x, *tensors) if out is None else entry(x, out, *tensors)
 
+
+
+def _applies(x: Tensor, out: Optional[Tensor]) -> bool:
+    return (ENABLED and codegen.ENABLED and not torch.compiler.is_compiling() and not in_transform()
+            and not torch.is_inference_mode_enabled() and not codegen._modes_active() and x.layout == torch.strided
+            and (out is None or out.layout == torch.strided))
+
+
+def rerun(memo: dict[str, Any], x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
+    """:func:`from_memo` for a call whose profile matched and that runs nothing else: no guard of
+    the model is needed (the code reads x and the model's tensors, and changes neither), grad is
+    off within. None where the code does not apply."""
+    if not _applies(x, out):
+        return None
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return from_memo(memo, x, out)
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
+def from_memo(memo: dict[str, Any], x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
+    """The profile's last generated code on ``x`` (into ``out``) where it still applies, or None
+    (see [Generated code on the profile]); without grad, outside transforms and modes, as
+    :func:`jacobian` checks."""
+    hit = memo.get("probe_code")
+    if hit is None:
+        return None
+    program, refs, layout, residual, code = hit
+    mode = codegen._MODE.get()
+    tensors = [d[n] for d, n in refs]
+    if (residual == (_meta(x), None if out is None else _meta(out), None if mode is None else mode["backend"],
+                     tuple((t.stride(), t.storage_offset(), t.requires_grad) for t in tensors), layout.settings())
+            and all(b.fresh() for b in (*program.bound, *program.guards))):
+        return code(x, *tensors) if out is None else code(x, out, *tensors)
+    return None
 
 
 def _meta(t: Tensor) -> tuple:
