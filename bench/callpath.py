@@ -68,7 +68,7 @@ def _jacobian_engine(net: Any, x: torch.Tensor, wrt: str, fn: bool = False) -> C
     p = again(problem, net, x, opts)
     hit = problem.__dict__.get("memo", {}).get("probe_code")
     if hit is not None and not fn:  # the profile's generated code (_jacobian._rerun): the engine of the call
-        code, tensors = hit[-1], [d[n] for d, n in hit[1]]
+        code, tensors = hit.code, [d[n] for d, n in hit.refs]
 
         def generated() -> Any:
             with torch.no_grad():

@@ -78,8 +78,9 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
     """
     if torch.is_grad_enabled() or cov.uncovered or not _applies(x, out):
         return None
-    if memo is not None:
-        found = from_memo(memo, x, out)
+    hot = None if memo is None else memo.get("probe_code")
+    if hot is not None:
+        found = hot.run(x, out)
         if found is not None:
             return found
     from .._capture.capture import program_for
@@ -117,10 +118,42 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
     if memo is not None:  # what the profile's key does not hold (see the note)
         refs = [(d, n) for _, m in (("", model), *owners) for d in (m._parameters, m._buffers)
                 for n, t in d.items() if t is not None]  # slots' order
-        memo["probe_code"] = (program, refs, codegen._layout(program), (key[1], key[2], backend, tuple(
-            (t.stride(), t.storage_offset(), t.requires_grad) for t in tensors), key[-1]), entry)
+        memo["probe_code"] = _Hot(program, refs, codegen._layout(program), x, out, backend, tensors, entry)
     return entry(x, *tensors) if out is None else entry(x, out, *tensors)
 
+
+def _placed(t: Tensor) -> tuple:
+    return (t.stride(), t.storage_offset())
+
+
+class _Hot:
+    """A profile's last generated code, with what the profile's key does not hold of its call
+    (see [Generated code on the profile]): the strides and storage offsets of x, ``out`` and the
+    model's tensors (read from their modules), the buffers' requires_grad, the backend, the leaf
+    modules' scalar attributes and the program's guards."""
+
+    __slots__ = ("program", "refs", "layout", "x", "out", "backend", "tensors", "settings", "code")
+
+    def __init__(self, program: Any, refs: list[tuple[dict[str, Any], str]], layout: Any, x: Tensor,
+                 out: Optional[Tensor], backend: Any, tensors: list[Tensor], code: Callable[..., Tensor]) -> None:
+        self.program, self.refs, self.layout, self.backend, self.code = program, refs, layout, backend, code
+        self.x, self.out = _placed(x), None if out is None else _placed(out)
+        self.tensors = [(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors]
+        self.settings = layout.settings()
+
+    def run(self, x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
+        """The code on ``x`` (into ``out``), or None where anything it froze changed."""
+        mode = codegen._MODE.get()
+        if (None if mode is None else mode["backend"]) != self.backend or _placed(x) != self.x:
+            return None
+        if (None if out is None else _placed(out)) != self.out:
+            return None
+        tensors = [d[n] for d, n in self.refs]
+        if ([(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors] != self.tensors
+                or self.layout.settings() != self.settings
+                or not all(b.fresh() for b in (*self.program.bound, *self.program.guards))):
+            return None
+        return self.code(x, *tensors) if out is None else self.code(x, out, *tensors)
 
 
 def _applies(x: Tensor, out: Optional[Tensor]) -> bool:
@@ -130,34 +163,18 @@ def _applies(x: Tensor, out: Optional[Tensor]) -> bool:
 
 
 def rerun(memo: dict[str, Any], x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
-    """:func:`from_memo` for a call whose profile matched and that runs nothing else: no guard of
-    the model is needed (the code reads x and the model's tensors, and changes neither), grad is
-    off within. None where the code does not apply."""
-    if not _applies(x, out):
+    """The profile's last generated code on ``x`` (into ``out``), for a call whose profile matched
+    and that runs nothing else: no guard of the model is needed (the code reads x and the model's
+    tensors, and changes neither), grad is off within. None where the code does not apply."""
+    hot = memo.get("probe_code")
+    if hot is None or not _applies(x, out):
         return None
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
-        return from_memo(memo, x, out)
+        return hot.run(x, out)
     finally:
         torch._C._set_grad_enabled(grad)
-
-
-def from_memo(memo: dict[str, Any], x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
-    """The profile's last generated code on ``x`` (into ``out``) where it still applies, or None
-    (see [Generated code on the profile]); without grad, outside transforms and modes, as
-    :func:`jacobian` checks."""
-    hit = memo.get("probe_code")
-    if hit is None:
-        return None
-    program, refs, layout, residual, code = hit
-    mode = codegen._MODE.get()
-    tensors = [d[n] for d, n in refs]
-    if (residual == (_meta(x), None if out is None else _meta(out), None if mode is None else mode["backend"],
-                     tuple((t.stride(), t.storage_offset(), t.requires_grad) for t in tensors), layout.settings())
-            and all(b.fresh() for b in (*program.bound, *program.guards))):
-        return code(x, *tensors) if out is None else code(x, out, *tensors)
-    return None
 
 
 def _meta(t: Tensor) -> tuple:
