@@ -16,6 +16,7 @@ from ._functional import accepts_params_dict
 from ._planning import memory as _memory
 from ._planning.decide import Decision, decide, execute
 from ._planning.plan import Plan
+from ._probes import generated
 from ._problem import Problem, again, connected, describe, facts
 from ._rules import decompositions
 from ._sparse import api as _sparse
@@ -324,6 +325,10 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     modules = modules_of(f)
     key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(t.token, (x,), data, modules)
     profile = None if key is None else _profile.find(f, key)
+    if profile is not None and opts.wrt == "params" and not opts.create_graph:
+        flat = _rerun(profile.facts, x, opts, out)
+        if flat is not None:  # the profile's generated code, nothing else (see _rerun)
+            return _assemble(profile.facts[0], flat, opts, out)
     if profile is None:
         _checks.check_devices(f, x)
     # no_grad unless create_graph; a hit of Taylor mode over a program without attention leaves
@@ -379,28 +384,48 @@ def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
     ``decide``, and the plan is reused only while its workspace fits the new budget.
     """
     problem, decision = found
-    hot = problem.__dict__.get("_hot")  # what the profile's key fixes (shapes, dtypes, devices), kept on its facts
-    if not _profile.fresh(problem.program, x, None if hot is None else hot[0]):
-        return None  # a value f's captured program took changed: describe again
+    check = problem.__dict__.get("_check_key")  # x's (shape, dtype, device): fixed by the profile's key
+    if not _profile.fresh(problem.program, x, check):  # a value f's captured program took changed: describe again
+        return None
     plan = decision.plan
     # Taylor mode over the captured program never runs f nor writes its input: z may be x itself
     # (_problem.own_input copies it where a fallback runs f)
     p = again(problem, f, x, opts, problem.program is not None and not opts.create_graph and plan.loop is None
               and plan.mode == "forward" and plan.strategy == "broadcast" and problem.kind == "inputs")
-    if hot is None:
-        hot = problem.__dict__["_hot"] = (
-            (tuple(x.shape[1:]), x.dtype, x.device.type), p.device,
-            p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in))
-    result_bytes = hot[2]
-    free = _memory.available_bytes(hot[1])
-    if not out_given and result_bytes > free:
-        return None  # decide raises the MemoryError
-    budget = opts.max_memory if opts.max_memory is not None else max(
-        0, int(_memory.DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
-    if decision.plan.workspace_bytes > budget:
+    if check is None:
+        problem.__dict__["_check_key"] = (tuple(x.shape[1:]), x.dtype, x.device.type)
+    budget = _budget(p, decision, opts, out_given)
+    if budget is None:
         return None
     decision.budget = budget
     return p, decision
+
+
+def _budget(p: Problem, decision: Decision, opts: Options, out_given: bool) -> Optional[int]:
+    """The memory budget of a repeated call, or None where the result or the plan's workspace no
+    longer fits (``describe`` and ``decide`` then raise the MemoryError or plan anew)."""
+    result_bytes = p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
+    free = _memory.available_bytes(p.device)
+    if not out_given and result_bytes > free:
+        return None
+    budget = opts.max_memory if opts.max_memory is not None else max(
+        0, int(_memory.DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
+    return None if decision.plan.workspace_bytes > budget else budget
+
+
+def _rerun(found: tuple[Problem, Decision], x: Tensor, opts: Options, out: Optional[Tensor]) -> Optional[Tensor]:
+    """The flat result from the generated probe code the profile holds, or None.
+
+    A repeated parameter Jacobian whose engine is that code alone: it reads x and the model's
+    tensors and changes neither, so the call needs neither the guard of the model's state nor a
+    problem of its own; what the profile's key does not hold is checked by
+    ``generated.rerun`` ([Generated code on the profile] in ``_probes/generated.py``).
+    """
+    problem, decision = found
+    memo = problem.__dict__.get("memo")
+    if not memo or _budget(problem, decision, opts, out is not None) is None:
+        return None
+    return generated.rerun(memo, x, out)
 
 
 _OPTION_NAMES = ("wrt", "mode", "batched", "structure", "chunk_size", "max_memory", "create_graph", "flatten")
