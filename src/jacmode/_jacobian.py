@@ -21,6 +21,7 @@ from ._problem import Problem, again, connected, describe, facts
 from ._rules import decompositions
 from ._sparse import api as _sparse
 from ._state import modules_of, preserved_state
+from ._structure import run
 from ._transforms import in_transform
 
 Result = Union[Tensor, dict[str, Tensor]]
@@ -329,6 +330,10 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
         flat = _rerun(profile.facts, x, opts, out)
         if flat is not None:  # the profile's generated code, nothing else (see _rerun)
             return _assemble(profile.facts[0], flat, opts, out)
+    if profile is not None and opts.wrt == "inputs" and out is None and not opts.create_graph and not inside:
+        flat = _columns_rerun(profile.facts, f, x, opts)
+        if flat is not None:  # Taylor mode over a pure program, nothing else (see _columns_rerun)
+            return _assemble(profile.facts[0], flat, opts, None)
     if profile is None:
         _checks.check_devices(f, x)
     # no_grad unless create_graph; a hit of Taylor mode over a program without attention leaves
@@ -374,6 +379,66 @@ def _attention(found: tuple[Problem, Decision]) -> bool:
             program is not None and plan.loop is None and plan.mode == "forward" and plan.strategy == "broadcast"
             and not any("attention" in op.lower() or "transformer" in op.lower() for op in program.ops)))
     return known[1]
+
+
+def _pure(found: tuple[Problem, Decision]) -> bool:
+    """Whether a profile's plan is Taylor mode over a pure captured program: every step a rule (or a
+    read of a tensor or constant, or of a shape): no module's own forward, no riders, no random
+    layers, no attention (see :func:`_columns_rerun`). Kept on the facts, per plan."""
+    problem, decision = found
+    plan = decision.plan
+    known = problem.__dict__.get("_pure")
+    if known is None or known[0] is not plan:  # per plan: execute may re-plan (decision.plan)
+        program = problem.program
+        pure = (program is not None and problem.kind == "inputs" and problem.batched
+                and problem.structure != "diagonal" and not problem.random and program.riders_step is None
+                and plan.loop is None and plan.mode == "forward" and plan.strategy == "broadcast"
+                and not _attention(found) and all(_pure_step(s) for s in program.steps))
+        known = problem.__dict__["_pure"] = (plan, pure)
+    return known[1]
+
+
+def _pure_step(step: Any) -> bool:
+    """A rule, a read (a tensor, a constant, an argument: no arguments of its own and not a module),
+    or a shape query (``_capture.capture._meta``)."""
+    if step.traced:
+        return True
+    if isinstance(step.fn, torch.nn.Module):
+        return False
+    return (not step.args and not step.kwargs) or getattr(step.fn, "__qualname__", "").startswith("_meta.")
+
+
+def _columns_rerun(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
+    """The flat result of a repeated input Jacobian by Taylor mode over a pure captured program
+    (:func:`_pure`), or None (then the call takes the guarded path).
+
+    Such a program runs rules that read x and the model's tensors and write neither, and never
+    runs f: the call needs no guard of the model's state (as the generated probe code, ``_rerun``),
+    only grad mode off. Where a rule's assumption breaks (``Unsupported``) or anything raises, the
+    program is rejected or the error left to the guarded path, which runs the call again with its
+    fallbacks and its errors.
+    """
+    if not _pure(found):
+        return None
+    problem, decision = found
+    check = problem.__dict__.get("_check_key")  # x's (shape, dtype, device): fixed by the profile's key
+    if not _profile.fresh(problem.program, x, check):
+        return None
+    p = again(problem, f, x, opts, True)
+    if check is None:
+        problem.__dict__["_check_key"] = (tuple(x.shape[1:]), x.dtype, x.device.type)
+    budget = _budget(p, decision, opts, False)
+    if budget is None:
+        return None
+    decision.budget = budget
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return run(p, decision.plan, None, fallback=False)
+    except Exception:  # noqa: BLE001 -- the guarded path runs it again, with its fallbacks and errors
+        return None
+    finally:
+        torch._C._set_grad_enabled(grad)
 
 
 def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,

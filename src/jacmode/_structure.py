@@ -89,8 +89,13 @@ class _Result:
         self.value = flat.view(t.shape)
 
 
-def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
-    """Run the plan's strategy and return the flat result (see module docstring)."""
+def run(p: Problem, plan: Plan, out: Optional[Tensor] = None, fallback: bool = True) -> Tensor:
+    """Run the plan's strategy and return the flat result (see module docstring).
+
+    ``fallback=False``: where Taylor mode over the captured program finds a rule's assumption
+    broken, raise its ``Unsupported`` (the program rejected for these inputs) instead of running
+    the generic engine, which runs f: for a caller that runs no state guard (``_jacobian``'s
+    repeated pure-program call), and then calls again with one."""
     rng = RngReplay(p.device) if p.random else None
     if plan.strategy == "per-sample" and p.probes is not None:
         try:
@@ -130,6 +135,8 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
             return res.target()
         except Unsupported as err:  # a rule's assumption broke at this size: the generic engine
             reject(p.program, p.x, str(err))
+            if not fallback:
+                raise
             own_input(p)  # f runs now: never on x itself
             with translated_warnings():  # execute enters none for this engine (it runs no vmap)
                 engine(p.fn, p.z, plan.directions, seeds, place, step, rng)
