@@ -324,14 +324,19 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=opts.chunk_size,
                                        max_memory=opts.max_memory, create_graph=opts.create_graph)
     modules = modules_of(f)
-    key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(t.token, (x,), data, modules)
+    # a repeated input Jacobian that ran without the guard last time (_columns_rerun) likely does
+    # so again: its walk takes the key alone (the guard, where it is needed after all, walks itself)
+    columns = opts.wrt == "inputs" and out is None and not opts.create_graph and not inside
+    key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(
+        t.token, (x,), data, modules, guard=not (columns and t.__dict__.get("_columns", False)))
     profile = None if key is None else _profile.find(f, key)
     if profile is not None and opts.wrt == "params" and not opts.create_graph:
         flat = _rerun(profile.facts, x, opts, out)
         if flat is not None:  # the profile's generated code, nothing else (see _rerun)
             return _assemble(profile.facts[0], flat, opts, out)
-    if profile is not None and opts.wrt == "inputs" and out is None and not opts.create_graph and not inside:
+    if profile is not None and columns:
         flat = _columns_rerun(profile.facts, f, x, opts)
+        t.__dict__["_columns"] = flat is not None
         if flat is not None:  # Taylor mode over a pure program, nothing else (see _columns_rerun)
             return _assemble(profile.facts[0], flat, opts, None)
     if profile is None:

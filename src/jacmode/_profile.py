@@ -103,10 +103,10 @@ def _hooks(m: nn.Module) -> tuple[Any, ...]:
             tuple(m._backward_pre_hooks))
 
 
-def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...], Optional[Survey]]:
     """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note), and the
     guard's :class:`~jacmode._state.Survey` of them, in one walk (a repeated call reads every
-    module and parameter once, for both)."""
+    module and parameter once, for both); ``guard=False``: the same key, and no survey (None)."""
     parts: list[Any] = []
     add = parts.append
     # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
@@ -137,13 +137,14 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
             add(tuple(own))
             row: list[Any] = []
             for name, p in own.items():
-                slots.append((m, name, p))
+                if guard:
+                    slots.append((m, name, p))
                 if p is None:
                     row.append(None)
                     continue
                 ident = id(p)
                 flag = p.requires_grad
-                if ident not in params:
+                if guard and ident not in params:
                     params[ident] = p
                     flags.append(flag)
                     grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
@@ -156,13 +157,16 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
                 if b is None:
                     row.append(None)
                     continue
-                buffers.append((m, name, b))
+                if guard:
+                    buffers.append((m, name, b))
                 row.append((b.dtype, b.shape, b.device))
             add(tuple(row))
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
         add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
              tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
+    if not guard:
+        return tuple(parts), None
     return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
@@ -172,10 +176,11 @@ def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list
 
 
 def walked(token: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-           modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+           modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...], Any]:
     """:func:`key`, and the :class:`~jacmode._state.Survey` of ``modules`` that the same walk
-    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call)."""
-    mods, found = _walk(modules)
+    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call);
+    ``guard=False``: no survey (None), for a call that likely runs without the guard."""
+    mods, found = _walk(modules, guard)
     return (token, call_signature(args, kwargs) if kwargs else (tensor_key(args[0]),) if len(args) == 1 and
             isinstance(args[0], Tensor) else call_signature(args, kwargs), mods, in_transform(),
             torch.is_inference_mode_enabled(), torch.is_grad_enabled()), found
