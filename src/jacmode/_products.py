@@ -316,7 +316,8 @@ def per_sample_grads(
         opts = _checked(f, x, wrt, chunk_size, max_memory, flatten)
         options = opts
     modules = modules_of(f)
-    key, survey = _profile.walked(_PSG_TOKEN, (x,), {"y": y, "loss": _loss_key(loss), "opts": options}, modules)
+    # x, y, the loss and the options as the call's arguments (no keywords to sort: every call does it)
+    key, survey = _profile.walked(_PSG_TOKEN, (x, y, _loss_key(loss), options), _NO_KWARGS, modules)
     found = _profile.find(f, key)
     hot = None if found is None or bound_values(f) is not None else found.__dict__.get("hot")
     if hot is not None:  # a repeated call: what the first call found and checked
@@ -408,6 +409,7 @@ def per_sample_grads(
 _ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
               nn.TransformerDecoder, nn.Transformer)
 _PSG_TOKEN = -100  # per_sample_grads' profiles: the options are in the key's call part
+_NO_KWARGS: dict[str, Any] = {}
 
 
 def _loss_key(loss: Any) -> Any:
