@@ -118,3 +118,20 @@ def test_targets_of_another_batch_are_refused_on_a_hit() -> None:
     _warm(net, x, y)
     with pytest.raises(ValueError, match="y: expected one target per sample"):
         jm.per_sample_grads(net, x, _loss, y=torch.randn(3, 3, dtype=torch.float64))
+
+
+def test_attention_models_keep_the_kernel_flags_on_hot_hits() -> None:
+    from jacmode import _state
+
+    torch.manual_seed(4)
+    net = nn.Sequential(nn.TransformerEncoderLayer(6, 2, 12, dropout=0.0, batch_first=True), nn.Flatten(),
+                        nn.Linear(18, 3)).double()
+    x, y = torch.randn(4, 3, 6, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    fast = torch.backends.mha.get_fastpath_enabled()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):  # the oracle's vmap: the kernel it batches
+        want = _oracle(net, x, y, _loss)
+    for _ in range(4):
+        torch.testing.assert_close(jm.per_sample_grads(net, x, _loss, y=y), want)
+        assert torch.backends.mha.get_fastpath_enabled() == fast and _state._KERNELS["users"] == 0
