@@ -103,10 +103,10 @@ def _hooks(m: nn.Module) -> tuple[Any, ...]:
             tuple(m._backward_pre_hooks))
 
 
-def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...], Optional[Survey]]:
     """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note), and the
     guard's :class:`~jacmode._state.Survey` of them, in one walk (a repeated call reads every
-    module and parameter once, for both)."""
+    module and parameter once, for both); ``guard=False``: the same key, and no survey (None)."""
     parts: list[Any] = []
     add = parts.append
     # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
@@ -119,32 +119,37 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
     grads: list[Any] = []
     buffers: list[tuple[nn.Module, str, Any]] = []
     for m in modules:
-        flag = m.training
+        d = m.__dict__  # what nn.Module keeps there, read without attribute look-ups (every call walks)
+        try:
+            flag, own, buf = d["training"], d["_parameters"], d["_buffers"]
+            hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+        except KeyError:  # a module keeping them elsewhere (a ScriptModule): its attributes
+            flag, own, buf = m.training, m._parameters, m._buffers
+            hooked = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
         training.append(flag)
         add(id(m))
         add(flag)
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        if hooked:
             add(_hooks(m))
         if isinstance(m, _DropoutNd):  # p = 0 or not: random layers or none (the problem's facts)
             add(m.p)
-        own = m._parameters
         if own:
             add(tuple(own))
             row: list[Any] = []
             for name, p in own.items():
-                slots.append((m, name, p))
+                if guard:
+                    slots.append((m, name, p))
                 if p is None:
                     row.append(None)
                     continue
                 ident = id(p)
                 flag = p.requires_grad
-                if ident not in params:
+                if guard and ident not in params:
                     params[ident] = p
                     flags.append(flag)
                     grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
                 row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
             add(tuple(row))
-        buf = m._buffers
         if buf:
             add(tuple(buf))
             row = []
@@ -152,13 +157,16 @@ def _walk(modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
                 if b is None:
                     row.append(None)
                     continue
-                buffers.append((m, name, b))
+                if guard:
+                    buffers.append((m, name, b))
                 row.append((b.dtype, b.shape, b.device))
             add(tuple(row))
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
         add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
              tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
+    if not guard:
+        return tuple(parts), None
     return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
@@ -168,25 +176,34 @@ def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list
 
 
 def walked(token: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-           modules: list[nn.Module]) -> tuple[tuple[Any, ...], Survey]:
+           modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...], Any]:
     """:func:`key`, and the :class:`~jacmode._state.Survey` of ``modules`` that the same walk
-    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call)."""
-    mods, found = _walk(modules)
+    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call);
+    ``guard=False``: no survey (None), for a call that likely runs without the guard."""
+    mods, found = _walk(modules, guard)
     return (token, call_signature(args, kwargs) if kwargs else (tensor_key(args[0]),) if len(args) == 1 and
             isinstance(args[0], Tensor) else call_signature(args, kwargs), mods, in_transform(),
             torch.is_inference_mode_enabled(), torch.is_grad_enabled()), found
 
 
-def fresh(program: Any, x: Tensor) -> bool:
+def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) -> bool:
     """Whether a captured program a profile holds still serves inputs like ``x``: it reads what f
     reads (the tensors and Python values it took from f's closure, globals and modules are
     unchanged, ``_capture/bound.py``: a rebound name or a changed scalar is not in the key), and no
-    engine rejected it for this input signature since (``_capture/capture.reject``)."""
+    engine rejected it for this input signature since (``_capture/capture.reject``).
+    ``signature``: ``(x.shape[1:], x.dtype, x.device.type)`` when the caller has it (a profile
+    hit: the key fixes it)."""
     if program is None:
         return True
-    if not isinstance(program.checked.get((tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
+    if not isinstance(program.checked.get(signature or (tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
         return False
-    return all(b.fresh() for b in (*program.bound, *program.guards))
+    for b in program.bound:
+        if not b.fresh():
+            return False
+    for g in program.guards:
+        if not g.fresh():
+            return False
+    return True
 
 
 def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:

@@ -113,7 +113,13 @@ class Attributes:
         if module is None:
             return False
         d = module.__dict__
-        return len(d) == self.size and all(type(d.get(k)) is type(v) and d.get(k) == v for k, v in self.items)
+        if len(d) != self.size:
+            return False
+        for k, v in self.items:  # a loop, not all(...) over a generator: every profile hit checks it
+            now = d.get(k)
+            if type(now) is not type(v) or not now == v:
+                return False
+        return True
 
 
 def _meta(t: Tensor) -> tuple:
