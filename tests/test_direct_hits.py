@@ -228,10 +228,10 @@ def test_a_key_without_the_survey_is_the_same_key() -> None:
     f, x = _model()
     mods = modules_of(f)
     with_survey = _profile.walked(-1, (x,), {}, mods)
-    without = _profile.walked(-1, (x,), {}, mods, survey=False)
+    without = _profile.walked(-1, (x,), {}, mods, guard=False)
     assert with_survey[0] == without[0] and without[1] is None and with_survey[1] is not None
     f.fc1.bias = None
-    assert _profile.walked(-1, (x,), {}, mods)[0] == _profile.walked(-1, (x,), {}, mods, survey=False)[0]
+    assert _profile.walked(-1, (x,), {}, mods)[0] == _profile.walked(-1, (x,), {}, mods, guard=False)[0]
 
 
 def test_the_key_of_a_module_tree_is_the_key_of_its_walk() -> None:

@@ -236,3 +236,51 @@ def test_model_with_generated_code_can_be_garbage_collected():
     del model, x
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+SCALE = {"value": 2.0}
+
+
+class _Scaled(nn.Module):
+    """Reads a module-level Python value (a guard of the captured program) and a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(4, 6), nn.Linear(6, 2)
+        self.register_buffer("shift", torch.zeros(6))
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x) * SCALE["value"] + self.shift))
+
+
+def test_the_profiles_memo_checks_what_its_key_does_not_hold():
+    """Repeated calls run the generated code from the profile's memo ([Generated code on the
+    profile]); what the profile's key does not hold must still reach the code or refuse it."""
+    torch.manual_seed(4)
+    model = _Scaled().double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+
+    def check(xx=x):
+        for _ in range(CALLS):
+            got = jm.jacobian(model, xx, wrt="params", mode="reverse")
+            torch.testing.assert_close(got, _oracle(model, xx), rtol=1e-10, atol=1e-12)
+
+    check()
+    assert _codes(model)
+    with torch.no_grad():  # the same parameter object, the same shape, other strides
+        model.fc1.weight.data = model.fc1.weight.data.t().contiguous().t().mul_(1.5)
+    check()
+    model.shift = torch.randn(6, dtype=torch.float64)  # a new buffer tensor (the key holds its shape only)
+    check()
+    SCALE["value"] = -0.5  # a Python value the program read
+    try:
+        check()
+    finally:
+        SCALE["value"] = 2.0
+    xs = torch.randn(3, 8, dtype=torch.float64)[:, ::2]  # the input's strides
+    check(xs)
+    out = torch.empty(3, 2, 6 * 4 + 6 + 2 * 6 + 2, dtype=torch.float64)
+    for _ in range(CALLS):  # out= changes the signature of the code, not the profile's facts
+        got = jm.jacobian(model, x, wrt="params", mode="reverse", out=out)
+    torch.testing.assert_close(got, _oracle(model, x), rtol=1e-10, atol=1e-12)
+    check()

@@ -100,11 +100,15 @@ def _tied_names(model: nn.Module) -> dict[str, list[str]]:
 
 def accepts_params_dict(entry: F) -> F:
     """Let ``entry(f, ..., wrt=...)`` take ``wrt`` as a dict name -> tensor (see the note)."""
+    routed, products = entry.__name__ in _ROUTED, entry.__name__ == "per_sample_grads"
+
     @functools.wraps(entry)
     def wrapper(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if entry.__name__ in _ROUTED and routes(f, args, kwargs):  # fn(params, x) with params broadcast
+        if not kwargs and not products:  # no wrt, no in_dims: neither a dict nor a routed call (jacobian(f, x))
+            return entry(f, *args)
+        if routed and routes(f, args, kwargs):  # fn(params, x) with params broadcast
             return functional_call_jacobian(wrapper, f, args, kwargs)
-        if entry.__name__ == "per_sample_grads" and args and isinstance(args[0], tuple) and routes(f, args[0], kwargs):
+        if products and args and isinstance(args[0], tuple) and routes(f, args[0], kwargs):
             return functional_per_sample_grads(wrapper, f, args, kwargs)
         wrt = kwargs.get("wrt")
         if not isinstance(wrt, dict):

@@ -16,10 +16,12 @@ from ._functional import accepts_params_dict
 from ._planning import memory as _memory
 from ._planning.decide import Decision, decide, execute
 from ._planning.plan import Plan
+from ._probes import generated
 from ._problem import Problem, again, connected, describe, facts
 from ._rules import decompositions
 from ._sparse import api as _sparse
 from ._state import modules_of, preserved_state
+from ._structure import run
 from ._transforms import in_transform
 
 Result = Union[Tensor, dict[str, Tensor]]
@@ -198,8 +200,13 @@ def jacobian(
     if (not compiling and len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int
             and argnums == 0 and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor)
             and callable(f)):  # jacobian(f, x): what the front would find (a simple call), without it
-        return _eager(f, args[0], wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten,
-                      out)
+        values = (wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten)  # _eager, inlined
+        t = _transform.eager_hit(jacobian, f, values, (type(wrt), type(mode), type(batched), type(structure),
+                                                       type(chunk_size), type(max_memory), type(create_graph),
+                                                       type(flatten)))
+        if t is None:
+            t = _transform.eager(jacobian, f, dict(zip(_OPTION_NAMES, values)))
+        return _run(t, f, args[0], _NO_DATA if out is None else {"out": out})
     if compiling:  # inside the user's torch.compile: no front (its caches do not trace)
         from ._autodiff import traceable as _traceable
 
@@ -317,11 +324,27 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=opts.chunk_size,
                                        max_memory=opts.max_memory, create_graph=opts.create_graph)
     modules = modules_of(f)
-    key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(t.token, (x,), data, modules)
+    # a repeated input Jacobian that ran without the guard last time (_columns_rerun) likely does
+    # so again: its walk takes the key alone (the guard, where it is needed after all, walks itself)
+    columns = opts.wrt == "inputs" and out is None and not opts.create_graph and not inside
+    key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(
+        t.token, (x,), data, modules, guard=not (columns and t.__dict__.get("_columns", False)))
     profile = None if key is None else _profile.find(f, key)
+    if profile is not None and opts.wrt == "params" and not opts.create_graph:
+        flat = _rerun(profile.facts, x, opts, out)
+        if flat is not None:  # the profile's generated code, nothing else (see _rerun)
+            return _assemble(profile.facts[0], flat, opts, out)
+    if profile is not None and columns:
+        flat = _columns_rerun(profile.facts, f, x, opts)
+        t.__dict__["_columns"] = flat is not None
+        if flat is not None:  # Taylor mode over a pure program, nothing else (see _columns_rerun)
+            return _assemble(profile.facts[0], flat, opts, None)
     if profile is None:
         _checks.check_devices(f, x)
-    with preserved_state(f, modules, survey, grad=opts.create_graph):  # no_grad unless create_graph
+    # no_grad unless create_graph; a hit of Taylor mode over a program without attention leaves
+    # the attention kernels' flags alone (_state._kernels_in)
+    with preserved_state(f, modules, survey, grad=opts.create_graph,
+                         kernels=profile is None or _attention(profile.facts)):
         hit = None if profile is None else _again(profile.facts, f, x, opts, out is not None)
         problem = describe(f, x, opts) if hit is None else hit[0]
         if out is not None:
@@ -349,6 +372,80 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     return result if out is not None or not opts.create_graph else connected(result, f, x, True)
 
 
+def _attention(found: tuple[Problem, Decision]) -> bool:
+    """Whether the engine of a profile's plan may run attention kernels (``_state._kernels_in``):
+    all but Taylor mode over a captured program without attention operations or modules."""
+    problem, decision = found
+    plan = decision.plan
+    known = problem.__dict__.get("_attention")
+    if known is None or known[0] is not plan:  # per plan: execute may re-plan (decision.plan)
+        program = problem.program
+        known = problem.__dict__["_attention"] = (plan, not (
+            program is not None and plan.loop is None and plan.mode == "forward" and plan.strategy == "broadcast"
+            and not any("attention" in op.lower() or "transformer" in op.lower() for op in program.ops)))
+    return known[1]
+
+
+def _pure(found: tuple[Problem, Decision]) -> bool:
+    """Whether a profile's plan is Taylor mode over a pure captured program: every step a rule (or a
+    read of a tensor or constant, or of a shape): no module's own forward, no riders, no random
+    layers, no attention (see :func:`_columns_rerun`). Kept on the facts, per plan."""
+    problem, decision = found
+    plan = decision.plan
+    known = problem.__dict__.get("_pure")
+    if known is None or known[0] is not plan:  # per plan: execute may re-plan (decision.plan)
+        program = problem.program
+        pure = (program is not None and problem.kind == "inputs" and problem.batched
+                and problem.structure != "diagonal" and not problem.random and program.riders_step is None
+                and plan.loop is None and plan.mode == "forward" and plan.strategy == "broadcast"
+                and not _attention(found) and all(_pure_step(s) for s in program.steps))
+        known = problem.__dict__["_pure"] = (plan, pure)
+    return known[1]
+
+
+def _pure_step(step: Any) -> bool:
+    """A rule, a read (a tensor, a constant, an argument: no arguments of its own and not a module),
+    or a shape query (``_capture.capture._meta``)."""
+    if step.traced:
+        return True
+    if isinstance(step.fn, torch.nn.Module):
+        return False
+    return (not step.args and not step.kwargs) or getattr(step.fn, "__qualname__", "").startswith("_meta.")
+
+
+def _columns_rerun(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
+    """The flat result of a repeated input Jacobian by Taylor mode over a pure captured program
+    (:func:`_pure`), or None (then the call takes the guarded path).
+
+    Such a program runs rules that read x and the model's tensors and write neither, and never
+    runs f: the call needs no guard of the model's state (as the generated probe code, ``_rerun``),
+    only grad mode off. Where a rule's assumption breaks (``Unsupported``) or anything raises, the
+    program is rejected or the error left to the guarded path, which runs the call again with its
+    fallbacks and its errors.
+    """
+    if not _pure(found):
+        return None
+    problem, decision = found
+    check = problem.__dict__.get("_check_key")  # x's (shape, dtype, device): fixed by the profile's key
+    if not _profile.fresh(problem.program, x, check):
+        return None
+    p = again(problem, f, x, opts, True)
+    if check is None:
+        problem.__dict__["_check_key"] = (tuple(x.shape[1:]), x.dtype, x.device.type)
+    budget = _budget(p, decision, opts, False)
+    if budget is None:
+        return None
+    decision.budget = budget
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return run(p, decision.plan, None, fallback=False)
+    except Exception:  # noqa: BLE001 -- the guarded path runs it again, with its fallbacks and errors
+        return None
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
 def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
            out_given: bool) -> Optional[tuple[Problem, Decision]]:
     """The problem at ``x`` and the decision of the profile, or None when memory no longer fits.
@@ -357,19 +454,48 @@ def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
     ``decide``, and the plan is reused only while its workspace fits the new budget.
     """
     problem, decision = found
-    if not _profile.fresh(problem.program, x):  # a value f's captured program took changed: describe again
+    check = problem.__dict__.get("_check_key")  # x's (shape, dtype, device): fixed by the profile's key
+    if not _profile.fresh(problem.program, x, check):  # a value f's captured program took changed: describe again
         return None
-    p = again(problem, f, x, opts)
-    result_bytes = p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
-    free = _memory.available_bytes(p.device)
-    if not out_given and result_bytes > free:
-        return None  # decide raises the MemoryError
-    budget = opts.max_memory if opts.max_memory is not None else max(
-        0, int(_memory.DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
-    if decision.plan.workspace_bytes > budget:
+    plan = decision.plan
+    # Taylor mode over the captured program never runs f nor writes its input: z may be x itself
+    # (_problem.own_input copies it where a fallback runs f)
+    p = again(problem, f, x, opts, problem.program is not None and not opts.create_graph and plan.loop is None
+              and plan.mode == "forward" and plan.strategy == "broadcast" and problem.kind == "inputs")
+    if check is None:
+        problem.__dict__["_check_key"] = (tuple(x.shape[1:]), x.dtype, x.device.type)
+    budget = _budget(p, decision, opts, out_given)
+    if budget is None:
         return None
     decision.budget = budget
     return p, decision
+
+
+def _budget(p: Problem, decision: Decision, opts: Options, out_given: bool) -> Optional[int]:
+    """The memory budget of a repeated call, or None where the result or the plan's workspace no
+    longer fits (``describe`` and ``decide`` then raise the MemoryError or plan anew)."""
+    result_bytes = p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
+    free = _memory.available_bytes(p.device)
+    if not out_given and result_bytes > free:
+        return None
+    budget = opts.max_memory if opts.max_memory is not None else max(
+        0, int(_memory.DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
+    return None if decision.plan.workspace_bytes > budget else budget
+
+
+def _rerun(found: tuple[Problem, Decision], x: Tensor, opts: Options, out: Optional[Tensor]) -> Optional[Tensor]:
+    """The flat result from the generated probe code the profile holds, or None.
+
+    A repeated parameter Jacobian whose engine is that code alone: it reads x and the model's
+    tensors and changes neither, so the call needs neither the guard of the model's state nor a
+    problem of its own; what the profile's key does not hold is checked by
+    ``generated.rerun`` ([Generated code on the profile] in ``_probes/generated.py``).
+    """
+    problem, decision = found
+    memo = problem.__dict__.get("memo")
+    if not memo or _budget(problem, decision, opts, out is not None) is None:
+        return None
+    return generated.rerun(memo, x, out)
 
 
 _OPTION_NAMES = ("wrt", "mode", "batched", "structure", "chunk_size", "max_memory", "create_graph", "flatten")
@@ -393,7 +519,10 @@ def _assemble(p: Problem, flat: Tensor, opts: Options, out: Optional[Tensor]) ->
         return flat.reshape(p.x.shape)
     lead = (p.batch, *p.out_shape) if p.batched else tuple(p.out_shape)
     if p.kind == "inputs":
-        return flat.reshape((*lead, *p.in_shape)).contiguous()  # a tuple: both may be empty (0-d x)
+        shape = (*lead, *p.in_shape)  # a tuple: both may be empty (0-d x)
+        if flat.shape == shape and flat.is_contiguous():  # the engine's layout already (a repeated call)
+            return flat
+        return flat.reshape(shape).contiguous()
     if opts.flatten:
         return flat.contiguous()
     sizes = [s.numel() for _, s in p.params]

@@ -277,7 +277,7 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
         key = _profile.module_key(token, x, f)
     else:
         modules = modules_of(f)
-        key = _profile.walked(token, (x,), {}, modules, survey=False)[0]
+        key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
     found = _profile.find(f, key)
     if found is not None:
         was = torch.is_grad_enabled()
@@ -329,7 +329,7 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
         modules, key, survey, tried = walked.modules, walked.key, None, True
     else:  # (inside a torch.func transform create_graph is True whatever the call said: another token)
         modules = modules_of(f)
-        key, survey = _profile.walked(token, (x,), {}, modules, survey=direct is None)
+        key, survey = _profile.walked(token, (x,), {}, modules, guard=direct is None)
         tried = False
     found = None
     try:

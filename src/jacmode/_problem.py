@@ -194,15 +194,15 @@ def _gone(z: Tensor) -> Tensor:
     raise RuntimeError("jacmode: the facts of a problem have no function; call again()")  # pragma: no cover
 
 
-def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
+def again(p: Problem, f: Any, x: Tensor, opts: Options, shared: bool = False) -> Problem:
     """The problem of a call identical to the one ``p`` was made for, at a new ``x``.
 
     ``x`` has the shape, dtype and device of that call's input, and ``f``'s flags and parameters
     are those ``p`` was made for (its profile's key, see ``_profile.py``): what ``describe``
-    found still holds; only the values change.
+    found still holds; only the values change. ``shared``: see :func:`_inputs_problem`.
     """
     if p.kind == "inputs":
-        return _inputs_problem(f, x, opts, p)
+        return _inputs_problem(f, x, opts, p, shared)
     if bound_values(f) is not None:  # a dict's tensors: this call's (see _functional.py)
         selected = _checks.check_param_selection(f, [n for n, _ in p.params])
         return _params_problem(f, x, selected, opts, dataclasses.replace(p, probes=refreshed(p.probes, selected)))
@@ -217,12 +217,20 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options) -> Problem:
     if template is None and isinstance(made, _LazyParams):
         made.dtype, made.device  # noqa: B018 -- computed once, kept in the template
         p.__dict__["_template"] = {k: v for k, v in made.__dict__.items()
-                                   if k not in ("fn", "x", "sample_fn", "subset_fn", "model", "_z")} | {"_z": None}
+                                   if k not in ("fn", "x", "sample_fn", "subset_fn", "model", "_z")} | {
+                                       "_z": None, "memo": p.__dict__.setdefault("memo", {})}  # engines' cache on
+        # the profile, read where its key was checked (_probes/generated.py, [Generated code on the profile])
     return made
 
 
-def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem:
-    """The input problem at ``x``: flat values and the function of them; the rest from ``facts``."""
+def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem, shared: bool = False) -> Problem:
+    """The input problem at ``x``: flat values and the function of them; the rest from ``facts``.
+
+    ``shared``: z is x's own memory, not a copy (see :func:`own_input`): only for an engine that
+    never runs f (Taylor mode over the captured program, whose rules write no value in place).
+    """
+    if shared and facts.batched and facts.structure != "diagonal" and not isinstance(f, Flat):
+        return _shared_inputs_problem(f, x, facts)
     xin = (x if opts.create_graph else x.detach()).clone()  # f may modify its input in place: never x
     p = type(facts).__new__(type(facts))  # copy.copy, without its reduce protocol (every repeated call)
     p.__dict__.update(facts.__dict__)
@@ -243,6 +251,30 @@ def _inputs_problem(f: Any, x: Tensor, opts: Options, facts: Problem) -> Problem
         fn = lambda z: f(z.reshape(in_shape)).reshape(n_out)  # noqa: E731
     p.fn, p.z = fn, z
     return p
+
+
+def _shared_inputs_problem(f: Any, x: Tensor, facts: Problem) -> Problem:
+    """:func:`_inputs_problem` of a batched call whose z is x's own memory (``shared``): a repeated
+    call's, with the fewest new objects (x itself where it is (B, D) already and needs no detach)."""
+    p = type(facts).__new__(type(facts))
+    d = p.__dict__
+    d.update(facts.__dict__)
+    batch, n_in, n_out, in_shape = facts.batch, facts.n_in, facts.n_out, facts.in_shape
+    d["x"] = x
+    d["z"] = x if len(in_shape) == 1 and x.dim() == 2 and not x.requires_grad else x.detach().reshape(batch, n_in)
+    d["fn"] = lambda z: f(z.reshape(batch, *in_shape)).reshape(batch, n_out)
+    if facts.program is not None:
+        d["row_fn"] = lambda zb: f(zb.reshape(1, *in_shape)).reshape(n_out)
+    d["_shares_x"] = True
+    return p
+
+
+def own_input(p: Problem) -> None:
+    """Give ``p`` its own copy of x before an engine that runs f (which may modify its input in
+    place) uses a problem made with ``shared`` z: the fallbacks of Taylor mode (``_structure.run``,
+    ``decide.execute``)."""
+    if p.__dict__.pop("_shares_x", False):
+        p.z = p.z.clone()
 
 
 def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, Tensor]], opts: Options,

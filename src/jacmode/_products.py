@@ -278,20 +278,21 @@ def per_sample_grads(
         >>> torch.allclose(g.sum(0), torch.cat([t.reshape(-1) for t in total]), atol=1e-5)
         True
     """
-    if several(x) or kwargs:  # model(*x, **kwargs): see the note [Several arguments of a model]
-        with bound(f, x, kwargs, in_dims) as (g, idx), preserved_state(f):
-            return per_sample_grads(g, idx, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
-                                    max_memory=max_memory)
-    if _data.is_batches(x):  # a data set: batch by batch, rows in order (docs/datasets.md)
-        return _data.per_sample_grads_over(per_sample_grads, f, x, loss, y=y, flatten=flatten, progress=progress,
-                                           wrt=wrt, chunk_size=chunk_size, max_memory=max_memory)
+    if kwargs or not isinstance(x, Tensor):  # (one tensor: neither of these)
+        if several(x) or kwargs:  # model(*x, **kwargs): see the note [Several arguments of a model]
+            with bound(f, x, kwargs, in_dims) as (g, idx), preserved_state(f):
+                return per_sample_grads(g, idx, loss, y=y, wrt=wrt, flatten=flatten, chunk_size=chunk_size,
+                                        max_memory=max_memory)
+        if _data.is_batches(x):  # a data set: batch by batch, rows in order (docs/datasets.md)
+            return _data.per_sample_grads_over(per_sample_grads, f, x, loss, y=y, flatten=flatten,
+                                               progress=progress, wrt=wrt, chunk_size=chunk_size,
+                                               max_memory=max_memory)
     if in_transform():  # vmap over an ensemble's parameters, grad of a meta-objective: torch.func's idiom
         return per_sample_grads_transformed(f, x, loss, y, wrt, flatten)
-    opts = _checked(f, x, wrt, chunk_size, max_memory, flatten)
     if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path (no profile)
         from ._autodiff import traceable as _traceable
 
-        selected = _selected(f, x, opts)
+        selected = _selected(f, x, _checked(f, x, wrt, chunk_size, max_memory, flatten))
         _checks.check_loss(loss)
         _checks.check_torch_loss(loss, y, "per_sample_grads")
         _checks.check_target(y, x.shape[0])
@@ -302,30 +303,63 @@ def per_sample_grads(
 
         return _traceable.per_sample_grads(again, f, x, loss, y, [n for n, _ in selected], flatten)
     # ---- profile: the coverage and the split of the parameters, found once per signature ----
+    # The key names the options as given, with their types, where they are hashable (then a hit,
+    # whose first call validated the same options, f, x's kind and shape, the loss's code or type
+    # and reduction, and y's shape, checks nothing again: from its second hit, the profile's "hot"
+    # entry holds what those checks and the selection gave), else as validated.
+    options: Any = (wrt, chunk_size, max_memory, flatten, type(wrt), type(chunk_size), type(max_memory),
+                    type(flatten))  # types: 1 is not True
+    opts: Optional[Options] = None
+    try:
+        hash(options)
+    except TypeError:
+        opts = _checked(f, x, wrt, chunk_size, max_memory, flatten)
+        options = opts
     modules = modules_of(f)
-    key, survey = _profile.walked(_PSG_TOKEN, (x,), {"y": y, "loss": _loss_key(loss), "opts": opts}, modules)
+    # x, y, the loss and the options as the call's arguments (no keywords to sort: every call does it)
+    key, survey = _profile.walked(_PSG_TOKEN, (x, y, _loss_key(loss), options), _NO_KWARGS, modules)
     found = _profile.find(f, key)
-    if found is None or bound_values(f) is not None:  # the selection of a hit is the profile's (same key)
-        selected = _selected(f, x, opts)
+    hot = None if found is None or bound_values(f) is not None else found.__dict__.get("hot")
+    if hot is not None:  # a repeated call: what the first call found and checked
+        opts, selected, names, params, n_params, dtype, torch_loss, rest_names, kernels = hot
+        batch = x.shape[0]
     else:
-        selected = found.facts[3]
-    _checks.check_loss(loss)
-    _checks.check_torch_loss(loss, y, "per_sample_grads")
-    _checks.check_target(y, x.shape[0])
-    names, params = [n for n, _ in selected], [p for _, p in selected]
-    n_params, batch = sum(p.numel() for p in params), x.shape[0]
-    dtype = _engine.result_dtype(params)
-    _checks.check_fits(batch * n_params * dtype.itemsize,
-                       _budget(opts, x.device, result=True), f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
-                       "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
+        if opts is None:
+            opts = _checked(f, x, wrt, chunk_size, max_memory, flatten)
+        if found is None or bound_values(f) is not None:  # the selection of a hit is the profile's (same key)
+            selected = _selected(f, x, opts)
+        else:
+            selected = found.facts[3]
+        _checks.check_loss(loss)
+        _checks.check_torch_loss(loss, y, "per_sample_grads")
+        _checks.check_target(y, x.shape[0])
+        names, params = [n for n, _ in selected], [p for _, p in selected]
+        n_params, batch = sum(p.numel() for p in params), x.shape[0]
+        dtype = _engine.result_dtype(params)
+        torch_loss = _losses.is_torch_loss(loss)
+        rest_names, kernels = None, True
+        if found is not None and bound_values(f) is None:  # a hit: its facts serve the next hits as they are
+            cov = found.facts[0]
+            rest_names = [n for n, _ in selected if cov is None or n not in cov.covered]
+            # the probe engine alone (every parameter covered) runs the model under plain autograd,
+            # which every attention kernel supports: the guard leaves their flags alone
+            # (_state._kernels_in) unless the model holds torch's attention modules (their fast path)
+            kernels = bool(rest_names) or any(isinstance(m, _ATTENTION) for m in modules)
+            found.__dict__["hot"] = (opts, selected, names, params, n_params, dtype, torch_loss, rest_names,
+                                     kernels)
+    assert opts is not None  # validated above, or on the first call of a hit's key
+    needed, budget = batch * n_params * dtype.itemsize, _budget(opts, x.device, result=True)
+    if needed > budget:  # (the message is formatted only then)
+        _checks.check_fits(needed, budget, f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
+                           "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
 
     def losses(out: Tensor) -> Tensor:
         return _checks.check_losses(loss(out) if y is None else loss(out, y), out.shape[0])
 
-    with preserved_state(f, modules, survey, grad=False):  # and no_grad
+    with preserved_state(f, modules, survey, grad=False, kernels=kernels):  # and no_grad
         if found is None:
             _out_shape(f, x)
-        if _losses.is_torch_loss(loss):  # torch's module -> its per-sample terms (see _losses.py)
+        if torch_loss:  # torch's module -> its per-sample terms (see _losses.py)
             assert y is not None
             loss = _losses.per_sample(cast(nn.Module, loss), f(x), y)
         if found is None:
@@ -337,7 +371,8 @@ def per_sample_grads(
         else:
             cov, cols, checked, _, modifies = found.facts
         flat = torch.empty(batch, n_params, dtype=dtype, device=x.device)  # never x's dtype: ids are int
-        rest = selected if cov is None else [(n, p) for n, p in selected if n not in cov.covered]
+        rest = selected if cov is None else [] if rest_names == [] else [
+            (n, p) for n, p in selected if n not in cov.covered]
         if cov is not None:
             # the model runs on x itself where its first call showed that it leaves its input alone
             clone = modifies or not probes.can_skip_clone(x)
@@ -371,7 +406,10 @@ def per_sample_grads(
     return {n: t.reshape(batch, *p.shape) for n, t, p in zip(names, flat.split(sizes, dim=1), params)}
 
 
+_ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
+              nn.TransformerDecoder, nn.Transformer)
 _PSG_TOKEN = -100  # per_sample_grads' profiles: the options are in the key's call part
+_NO_KWARGS: dict[str, Any] = {}
 
 
 def _loss_key(loss: Any) -> Any:

@@ -107,53 +107,53 @@ def _hooks(m: nn.Module) -> tuple[Any, ...]:
             tuple(m._backward_pre_hooks))
 
 
-def _walk(modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...], Optional[Survey]]:
+def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...], Optional[Survey]]:
     """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note), and the
     guard's :class:`~jacmode._state.Survey` of them, in one walk (a repeated call reads every
-    module and parameter once, for both). ``survey=False``: the key alone (the same key), and None."""
+    module and parameter once, for both); ``guard=False``: the same key, and no survey (None)."""
     parts: list[Any] = []
     add = parts.append
     # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
     # functional optimiser: they count by their place (slot, shape, dtype, device), not identity
     bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
-    if not survey:
-        for m in modules:
-            _module_key(m, add, bound)
-        _global_hooks(add)
-        return tuple(parts), None
     training: list[bool] = []
     slots: list[tuple[nn.Module, str, Any]] = []
     params: dict[int, Any] = {}
     flags: list[bool] = []
     grads: list[Any] = []
     buffers: list[tuple[nn.Module, str, Any]] = []
-    for m in modules:  # what _module_key adds, and the survey
-        flag = m.training
+    for m in modules:
+        d = m.__dict__  # what nn.Module keeps there, read without attribute look-ups (every call walks)
+        try:
+            flag, own, buf = d["training"], d["_parameters"], d["_buffers"]
+            hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+        except KeyError:  # a module keeping them elsewhere (a ScriptModule): its attributes
+            flag, own, buf = m.training, m._parameters, m._buffers
+            hooked = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
         training.append(flag)
         add(id(m))
         add(flag)
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+        if hooked:
             add(_hooks(m))
         if isinstance(m, _DropoutNd):  # p = 0 or not: random layers or none (the problem's facts)
             add(m.p)
-        own = m._parameters
         if own:
             add(tuple(own))
             row: list[Any] = []
             for name, p in own.items():
-                slots.append((m, name, p))
+                if guard:
+                    slots.append((m, name, p))
                 if p is None:
                     row.append(None)
                     continue
                 ident = id(p)
                 flag = p.requires_grad
-                if ident not in params:
+                if guard and ident not in params:
                     params[ident] = p
                     flags.append(flag)
                     grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
                 row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
             add(tuple(row))
-        buf = m._buffers
         if buf:
             add(tuple(buf))
             row = []
@@ -161,38 +161,42 @@ def _walk(modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...
                 if b is None:
                     row.append(None)
                     continue
-                buffers.append((m, name, b))
+                if guard:
+                    buffers.append((m, name, b))
                 row.append((b.dtype, b.shape, b.device))
             add(tuple(row))
-    _global_hooks(add)
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks):
+        add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
+             tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
+    if not guard:
+        return tuple(parts), None
     return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
 def _module_key(m: nn.Module, add: Any, bound: Any) -> None:
-    """One module's part of the key, as :func:`_walk` with its survey adds it."""
+    """One module's part of the key, as :func:`_walk` adds it."""
+    d = m.__dict__
+    try:
+        flag, own, buf = d["training"], d["_parameters"], d["_buffers"]
+        hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+    except KeyError:  # a module keeping them elsewhere (a ScriptModule): its attributes
+        flag, own, buf = m.training, m._parameters, m._buffers
+        hooked = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
     add(id(m))
-    add(m.training)
-    if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks:
+    add(flag)
+    if hooked:
         add(_hooks(m))
     if isinstance(m, _DropoutNd):
         add(m.p)
-    own = m._parameters
     if own:
         add(tuple(own))
         add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
                                            p.shape, p.device) for p in own.values()]) if bound else
             tuple([None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device) for p in own.values()]))
-    buf = m._buffers
     if buf:
         add(tuple(buf))
         add(tuple([None if b is None else (b.dtype, b.shape, b.device) for b in buf.values()]))
-
-
-def _global_hooks(add: Any) -> None:
-    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
-            or _module._global_backward_pre_hooks):
-        add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
-             tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
 
 
 def _tree(m: nn.Module, add: Any, bound: Any, seen: set[int]) -> None:
@@ -205,15 +209,19 @@ def _tree(m: nn.Module, add: Any, bound: Any, seen: set[int]) -> None:
 
 
 def module_key(token: int, x: Tensor, f: nn.Module) -> tuple[Any, ...]:
-    """``walked(token, (x,), {}, modules_of(f), survey=False)[0]`` for a module f, in one pass over
+    """``walked(token, (x,), {}, modules_of(f), guard=False)[0]`` for a module f, in one pass over
     its tree (no list of its modules: a repeated call that runs code straight away needs none)."""
     parts: list[Any] = []
+    add = parts.append
     bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
     try:
-        _tree(f, parts.append, bound, {id(f)})
+        _tree(f, add, bound, {id(f)})
     except RecursionError:  # deeper than the interpreter's limit
-        return walked(token, (x,), {}, modules_of(f), survey=False)[0]
-    _global_hooks(parts.append)
+        return walked(token, (x,), {}, modules_of(f), guard=False)[0]
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks):
+        add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
+             tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
     return (token, (tensor_key(x),), tuple(parts), in_transform(), torch.is_inference_mode_enabled(),
             torch.is_grad_enabled())
 
@@ -224,11 +232,11 @@ def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list
 
 
 def walked(token: int, args: tuple[Any, ...], kwargs: dict[str, Any],
-           modules: list[nn.Module], survey: bool = True) -> tuple[tuple[Any, ...], Optional[Survey]]:
+           modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...], Any]:
     """:func:`key`, and the :class:`~jacmode._state.Survey` of ``modules`` that the same walk
-    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call).
-    ``survey=False``: the key alone, and None for the survey (a call that seldom needs the guard)."""
-    mods, found = _walk(modules, survey)
+    read, for ``preserved_state(f, modules, survey)`` entered right after (one walk per call);
+    ``guard=False``: no survey (None), for a call that likely runs without the guard."""
+    mods, found = _walk(modules, guard)
     return (token, call_signature(args, kwargs) if kwargs else (tensor_key(args[0]),) if len(args) == 1 and
             isinstance(args[0], Tensor) else call_signature(args, kwargs), mods, in_transform(),
             torch.is_inference_mode_enabled(), torch.is_grad_enabled()), found
@@ -239,10 +247,11 @@ def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) 
     reads (the tensors and Python values it took from f's closure, globals and modules are
     unchanged, ``_capture/bound.py``: a rebound name or a changed scalar is not in the key), and no
     engine rejected it for this input signature since (``_capture/capture.reject``).
-    ``signature``: x's key in ``program.checked`` (:func:`checked_key`), where the caller has it."""
+    ``signature``: ``(x.shape[1:], x.dtype, x.device.type)`` when the caller has it (a profile
+    hit: the key fixes it)."""
     if program is None:
         return True
-    if not isinstance(program.checked.get(checked_key(x) if signature is None else signature), tuple):
+    if not isinstance(program.checked.get(signature or (tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
         return False
     for b in program.bound:
         if not b.fresh():
@@ -254,7 +263,8 @@ def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) 
 
 
 def checked_key(x: Tensor) -> tuple[Any, ...]:
-    """x's input signature in a captured program's ``checked`` table (``_capture/program.py``)."""
+    """x's input signature in a captured program's ``checked`` table (``_capture/program.py``): the
+    ``signature`` of :func:`fresh`."""
     return (tuple(x.shape[1:]), x.dtype, x.device.type)
 
 

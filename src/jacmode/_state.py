@@ -199,12 +199,14 @@ def modules_of(f: Any) -> list[nn.Module]:
         stack = [f]
         while stack:
             m = stack.pop()
-            if id(m) in seen:
+            i = id(m)
+            if i in seen:
                 continue
-            seen.add(id(m))
+            seen.add(i)
             found.append(m)
-            if m._modules:
-                stack.extend([c for c in reversed(m._modules.values()) if c is not None])
+            children = m._modules
+            if children:
+                stack.extend([c for c in reversed(children.values()) if c is not None])
         return found
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
 
@@ -219,7 +221,7 @@ def _pre_order(m: nn.Module, found: list[nn.Module], seen: set[int]) -> None:
 
 
 def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None, survey: Optional["Survey"] = None,
-                    grad: Optional[bool] = None) -> "_Preserved":
+                    grad: Optional[bool] = None, kernels: bool = True) -> "_Preserved":
     """Run a block and leave ``f`` exactly as found, even on error: ``f`` if it is an ``nn.Module``,
     else the modules it refers to (:func:`used_modules`: a lambda around a model, ``functional_call``).
 
@@ -229,9 +231,13 @@ def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None, survey: O
     modules once for the key and the guard; it must be of ``modules`` and taken right before.
     ``grad``: also set grad mode within the block (``torch.no_grad()`` / ``enable_grad()``
     entered inside the guard, without their own contexts), and restore it on exit.
-    Yields the :class:`ModelView` of the module (None when ``f`` is not a module).
+    ``kernels``: False leaves the attention kernels' flags alone (``_kernels_in``), for an engine
+    that runs no attention (a profile hit of Taylor mode over a program without attention ops).
+    Yields the :class:`ModelView` of the module (None when ``f`` is not a module, or when the
+    caller gave the ``survey``: it has the walk).
     """
-    return _Preserved(modules_of(f) if modules is None else modules, isinstance(f, nn.Module), survey, grad)
+    return _Preserved(modules_of(f) if modules is None else modules, isinstance(f, nn.Module), survey, grad,
+                      kernels)
 
 
 class Survey:
@@ -269,17 +275,20 @@ class _Preserved:
     contexts, since every call of every entry point enters one (its steps are inlined for that)."""
 
     __slots__ = ("modules", "is_module", "training", "slots", "params", "flags", "grads", "buffers",
-                 "copies", "versions", "patched", "survey", "grad", "grad_was")
+                 "copies", "versions", "patched", "survey", "grad", "grad_was", "kernels")
 
     def __init__(self, modules: list[nn.Module], is_module: bool, survey: Optional[Survey] = None,
-                 grad: Optional[bool] = None) -> None:
-        self.modules, self.is_module, self.survey, self.grad = modules, is_module, survey, grad
+                 grad: Optional[bool] = None, kernels: bool = True) -> None:
+        self.modules, self.is_module, self.survey, self.grad, self.kernels = modules, is_module, survey, grad, kernels
 
     def __enter__(self) -> Optional[ModelView]:
-        _kernels_in()
+        kernels = self.kernels
+        if kernels:
+            _kernels_in()
         try:
             modules = self.modules
-            found = self.survey if self.survey is not None else survey(modules)
+            given = self.survey
+            found = given if given is not None else survey(modules)
             self.survey = None  # a context entered twice walks again
             self.training = training = found.training
             self.slots = found.slots
@@ -292,19 +301,21 @@ class _Preserved:
             if buffers:
                 self.copies = [b.detach().clone() if m.training else None for m, _, b in buffers]
                 self.versions = [b._version for _, _, b in buffers]
-            for bn, flag in zip(modules, training):
-                if flag and isinstance(bn, _BATCHNORM) and bn.track_running_stats:
-                    patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
-                    bn.running_mean = None
-                    bn.running_var = None
-                    bn.track_running_stats = False
+            if any(training):
+                for bn, flag in zip(modules, training):
+                    if flag and isinstance(bn, _BATCHNORM) and bn.track_running_stats:
+                        patched.append((bn, bn.running_mean, bn.running_var, bn.num_batches_tracked))
+                        bn.running_mean = None
+                        bn.running_var = None
+                        bn.track_running_stats = False
             if self.grad is not None:
                 self.grad_was = torch.is_grad_enabled()
                 torch._C._set_grad_enabled(self.grad)
         except BaseException:
-            _kernels_out()
+            if kernels:
+                _kernels_out()
             raise
-        return ModelView(modules, training, params, found.flags) if self.is_module else None
+        return ModelView(modules, training, params, found.flags) if self.is_module and given is None else None
 
     def __exit__(self, *exc: Any) -> None:
         try:
@@ -332,7 +343,8 @@ class _Preserved:
                         if b._version != version and copy is not None:
                             b.copy_(copy)
         finally:
-            _kernels_out()
+            if self.kernels:
+                _kernels_out()
 
 
 _BATCHNORM = nn.modules.batchnorm._BatchNorm

@@ -32,10 +32,11 @@ from torch import Tensor
 
 from ._probes import layerwise
 from ._capture.capture import reject
+from ._autodiff.fallback import translated_warnings
 from ._autodiff.forward import forward_columns, layerwise_columns
 from ._autodiff.reverse import per_sample_rows, reverse_rows, sample_rows
 from ._planning.plan import Plan
-from ._problem import Problem
+from ._problem import Problem, own_input
 from ._rules.base import NotCovered, Unsupported
 from ._state import RngReplay
 from ._transforms import in_transform
@@ -88,8 +89,13 @@ class _Result:
         self.value = flat.view(t.shape)
 
 
-def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
-    """Run the plan's strategy and return the flat result (see module docstring)."""
+def run(p: Problem, plan: Plan, out: Optional[Tensor] = None, fallback: bool = True) -> Tensor:
+    """Run the plan's strategy and return the flat result (see module docstring).
+
+    ``fallback=False``: where Taylor mode over the captured program finds a rule's assumption
+    broken, raise its ``Unsupported`` (the program rejected for these inputs) instead of running
+    the generic engine, which runs f: for a caller that runs no state guard (``_jacobian``'s
+    repeated pure-program call), and then calls again with one."""
     rng = RngReplay(p.device) if p.random else None
     if plan.strategy == "per-sample" and p.probes is not None:
         try:
@@ -129,6 +135,12 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None) -> Tensor:
             return res.target()
         except Unsupported as err:  # a rule's assumption broke at this size: the generic engine
             reject(p.program, p.x, str(err))
+            if not fallback:
+                raise
+            own_input(p)  # f runs now: never on x itself
+            with translated_warnings():  # execute enters none for this engine (it runs no vmap)
+                engine(p.fn, p.z, plan.directions, seeds, place, step, rng)
+            return res.target()
     if not forward and plan.strategy == "broadcast" and _rows_per_sample(p):
         def place_sample_rows(s: int, e: int, blk: Tensor) -> None:
             if not (s == 0 and e == Y and res.whole(blk)):

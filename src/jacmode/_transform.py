@@ -415,15 +415,17 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
     return t
 
 
-def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...]) -> Optional[Transformed]:
+def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...],
+              types: Optional[tuple[type, ...]] = None) -> Optional[Transformed]:
     """The :class:`Transformed` of an earlier eager call of ``op`` on ``f`` with these option
     values (all of them, in the entry point's order, as :func:`eager` is given them), or None:
-    the repeated call's look-up, without building the options' dict."""
+    the repeated call's look-up, without building the options' dict (``types``: the values'
+    types, when the caller has them)."""
     try:
         hit = _EAGER.data.get(weakref.ref(f))  # type: ignore[attr-defined]
         if hit is None:
             return None
-        return hit.get((_SPECS[op].name, values, tuple(map(type, values))))
+        return hit.get((_SPECS[op].name, values, tuple(map(type, values)) if types is None else types))
     except TypeError:  # f cannot be weakly referenced, or an unhashable option (a list of names)
         return None
 

@@ -162,6 +162,7 @@ class Stacked:
         self.spare: set[int] = set()  # coefficients the running step may overwrite (Program.run)
         self.lazy = lazy  # the input's seed is built only if a rule other than a linear map reads it
         self.built = False  # whether it was
+        self.directions_last = False  # see [Directions last] in _rules/linear.py
 
     def seed(self, z: Tensor) -> Traced:
         def make() -> dict[Any, Tensor]:
@@ -235,7 +236,9 @@ def partial(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Key) -
 
 def first(program: Program, z: Tensor, in_shape: tuple[int, ...], dims: Sequence[int]) -> Tensor:
     """First derivatives along each d in ``dims``: z (B, D) -> (k, B, Y)."""
-    out = _run(program, Stacked(dims, lazy=True), z, in_shape)
+    alg = Stacked(dims, lazy=True)
+    alg.directions_last = True  # the (k, B, Y) result is read as (B, Y, k): see [Directions last]
+    out = _run(program, alg, z, in_shape)
     return _flat(out.coef.get("g"), out, len(dims), z.shape[0])
 
 

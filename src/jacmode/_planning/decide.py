@@ -19,7 +19,7 @@ from .._checks import Options
 from .._autodiff import fallback as _fallback
 from .._autodiff import loops as _loops
 from .._autodiff.fallback import Caps
-from .._problem import Problem
+from .._problem import Problem, own_input
 from .._structure import run
 from . import autotune as _autotune
 from . import footprint as _footprint
@@ -136,15 +136,24 @@ def _would_pick_forward(p: Problem, fp: Footprint, opts: Options, budget: float)
     return plan is not None and plan.mode == "forward"
 
 
+def _no_vmap(p: Problem, plan: Plan) -> bool:
+    """Whether the engine of ``plan`` on ``p`` runs without vmap (see :func:`execute`)."""
+    if plan.strategy == "per-sample":
+        return p.probes is not None and not p.probes.uncovered
+    return plan.strategy == "broadcast" and plan.mode == "forward" and p.program is not None
+
+
 def execute(f: Any, p: Problem, d: Decision, opts: Options, out: Optional[Tensor]) -> Tensor:
     """Run the plan; under ``mode="auto"`` re-plan around gaps found while running (at most twice)."""
     for _ in range(3):
         plan = d.plan
         try:
-            # the probe engine (every parameter covered) runs no vmap, so no vmap warning to
-            # translate: no warnings context, which a repeated small call would feel
-            with (contextlib.nullcontext() if plan.loop is None and plan.strategy == "per-sample"
-                  and p.probes is not None and not p.probes.uncovered else _fallback.translated_warnings()):
+            # the probe engine (every parameter covered) and forward mode over a captured program
+            # (Taylor mode, ``_structure.run``: its fallback to vmap translates its own warnings)
+            # run no vmap, so no vmap warning to translate: no warnings context, which a repeated
+            # small call would feel
+            with (contextlib.nullcontext() if plan.loop is None and _no_vmap(p, plan)
+                  else _fallback.translated_warnings()):
                 if plan.loop == "autograd":
                     safe = _fallback.params_fn(f, p, p.x.detach().clone()) if p.kind == "params" else p.fn
                     return _loops.autograd_rows(p, plan, out, opts.create_graph, safe)
@@ -159,5 +168,6 @@ def execute(f: Any, p: Problem, d: Decision, opts: Options, out: Optional[Tensor
                 raise _fallback.explicit_error(plan.mode, *gap) from exc
             _fallback.learn(f, d.key, d.caps, plan, *gap)
             d.plan = _plan(f, d.key, p, opts, d.fp, d.caps, d.budget)
+            own_input(p)  # the next engine may run f: never on x itself
     raise RuntimeError("jacmode: no engine could run f")  # pragma: no cover
 

@@ -32,18 +32,18 @@ from .calibrated import MEMORY
 DEFAULT_FRACTION = 0.5
 
 
-_RECENT: dict[str, tuple[float, int]] = {}  # device -> (time.monotonic(), free bytes)
+_RECENT: dict[torch.device, tuple[float, int]] = {}  # device -> (time.monotonic(), free bytes)
 RECENT_S = 0.5
 
 
 def available_bytes(device: torch.device) -> int:
     """Free memory on ``device`` (RAM, or free CUDA memory), re-read at most every ``RECENT_S``."""
     now = time.monotonic()
-    hit = _RECENT.get(str(device))
+    hit = _RECENT.get(device)  # the device itself: str(device) costs more than the look-up
     if hit is not None and now - hit[0] < RECENT_S:
         return hit[1]
     free = _read_available(device)
-    _RECENT[str(device)] = (now, free)
+    _RECENT[device] = (now, free)
     return free
 
 

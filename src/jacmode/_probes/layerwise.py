@@ -225,7 +225,8 @@ def jacobian(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
     if step_b >= B and not p.random:
         from . import generated  # (it imports this module)
 
-        found = generated.jacobian(p.model, p.x, named, p.probes, out, p.dtype, p.device, (B, Y, N), repeat)
+        found = generated.jacobian(p.model, p.x, named, p.probes, out, p.dtype, p.device, (B, Y, N), repeat,
+                                   p.__dict__.get("memo"))
         if found is not None:  # see [Generated probe code]
             return found
     result = out if out is not None else torch.empty(B, Y, N, dtype=p.dtype, device=p.device)  # not p.z: made lazily
