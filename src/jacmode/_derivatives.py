@@ -13,8 +13,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import _args, _operators
+from . import _args, _checks, _operators
 from ._args import Argnums, InDims
+from ._args.front import accepts_one
 from ._cache import WeakCache
 from ._checks import Options
 from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
@@ -201,6 +202,20 @@ def _is_dims(v: Any) -> bool:
     return _is_int(v) or (isinstance(v, (tuple, list)) and all(_is_int(d) or isinstance(d, str) for d in v))
 
 
+_TARGETS: dict[tuple[Any, ...], tuple[tuple[int, ...], ...]] = {}  # (dims of int tuples, D) -> check_dims of each
+
+
+def _int_tuples(dims: Sequence[Any]) -> bool:
+    """Every entry a tuple of ints (not bools: ``True == 1`` in a dict's key), as loops (every call)."""
+    for d in dims:
+        if type(d) is not tuple:
+            return False
+        for c in d:
+            if type(c) is not int:
+                return False
+    return True
+
+
 def _is_dims_list(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and bool(v) and all(isinstance(d, (tuple, list)) for d in v)
 
@@ -368,6 +383,18 @@ def partials(
                                                     create_graph=create_graph),
                                    f, x, [check_dims(d, math.prod(x.shape[1:])) for d in ds], opts.structure,
                                    opts.create_graph)
+    walked = None
+    if (kwargs is None and has_aux is False and argnums is None and type(in_dims) is int and in_dims == 0
+            and (chunk_size is None or type(chunk_size) is int) and args and isinstance(args[0], Tensor)):
+        # a repeated simple call (the front's, below): the code its profile holds ready, else the walk
+        ds = dims if len(args) == 1 else args[1] if (
+            dims is None and len(args) == 2 and accepts_one(f) is True) else None
+        if type(ds) in (list, tuple) and ds and callable(f) and _int_tuples(ds):
+            known = _TARGETS.get((tuple(ds), math.prod(args[0].shape[1:])))  # dims checked before
+            if known is not None:
+                walked = _operands.direct_call(f, args[0], structure, create_graph, ("partials", known, chunk_size))
+                if walked is not None and not isinstance(walked, _operands.Walked):
+                    return walked
     # ---- front: the call of several arguments as one flat function (see _args/) ----
     args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims_list, "dims",
                                          "jm.partials(u, x, t, dims=[('t',), ('x', 'x')])")
@@ -388,19 +415,37 @@ def partials(
     else:
         call = _front(f, args, kwargs, argnums, in_dims, has_aux, [c for d in dims for c in _coords(d)])
         fn, x = call.fn, call.x
-    opts = validated(fn, x, "x", structure, chunk_size, create_graph)
+    opts = validated(fn, x, "x", structure, chunk_size, create_graph, devices=False)  # evaluate checks them
     if not dims:
         raise ValueError("dims: expected at least one partial, e.g. [(0,), (1, 1)], got an empty list.")
     n = math.prod(x.shape[1:])
-    targets = [check_dims(d if call is None or call.simple else _args.resolve(call, _coords(d), "dims"), n)
-               for d in dims]
+    if call is None:  # dims of int tuples (checked above): each distinct dims checked once per D
+        known = _TARGETS.get((tuple(dims), n))
+        if known is None:
+            known = tuple(check_dims(d, n) for d in dims)
+            if len(_TARGETS) >= 256:
+                _TARGETS.clear()
+            _TARGETS[tuple(dims), n] = known
+        targets = list(known)
+    else:
+        targets = [check_dims(d if call.simple else _args.resolve(call, _coords(d), "dims"), n) for d in dims]
 
     def body(t: Target) -> tuple[Tensor, ...]:
         flat = t.over_samples(opts.chunk_size, (len(targets),),
                               lambda z, s: t.run("partials", z, targets, scale=s))
         return tuple(r.reshape(x.shape[0], *t.out_shape) for r in flat.unbind(0))
 
-    result = evaluate(fn, x, opts, body)
+    def direct(t: Target) -> Any:  # body as one engine call: all samples in one pass
+        if (opts.chunk_size is not None and opts.chunk_size < t.z.shape[0]) or t.coupled or t.rng is not None \
+                or not _all_there(t):
+            return None
+        shape = (x.shape[0], *t.out_shape)
+        if len(t.out_shape) == 1:  # (k, B, Y): each partial is (B, Y) already
+            return "partials", (targets,), lambda flat: flat.unbind(0)
+        return "partials", (targets,), lambda flat: tuple([r.reshape(shape) for r in flat.unbind(0)])
+
+    result = evaluate(fn, x, opts, body, (("partials", tuple(targets), opts.chunk_size), direct),
+                      walked if call is None else None)
     if call is None or call.simple:
         return result
     # ---- tail: f's output pytree ----
@@ -608,8 +653,13 @@ def laplacian(
     if (len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int and argnums == 0
             and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor) and callable(f)):
         # laplacian(f, x): what the front would find (a simple call), without it
+        walked = None
+        if weight is None and samples is None and return_std is False and (chunk_size is None or type(chunk_size) is int):
+            walked = _operands.direct_call(f, args[0], structure, create_graph, ("laplacian", chunk_size))
+            if walked is not None and not isinstance(walked, _operands.Walked):  # the code its profile holds ready
+                return walked  # type: ignore[no-any-return]
         return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
-                          chunk_size, create_graph)
+                          chunk_size, create_graph, walked)
     # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     result = _laplacian(call.fn, call.x, weight, samples, distribution, generator, return_std, structure,
@@ -623,10 +673,14 @@ def laplacian(
 
 
 def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, generator: Any, return_std: Any,
-               structure: Any, chunk_size: Any, create_graph: Any) -> Union[Tensor, tuple[Tensor, Tensor]]:
-    """The body of :func:`laplacian` for a function of one tensor."""
-    opts = validated(f, x, "x", structure, chunk_size, create_graph)
-    if torch.compiler.is_compiling():  # compile: a traceable path
+               structure: Any, chunk_size: Any, create_graph: Any,
+               walked: Optional[_operands.Walked] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """The body of :func:`laplacian` for a function of one tensor (``walked``: ``evaluate``'s)."""
+    opts = validated(f, x, "x", structure, chunk_size, create_graph, devices=False)  # checked below
+    compiling = torch.compiler.is_compiling()
+    if compiling or weight is not None or samples is not None or return_std:
+        _checks.check_devices(f, x)  # evaluate checks them where it finds no profile
+    if compiling:  # compile: a traceable path
         def again() -> Union[Tensor, tuple[Tensor, Tensor]]:
             return laplacian(f, x, weight=weight, samples=samples, distribution=distribution, generator=generator,
                              return_std=return_std, structure=structure, chunk_size=chunk_size,
@@ -643,7 +697,16 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
             t.z.new_zeros(x.shape[0], math.prod(t.out_shape)))
         return total.reshape(x.shape[0], *t.out_shape)
 
-    return evaluate(f, x, opts, body)
+    def direct(t: Target) -> Any:  # body as one engine call: one chunk of directions, all samples at once
+        chunks, width = direction_chunks(t, math.prod(t.in_shape), opts.chunk_size, SUM_PASS_BYTES)
+        if len(chunks) != 1 or width is not None or t.coupled or t.rng is not None or not _all_there(t):
+            return None
+        shape = (x.shape[0], *t.out_shape)
+        if len(t.out_shape) == 1:  # (B, Y) already
+            return "laplacian", (chunks[0],), _same
+        return "laplacian", (chunks[0],), lambda out: out.reshape(shape)
+
+    return evaluate(f, x, opts, body, (("laplacian", opts.chunk_size), direct), walked)
 
 
 def divergence(
@@ -712,6 +775,15 @@ def _divergence(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph:
         return _sum_over_coordinates(t, opts, trace, x.new_zeros(x.shape[0]))
 
     return evaluate(f, x, opts, body)
+
+
+def _same(out: Tensor) -> Tensor:
+    return out
+
+
+def _all_there(t: Target) -> bool:
+    """Samples and outputs there are (``Target.over_samples`` returns zeros without running otherwise)."""
+    return bool(t.z.shape[0]) and bool(math.prod(t.out_shape))
 
 
 def _sum_over_coordinates(t: Target, opts: Options, term: Callable[[range, Optional[int]], Tensor], empty: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -175,12 +175,16 @@ def _order(name: str, args: tuple[Any, ...]) -> int:
     return 1 if name == "first" else 2
 
 
-def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create_graph: Any) -> Options:
+def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create_graph: Any,
+              devices: bool = True) -> Options:
+    """The checks of a derivative operator's input and options. ``devices=False``: the caller
+    checks the devices of f's parameters itself (:func:`evaluate` with ``direct``, from its walk)."""
     _checks.check_input(x, wrt="inputs", batched=True, name=name)
     _checks.check_function(f)  # what _jacobian._options checks, x once
     opts = _checks.check_options(wrt="inputs", mode="forward", batched=True, structure=structure,
                                  chunk_size=chunk_size, create_graph=create_graph, flatten=True)
-    _checks.check_devices(f, x)
+    if devices:
+        _checks.check_devices(f, x)
     if opts.structure == "diagonal":
         raise ValueError(
             "structure: 'diagonal' does not apply to the derivative operators. Use 'auto' (the "
@@ -240,26 +244,116 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
 
 
 T = TypeVar("T")
+# how an operator's body reads as one engine call (see evaluate): (engine function, its arguments,
+# how the result is assembled from that call's output), or None where it is not one such call
+Direct = Callable[[Target], Optional[tuple[str, tuple[Any, ...], Callable[[Tensor], Any]]]]
 
 
-def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
+class Walked:
+    """What :func:`direct_call` found where it could not run code straight away: the modules and
+    the key it walked, for :func:`evaluate` right after (one walk per call)."""
+
+    __slots__ = ("modules", "key")
+
+    def __init__(self, modules: list[nn.Module], key: tuple[Any, ...]) -> None:
+        self.modules, self.key = modules, key
+
+
+def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hashable) -> Any:
+    """The result of a derivative operator's call ``(f, x)`` from the code its profile holds ready
+    (see :func:`evaluate`), before any other work: what its key holds (x's shapes, dtype and device,
+    f's modules and parameters, the options as validated by the call that made the profile) is
+    what the call's checks would check; ``name`` is :func:`evaluate`'s ``direct[0]``. Else a
+    :class:`Walked` for ``evaluate(..., walked=)``, or None where the options are not plain
+    values that a profile's token can name (the call validates them and raises).
+    """
+    if type(create_graph) is not bool or type(structure) is not str or isinstance(f, Flat):
+        return None
+    token = _TARGET_TOKEN.get((structure, create_graph))
+    if token is None:
+        return None
+    modules: Optional[list[nn.Module]] = None
+    if isinstance(f, nn.Module):  # one pass over the tree; its list only where no code is ready
+        key = _profile.module_key(token, x, f)
+    else:
+        modules = modules_of(f)
+        key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
+    found = _profile.find(f, key)
+    if found is not None:
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(create_graph)
+        try:
+            out = _ready(found, name, f, x, create_graph)
+        finally:
+            torch._C._set_grad_enabled(was)
+        if out is not None:
+            return connected(out[0], f, x, True) if create_graph else out[0]
+    return Walked(modules_of(f) if modules is None else modules, key)
+
+
+def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:
+    """(the result,) from the profile's code ready for ``name``, under the grad mode set to
+    ``create_graph``; None where it has none, or its checks fail (then dropped: the call makes it
+    again)."""
+    run = found.runs.get(name)
+    if not run or not _profile.fresh(found.facts[0], x, run[3]):
+        return None
+    z = x if create_graph else x.detach()
+    out = run[0](z if z.dim() == 2 else z.reshape(x.shape[0], run[1]))  # (B, N) already: z itself
+    if out is None:  # what the code's key holds changed
+        found.runs.pop(name, None)
+        return None
+    return (run[2](out),)
+
+
+def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
+             direct: Optional[tuple[Hashable, Direct]] = None, walked: Optional["Walked"] = None) -> T:
     """``body`` of the :class:`Target` of f; on ``Unsupported``, again on the generic path.
 
     The target's facts (engine, shapes, coupling) are profiled per f and signature: they do not
     depend on which operator asks, so all operators of the same f and x share one profile.
+
+    ``direct``: (a key of the operator and its arguments that the profile's key does not hold,
+    e.g. ``chunk_size``; how its body reads as one engine call). A profile hit whose body is one
+    call of generated code keeps that code, ready, in the profile (``Profile.runs``); the next
+    hits run it straight away (``_capture/codegen.Ready``, which re-checks all that the code's
+    own key holds), without a :class:`Target` or the code's look-up; its key is walked without the
+    guard's survey (the guarded path of a function without a captured program walks again). A
+    caller passing ``direct`` validated without the devices (``validated(..., devices=False)``):
+    they are checked here where no profile is found (a profile's key holds the devices of x and of
+    every parameter, as they were when its first call checked them). ``walked``: what
+    :func:`direct_call` found for this call (with ``direct``, and f not a ``Flat``).
     """
-    modules = modules_of(f)
-    key, survey = _profile.walked(_TARGET_TOKEN[opts.structure, opts.create_graph], (x,), {}, modules)
+    token = _TARGET_TOKEN[opts.structure, opts.create_graph]
+    if walked is not None and walked.key[0] == token:  # direct_call looked this key up, and found no code ready
+        modules, key, survey, tried = walked.modules, walked.key, None, True
+    else:  # (inside a torch.func transform create_graph is True whatever the call said: another token)
+        modules = modules_of(f)
+        key, survey = _profile.walked(token, (x,), {}, modules, guard=direct is None)
+        tried = False
+    found = None
     try:
         was = torch.is_grad_enabled()  # a repeated call of a captured program: no context managers
         torch._C._set_grad_enabled(opts.create_graph)
         try:
-            hit = _hit(f, x, opts, key)
-            result = None if hit is None else body(hit)
+            found = _profile.find(f, key)
+            hit: Optional[Target] = None
+            out = None
+            if direct is not None and found is not None and not tried and not isinstance(f, Flat):
+                out = _ready(found, direct[0], f, x, opts.create_graph)
+                if out is not None:
+                    result = out[0]
+            if out is None:
+                hit = None if found is None else _hit(f, x, opts, found)
+                result = None if hit is None else body(hit)
+                if hit is not None and direct is not None and direct[0] not in found.runs:  # type: ignore[union-attr]
+                    _keep_direct(found, direct, hit, x)  # type: ignore[arg-type]
         finally:
             torch._C._set_grad_enabled(was)
-        if hit is not None:
+        if out is not None or hit is not None:
             return connected(result, f, x, True) if opts.create_graph else result  # type: ignore[return-value]
+        if direct is not None and found is None:
+            _checks.check_devices(f, x)  # validated without them (see above)
         with target(f, x, opts, modules, key, survey) as t:
             return connected(body(t), f, x, opts.create_graph)
     except Unsupported as err:
@@ -272,12 +366,26 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T]) -> T:
         return connected(body(t), f, x, opts.create_graph)
 
 
-def _hit(f: Any, x: Tensor, opts: Options, key: tuple) -> Optional[Target]:
+def _keep_direct(found: _profile.Profile, direct: tuple[Hashable, Direct], t: Target, x: Tensor) -> None:
+    """Keep in the profile the generated code that ``t``'s body just ran as its one engine call,
+    once that code exists (from the call that generates it, ``codegen.AFTER_CALLS``); False where
+    it never will (the body is not one call, or the program cannot be generated)."""
+    if t.source is not None or t.program is None:
+        return
+    plan = direct[1](t)
+    # the profile's parameters: a hit's key checked their identity, shape, dtype, device and requires_grad
+    vouched = {id(p) for p in found.holds if isinstance(p, Tensor)}
+    code = None if plan is None else _codegen.ready(plan[0], t.program, t.z, t.in_shape, *plan[1], vouched=vouched)
+    if plan is None or code is False:
+        found.runs[direct[0]] = False
+    elif code is not None:
+        # (x's signature is the profile's: its key in program.checked too)
+        found.runs[direct[0]] = (code, t.z.shape[1], plan[2], _profile.checked_key(x))
+
+
+def _hit(f: Any, x: Tensor, opts: Options, found: _profile.Profile) -> Optional[Target]:
     """The :class:`Target` of a profile hit with a fresh captured program (what :func:`target`
     yields for it, without its generator context and grad-mode context), else None."""
-    found = _profile.find(f, key)
-    if found is None:
-        return None
     program, out_shape, coupled, random, widest = found.facts
     if program is None or not _profile.fresh(program, x):
         return None  # the guarded path, or capture again (target)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 import torch
@@ -46,7 +46,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from . import _functional
 from ._args import Flat
 from ._cache import WeakCache, _resolved
-from ._state import Survey
+from ._state import Survey, modules_of
 from ._transforms import in_transform
 
 PER_FUNCTION = 16
@@ -64,11 +64,15 @@ class Profile:
             problem's facts and the decision (plan), for the derivative operators the target's
             engine choice and shapes, for ``per_sample_grads`` the coverage and the split.
         holds: the modules and parameters of the key, kept alive so their ids stay unique.
+        runs: what a repeated call of this profile runs straight away, per entry point and
+            arguments (the derivative operators: the generated code and how its result is
+            assembled, ``_operands.evaluate``); it re-checks what the key does not hold.
     """
 
     op: str
     facts: Any
     holds: tuple[Any, ...] = ()
+    runs: dict[Any, Any] = field(default_factory=dict)
 
 
 def _value_key(v: Any) -> Hashable:
@@ -170,6 +174,58 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
     return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
+def _module_key(m: nn.Module, add: Any, bound: Any) -> None:
+    """One module's part of the key, as :func:`_walk` adds it."""
+    d = m.__dict__
+    try:
+        flag, own, buf = d["training"], d["_parameters"], d["_buffers"]
+        hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+    except KeyError:  # a module keeping them elsewhere (a ScriptModule): its attributes
+        flag, own, buf = m.training, m._parameters, m._buffers
+        hooked = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    add(id(m))
+    add(flag)
+    if hooked:
+        add(_hooks(m))
+    if isinstance(m, _DropoutNd):
+        add(m.p)
+    if own:
+        add(tuple(own))
+        add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
+                                           p.shape, p.device) for p in own.values()]) if bound else
+            tuple([None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device) for p in own.values()]))
+    if buf:
+        add(tuple(buf))
+        add(tuple([None if b is None else (b.dtype, b.shape, b.device) for b in buf.values()]))
+
+
+def _tree(m: nn.Module, add: Any, bound: Any, seen: set[int]) -> None:
+    """:func:`_module_key` of m and of its submodules in ``modules_of``' order (pre-order, once each)."""
+    _module_key(m, add, bound)
+    for c in m._modules.values():
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            _tree(c, add, bound, seen)
+
+
+def module_key(token: int, x: Tensor, f: nn.Module) -> tuple[Any, ...]:
+    """``walked(token, (x,), {}, modules_of(f), guard=False)[0]`` for a module f, in one pass over
+    its tree (no list of its modules: a repeated call that runs code straight away needs none)."""
+    parts: list[Any] = []
+    add = parts.append
+    bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    try:
+        _tree(f, add, bound, {id(f)})
+    except RecursionError:  # deeper than the interpreter's limit
+        return walked(token, (x,), {}, modules_of(f), guard=False)[0]
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks):
+        add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
+             tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
+    return (token, (tensor_key(x),), tuple(parts), in_transform(), torch.is_inference_mode_enabled(),
+            torch.is_grad_enabled())
+
+
 def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]) -> tuple[Any, ...]:
     """The one key of a profile (see the note): options, call signature, modules, modes."""
     return walked(token, args, kwargs, modules)[0]
@@ -204,6 +260,12 @@ def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) 
         if not g.fresh():
             return False
     return True
+
+
+def checked_key(x: Tensor) -> tuple[Any, ...]:
+    """x's input signature in a captured program's ``checked`` table (``_capture/program.py``): the
+    ``signature`` of :func:`fresh`."""
+    return (tuple(x.shape[1:]), x.dtype, x.device.type)
 
 
 def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:

@@ -187,8 +187,15 @@ def modules_of(f: Any) -> list[nn.Module]:
     """``f.modules()`` for a module, else every module of those a plain function refers to
     (:func:`used_modules`), each once: what :func:`preserved_state` guards."""
     if isinstance(f, nn.Module):  # f.modules(), without its generators: it runs on every call
-        found: list[nn.Module] = []
-        seen: set[int] = set()
+        found: list[nn.Module] = [f]
+        seen: set[int] = {id(f)}
+        try:  # pre-order, each module once: recursion is the faster walk of the usual shallow trees
+            if f._modules:
+                _pre_order(f, found, seen)
+            return found
+        except RecursionError:  # a tree deeper than the interpreter's limit: the same walk with a stack
+            pass
+        found, seen = [], set()
         stack = [f]
         while stack:
             m = stack.pop()
@@ -202,6 +209,15 @@ def modules_of(f: Any) -> list[nn.Module]:
                 stack.extend([c for c in reversed(children.values()) if c is not None])
         return found
     return list({id(m): m for root in used_modules(f) for m in root.modules()}.values())
+
+
+def _pre_order(m: nn.Module, found: list[nn.Module], seen: set[int]) -> None:
+    for c in m._modules.values():
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            found.append(c)
+            if c._modules:
+                _pre_order(c, found, seen)
 
 
 def preserved_state(f: Any, modules: Optional[list[nn.Module]] = None, survey: Optional["Survey"] = None,

@@ -31,6 +31,7 @@ each swapped tensor is a constant classified as above, so it is bound to the dic
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 import types
 import weakref
@@ -101,12 +102,17 @@ class Attributes:
     """The scalar attributes of a module the trace went through (see the note): unchanged, and no
     attribute added or removed."""
 
-    __slots__ = ("where", "module", "size", "items")
+    __slots__ = ("where", "module", "size", "items", "get", "values", "types")
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.where, self.size = f"the attributes of {type(module).__name__}", len(module.__dict__)
         self.module = weakref.ref(module)  # the cache is weak in f: never keep f (or its modules) alive
         self.items = [(k, v) for k, v in module.__dict__.items() if _scalar(v)]
+        names = [k for k, _ in self.items]
+        # every profile hit reads them: one C call (itemgetter of two names or more gives a tuple)
+        self.get = operator.itemgetter(*names) if len(names) >= 2 else lambda d: tuple([d[k] for k in names])
+        self.values = tuple(v for _, v in self.items)
+        self.types = tuple(type(v) for v in self.values)
 
     def fresh(self) -> bool:
         module = self.module()
@@ -115,11 +121,12 @@ class Attributes:
         d = module.__dict__
         if len(d) != self.size:
             return False
-        for k, v in self.items:  # a loop, not all(...) over a generator: every profile hit checks it
-            now = d.get(k)
-            if type(now) is not type(v) or not now == v:
-                return False
-        return True
+        try:
+            values = self.get(d)
+        except KeyError:  # one removed, another added
+            return False
+        # equal and of the same types (True == 1, 1.0 == 1); a tuple compares identical objects as equal
+        return values == self.values and tuple(map(type, values)) == self.types
 
 
 def _meta(t: Tensor) -> tuple:

@@ -51,7 +51,7 @@ import contextlib
 import contextvars
 import dataclasses
 import operator
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Collection, Iterator, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -109,11 +109,17 @@ class _Layout:
         """The scalar attributes of the leaf modules, which their rules read at run time and the
         generated code has frozen (``negative_slope``, ``eps``, ``stride``), and how many
         attributes each module has (one added or removed is a change too)."""
-        out = []
-        for m, names in self.scalars:
-            d = m.__dict__
-            out.append((len(d), *(d.get(k, _GONE) for k in names)))
-        return tuple(out)
+        getters = self.__dict__.get("_getters")
+        if getters is None:
+            getters = self.__dict__["_getters"] = [(m, _getter(names)) for m, names in self.scalars]
+        try:  # every call of generated code reads them: one C call per module
+            return tuple([(len(m.__dict__), *get(m.__dict__)) for m, get in getters])
+        except KeyError:  # an attribute that is no longer there
+            out = []
+            for m, names in self.scalars:
+                d = m.__dict__
+                out.append((len(d), *(d.get(k, _GONE) for k in names)))
+            return tuple(out)
 
     def read(self, program: Program) -> tuple[list[Any], list[Tensor]]:
         values = [program.steps[i].fn() for i in self.steps]
@@ -124,6 +130,13 @@ class _Layout:
                 if t is not None:
                     tensors.append(t)
         return values, tensors
+
+
+def _getter(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """``d -> tuple(d[k] for k in names)`` (KeyError where one is missing), as one ``itemgetter``."""
+    if len(names) >= 2:
+        return operator.itemgetter(*names)
+    return lambda d: tuple([d[k] for k in names])
 
 
 def _layout(program: Program) -> _Layout:
@@ -201,6 +214,105 @@ def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args
     if isinstance(entry, str):  # could not be generated: why, and the interpreter serves
         return interpret(program, z, in_shape, *args)
     return entry(z, *tensors)
+
+
+class Ready:
+    """The generated code of one call of :func:`run`, with everything its key read, so that a later
+    call of the same engine function and arguments (a profile hit of the derivative operators,
+    ``_operands.evaluate``) runs it without building and hashing that key again.
+
+    ``ready(z)`` checks what :func:`run`'s key holds, by comparison with the values it was made
+    with: the conditions of generated code (switch, compiling, modes; torch.func transforms,
+    inference mode and z's layout are in the caller's profile key),
+    the backend, grad mode, z's shape, strides, dtype, device and ``requires_grad``, the program's
+    tensors read afresh (each one's metadata) and Python values, and the leaf modules' scalar
+    settings; it returns the code's result, or None where anything differs (the caller then takes
+    :func:`run`, which finds or generates the code of the new key).
+    """
+
+    __slots__ = ("program", "layout", "code", "z_meta", "grad", "backend", "metas", "values", "same", "strides",
+                 "slots")
+
+    def __init__(self, program: Program, layout: _Layout, code: Callable[..., Tensor], z_meta: tuple, grad: bool,
+                 backend: Optional[str], metas: tuple, values: tuple, settings: tuple,
+                 same: Optional[tuple[Tensor, ...]] = None) -> None:
+        self.program, self.layout, self.code = program, layout, code
+        self.z_meta, self.grad, self.backend, self.metas = z_meta, grad, backend, metas
+        self.values = (values, settings)
+        # the tensors, where the caller vouches for all but their strides while they are these objects
+        self.same, self.strides = same, tuple(m[1] for m in metas)
+        # where they are all the leaf modules' (no reading steps) and no slot is empty: the dicts and
+        # names they are read from (a slot emptied or filled is another object there)
+        slots = [(owner._parameters if kind == "p" else owner._buffers, name)
+                 for _, slots in layout.modules for owner, kind, name in slots]
+        self.slots = None if same is None or layout.steps or len(slots) != len(same) else slots
+
+    def __call__(self, z: Tensor) -> Optional[Tensor]:
+        """The code's result for z, or None where a check fails. The caller holds in its own key
+        what this call does not check again: torch.func transforms, inference mode, z's layout."""
+        if not ENABLED or torch.compiler.is_compiling() or _modes_active() or torch.is_grad_enabled() is not self.grad:
+            return None
+        mode = _MODE.get()
+        if (None if mode is None else mode["backend"]) != self.backend or _meta(z) != self.z_meta:
+            return None
+        layout = self.layout
+        slots, same = self.slots, self.same
+        if slots is not None:  # the vouched tensors of the leaf modules, read where layout.read reads them
+            try:
+                found: list[Any] = [d[k] for d, k in slots]
+            except KeyError:
+                return None
+            if not all(map(operator.is_, found, same)):  # type: ignore[arg-type]
+                found = layout.read(self.program)[1]  # another tensor (or None): all their metadata
+                if tuple(map(_meta, found)) != self.metas:
+                    return None
+            elif tuple([t.stride() for t in found]) != self.strides:
+                return None
+            if layout.settings() != self.values[1]:  # no reading steps: no values
+                return None
+            return self.code(z, *found)
+        values, tensors = layout.read(self.program)
+        if same is not None and len(tensors) == len(same) and all(map(operator.is_, tensors, same)):
+            if tuple([t.stride() for t in tensors]) != self.strides:
+                return None
+        elif tuple(map(_meta, tensors)) != self.metas:
+            return None
+        if (tuple(v if _scalar(v) else type(v) for v in values), layout.settings()) != self.values:
+            return None
+        return self.code(z, *tensors)
+
+
+def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args: Any,
+          vouched: Collection[int] = ()) -> Union[Ready, None, bool]:
+    """The :class:`Ready` code of ``run(name, program, z, in_shape, *args)`` as called now, where
+    that call would run generated code already made (eager, not compiled: a compiled call keeps
+    :func:`run`); None where it would not (yet); False where the program is interpreted for good
+    at this key (the code could not be generated, too many signatures, values in containers).
+
+    ``vouched``: ids of tensors whose shape, dtype, device and ``requires_grad`` the caller checks
+    before every call of the result for as long as they are the same objects (a profile's
+    parameters, whose key holds them): where the program reads only such tensors, the result
+    compares their identity and strides instead of all their metadata."""
+    if (not ENABLED or torch.compiler.is_compiling() or in_transform() or torch.is_inference_mode_enabled()
+            or z.layout != torch.strided or _modes_active() or _MODE.get() is not None):
+        return None
+    layout = _layout(program)
+    values, tensors = layout.read(program)
+    if not all(isinstance(v, Tensor) or _scalar(v) for v in values):
+        return False
+    grad = torch.is_grad_enabled()
+    metas = tuple(_meta(t) for t in tensors)
+    scalars = tuple(v if _scalar(v) else type(v) for v in values)
+    settings = layout.settings()
+    key = (name, _frozen(args), in_shape, _meta(z), grad, None, metas, scalars, settings)
+    table = program.__dict__.get("_codegen", {})
+    entry = table.get(key)
+    if isinstance(entry, str) or (entry is None and len(table) >= MAX_SIGNATURES):
+        return False
+    if not callable(entry):
+        return None
+    same = tuple(tensors) if tensors and all(id(t) in vouched for t in tensors) else None
+    return Ready(program, layout, entry, _meta(z), grad, None, metas, scalars, settings, same)
 
 
 def _generate(name: str, program: Program, layout: _Layout, values: list[Any], tensors: list[Tensor], z: Tensor,
