@@ -4,7 +4,7 @@ For each entry point: the median time of a repeated identical eager call, of the
 its transform (``jm.transform``), and of its engine alone (no checks, no state guard, no lookup):
 
 * ``jacobian``: the generated probe code the call's profile holds, called with the tensors it
-  reads (``_jacobian._rerun``: a repeated parameter Jacobian runs only that); elsewhere the
+  reads (``_jacobian._direct``: a repeated parameter Jacobian runs only that); elsewhere the
   strategy's engine (``_structure.run``: the probe engine, or Taylor mode's columns) on the
   problem the call's profile holds, made once (``again``) outside the timing;
   ``execute``'s retry loop and warnings context are the call's, not the engine's;
@@ -51,12 +51,17 @@ from jacmode._probes import products as _products_engine
 from bench.baselines import MLP, PinnNet, params_hand_rule, params_loop
 
 
-def _profile_of(f: Any, op: str, kind: str) -> Any:
-    """The facts of f's profile of entry point ``op`` for a problem of ``kind`` ("inputs", "params")."""
+def _profile_entry(f: Any, op: str, kind: str) -> Any:
+    """f's profile of entry point ``op`` for a problem of ``kind`` ("inputs", "params")."""
     for prof in _profile._PROFILES._data.get(f, {}).values():
         if prof.op == op and prof.facts[0].kind == kind:
-            return prof.facts
+            return prof
     raise LookupError(op)
+
+
+def _profile_of(f: Any, op: str, kind: str) -> Any:
+    """The facts of f's profile of entry point ``op`` for a problem of ``kind``."""
+    return _profile_entry(f, op, kind).facts
 
 
 def _jacobian_engine(net: Any, x: torch.Tensor, wrt: str, fn: bool = False) -> Callable[[], Any]:
@@ -66,7 +71,7 @@ def _jacobian_engine(net: Any, x: torch.Tensor, wrt: str, fn: bool = False) -> C
                          create_graph=False, flatten=True)
     problem, decision = _profile_of(net, "jacobian", wrt)
     p = again(problem, net, x, opts)
-    hit = problem.__dict__.get("memo", {}).get("probe_code")
+    hit = _profile_entry(net, "jacobian", wrt).runs.get("probe_code")
     if hit is not None and not fn:  # the profile's generated code (_jacobian._rerun): the engine of the call
         code, tensors = hit.code, [d[n] for d, n in hit.refs]
 

@@ -254,7 +254,7 @@ class _Scaled(nn.Module):
 
 
 def test_the_profiles_memo_checks_what_its_key_does_not_hold():
-    """Repeated calls run the generated code from the profile's memo ([Generated code on the
+    """Repeated calls run the generated code from the profile's runs ([Generated code on the
     profile]); what the profile's key does not hold must still reach the code or refuse it."""
     torch.manual_seed(4)
     model = _Scaled().double()

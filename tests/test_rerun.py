@@ -1,4 +1,4 @@
-"""A repeated parameter Jacobian served by the profile's generated code alone (``_jacobian._rerun``).
+"""A repeated parameter Jacobian served by the profile's generated code alone (``_jacobian._direct``).
 
 From the fourth call of a signature whose engine is the generated probe code, the call looks up
 its profile and runs that code, without the guard of the model's state or a problem of its own

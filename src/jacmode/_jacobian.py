@@ -330,22 +330,17 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(
         t.token, (x,), data, modules, guard=not (columns and t.__dict__.get("_columns", False)))
     profile = None if key is None else _profile.find(f, key)
-    if profile is not None and opts.wrt == "params" and not opts.create_graph:
-        flat = _rerun(profile.facts, x, opts, out)
-        if flat is not None:  # the profile's generated code, nothing else (see _rerun)
+    if profile is not None:
+        flat = _direct(t, profile, f, x, opts, out, columns)
+        if flat is not None:  # the profile's engine alone, without the guard of the model's state
             return _assemble(profile.facts[0], flat, opts, out)
-    if profile is not None and columns:
-        flat = _columns_rerun(profile.facts, f, x, opts)
-        t.__dict__["_columns"] = flat is not None
-        if flat is not None:  # Taylor mode over a pure program, nothing else (see _columns_rerun)
-            return _assemble(profile.facts[0], flat, opts, None)
     if profile is None:
         _checks.check_devices(f, x)
     # no_grad unless create_graph; a hit of Taylor mode over a program without attention leaves
     # the attention kernels' flags alone (_state._kernels_in)
     with preserved_state(f, modules, survey, grad=opts.create_graph,
                          kernels=profile is None or _attention(profile.facts)):
-        hit = None if profile is None else _again(profile.facts, f, x, opts, out is not None)
+        hit = None if profile is None else _again(profile, f, x, opts, out is not None)
         problem = describe(f, x, opts) if hit is None else hit[0]
         if out is not None:
             if opts.wrt != "params" or not opts.flatten:
@@ -418,7 +413,7 @@ def _columns_rerun(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Opt
     (:func:`_pure`), or None (then the call takes the guarded path).
 
     Such a program runs rules that read x and the model's tensors and write neither, and never
-    runs f: the call needs no guard of the model's state (as the generated probe code, ``_rerun``),
+    runs f: the call needs no guard of the model's state (as the generated probe code, :func:`_direct`),
     only grad mode off. Where a rule's assumption breaks (``Unsupported``) or anything raises, the
     program is rejected or the error left to the guarded path, which runs the call again with its
     fallbacks and its errors.
@@ -446,14 +441,16 @@ def _columns_rerun(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Opt
         torch._C._set_grad_enabled(grad)
 
 
-def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
+def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
            out_given: bool) -> Optional[tuple[Problem, Decision]]:
     """The problem at ``x`` and the decision of the profile, or None when memory no longer fits.
 
     The free memory is re-read (at most every ``memory.RECENT_S``): the result must fit as in
-    ``decide``, and the plan is reused only while its workspace fits the new budget.
+    ``decide``, and the plan is reused only while its workspace fits the new budget. The problem
+    carries the profile's ``runs``, where an engine may leave what a repeated call runs straight
+    away (the generated probe code, [Generated code on the profile] in ``_probes/generated.py``).
     """
-    problem, decision = found
+    problem, decision = profile.facts
     check = problem.__dict__.get("_check_key")  # x's (shape, dtype, device): fixed by the profile's key
     if not _profile.fresh(problem.program, x, check):  # a value f's captured program took changed: describe again
         return None
@@ -468,6 +465,8 @@ def _again(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options,
     if budget is None:
         return None
     decision.budget = budget
+    if p.kind == "params":
+        p.__dict__["runs"] = profile.runs
     return p, decision
 
 
@@ -483,19 +482,29 @@ def _budget(p: Problem, decision: Decision, opts: Options, out_given: bool) -> O
     return None if decision.plan.workspace_bytes > budget else budget
 
 
-def _rerun(found: tuple[Problem, Decision], x: Tensor, opts: Options, out: Optional[Tensor]) -> Optional[Tensor]:
-    """The flat result from the generated probe code the profile holds, or None.
+def _direct(t: Any, profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
+            out: Optional[Tensor], columns: bool) -> Optional[Tensor]:
+    """The flat result of a profile hit from its engine alone, or None (the guarded path then runs).
 
-    A repeated parameter Jacobian whose engine is that code alone: it reads x and the model's
-    tensors and changes neither, so the call needs neither the guard of the model's state nor a
-    problem of its own; what the profile's key does not hold is checked by
-    ``generated.rerun`` ([Generated code on the profile] in ``_probes/generated.py``).
+    Two engines read only x and the model's tensors and write neither, so a repeated call needs
+    neither the guard of the model's state nor, for the first, a problem of its own:
+
+    * the generated probe code of a parameter Jacobian, which the profile's ``runs`` holds;
+      ``generated.rerun`` checks what the profile's key does not hold ([Generated code on the
+      profile] in ``_probes/generated.py``);
+    * Taylor mode over a pure captured program for an input Jacobian (:func:`_columns_rerun`);
+      ``t`` remembers whether it served, so that the next walk takes the key alone.
     """
-    problem, decision = found
-    memo = problem.__dict__.get("memo")
-    if not memo or _budget(problem, decision, opts, out is not None) is None:
-        return None
-    return generated.rerun(memo, x, out)
+    if opts.wrt == "params" and not opts.create_graph:
+        hot = profile.runs.get("probe_code")
+        if hot is None or _budget(profile.facts[0], profile.facts[1], opts, out is not None) is None:
+            return None
+        return generated.rerun(hot, x, out)
+    if columns:
+        flat = _columns_rerun(profile.facts, f, x, opts)
+        t.__dict__["_columns"] = flat is not None
+        return flat
+    return None
 
 
 _OPTION_NAMES = ("wrt", "mode", "batched", "structure", "chunk_size", "max_memory", "create_graph", "flatten")

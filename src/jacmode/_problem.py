@@ -217,9 +217,7 @@ def again(p: Problem, f: Any, x: Tensor, opts: Options, shared: bool = False) ->
     if template is None and isinstance(made, _LazyParams):
         made.dtype, made.device  # noqa: B018 -- computed once, kept in the template
         p.__dict__["_template"] = {k: v for k, v in made.__dict__.items()
-                                   if k not in ("fn", "x", "sample_fn", "subset_fn", "model", "_z")} | {
-                                       "_z": None, "memo": p.__dict__.setdefault("memo", {})}  # engines' cache on
-        # the profile, read where its key was checked (_probes/generated.py, [Generated code on the profile])
+                                   if k not in ("fn", "x", "sample_fn", "subset_fn", "model", "_z")} | {"_z": None}
     return made
 
 

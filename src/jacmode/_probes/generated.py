@@ -29,7 +29,7 @@ NOTE: [Generated code on the profile]
 A repeated call whose profile matched (``_jacobian._again``: the key walked the module tree, its
 flags and hooks, every parameter's identity, flag, dtype, shape and device, the buffers' dtypes,
 shapes and devices, the input's signature and the grad, inference and transform modes) passes
-the profile's ``memo``. Its last generated code is then checked only on what that key does not
+the profile's ``runs`` (``_profile.Profile``). Its last generated code is then checked only on what that key does not
 hold: the strides and storage offsets of x, ``out`` and every parameter and buffer (re-read from
 their modules: a buffer may be a new tensor), the leaf modules' scalar attributes, the backend,
 and the program's guards on the Python values it read; the look-up of the program and the full
@@ -68,17 +68,17 @@ Entry = Union[int, str, Callable[..., Tensor]]  # calls so far, why not, or the 
 
 def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], cov: Coverage, out: Optional[Tensor],
              dtype: torch.dtype, device: torch.device, shape: tuple[int, int, int], repeat: bool,
-             memo: Optional[dict[str, Any]] = None) -> Optional[Tensor]:
+             runs: Optional[dict[Any, Any]] = None) -> Optional[Tensor]:
     """The (B, Y, P) Jacobian of ``dtype`` on ``device`` (in ``out`` when given) from generated
     code, or None when it does not apply (see the note). Every selected parameter must be covered
     (the caller fills nothing else).
 
-    ``memo``: a dict of the call's profile (``_problem.again``), given only where the profile's key
-    was checked for this call; see [Generated code on the profile].
+    ``runs``: the ``runs`` of the call's profile (``_profile.Profile``, given by ``_jacobian._again``
+    only where the profile's key was checked for this call); see [Generated code on the profile].
     """
     if torch.is_grad_enabled() or cov.uncovered or not _applies(x, out):
         return None
-    hot = None if memo is None else memo.get("probe_code")
+    hot = None if runs is None else runs.get("probe_code")
     if hot is not None:
         found = hot.run(x, out)
         if found is not None:
@@ -115,10 +115,10 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
         return result
     if isinstance(entry, str):
         return None
-    if memo is not None:  # what the profile's key does not hold (see the note)
+    if runs is not None:  # what the profile's key does not hold (see the note)
         refs = [(d, n) for _, m in (("", model), *owners) for d in (m._parameters, m._buffers)
                 for n, t in d.items() if t is not None]  # slots' order
-        memo["probe_code"] = _Hot(program, refs, codegen._layout(program), x, out, backend, tensors, entry)
+        runs["probe_code"] = _Hot(program, refs, codegen._layout(program), x, out, backend, tensors, entry)
     return entry(x, *tensors) if out is None else entry(x, out, *tensors)
 
 
@@ -162,12 +162,11 @@ def _applies(x: Tensor, out: Optional[Tensor]) -> bool:
             and (out is None or out.layout == torch.strided))
 
 
-def rerun(memo: dict[str, Any], x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
+def rerun(hot: "_Hot", x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
     """The profile's last generated code on ``x`` (into ``out``), for a call whose profile matched
     and that runs nothing else: no guard of the model is needed (the code reads x and the model's
     tensors, and changes neither), grad is off within. None where the code does not apply."""
-    hot = memo.get("probe_code")
-    if hot is None or not _applies(x, out):
+    if not _applies(x, out):
         return None
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)

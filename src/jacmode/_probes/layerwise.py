@@ -226,7 +226,7 @@ def jacobian(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
         from . import generated  # (it imports this module)
 
         found = generated.jacobian(p.model, p.x, named, p.probes, out, p.dtype, p.device, (B, Y, N), repeat,
-                                   p.__dict__.get("memo"))
+                                   p.__dict__.get("runs"))
         if found is not None:  # see [Generated probe code]
             return found
     result = out if out is not None else torch.empty(B, Y, N, dtype=p.dtype, device=p.device)  # not p.z: made lazily
