@@ -119,7 +119,7 @@ def test_pure_program_hits_are_guard_free_and_exact() -> None:
     t = jm.transform(jm.jacobian, f)
     t(x)
     t(x)
-    assert t.__dict__.get("_columns") is True  # the last call took the guard-free path
+    assert t.__dict__.get("_direct") is True  # the last call took the guard-free path
 
 
 def test_a_change_after_guard_free_hits_gives_the_new_answer() -> None:

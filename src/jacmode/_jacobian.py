@@ -323,17 +323,27 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
         layout = "csr" if opts.structure == "sparse" else "dense"
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=opts.chunk_size,
                                        max_memory=opts.max_memory, create_graph=opts.create_graph)
-    modules = modules_of(f)
-    # a repeated input Jacobian that ran without the guard last time (_columns_rerun) likely does
-    # so again: its walk takes the key alone (the guard, where it is needed after all, walks itself)
+    # a repeated call that ran without the guard last time (_direct) likely does so again: its walk
+    # takes the key alone, over a module's tree in one pass (the guard, where it is needed after
+    # all, walks itself)
     columns = opts.wrt == "inputs" and out is None and not opts.create_graph and not inside
-    key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(
-        t.token, (x,), data, modules, guard=not (columns and t.__dict__.get("_columns", False)))
+    direct = t.__dict__.get("_direct", False)
+    modules: Optional[list[torch.nn.Module]] = None
+    if opts.mode == "autotune":
+        key, survey = None, None
+    elif direct and not data and isinstance(f, torch.nn.Module):
+        key, survey = _profile.module_key(t.token, x, f), None
+    else:
+        modules = modules_of(f)
+        key, survey = _profile.walked(t.token, (x,), data, modules, guard=not direct)
     profile = None if key is None else _profile.find(f, key)
     if profile is not None:
-        flat = _direct(t, profile, f, x, opts, out, columns)
+        flat = _direct(profile, f, x, opts, out, columns)
+        t.__dict__["_direct"] = flat is not None
         if flat is not None:  # the profile's engine alone, without the guard of the model's state
             return _assemble(profile.facts[0], flat, opts, out)
+    if modules is None:
+        modules = modules_of(f)
     if profile is None:
         _checks.check_devices(f, x)
     # no_grad unless create_graph; a hit of Taylor mode over a program without attention leaves
@@ -482,7 +492,7 @@ def _budget(p: Problem, decision: Decision, opts: Options, out_given: bool) -> O
     return None if decision.plan.workspace_bytes > budget else budget
 
 
-def _direct(t: Any, profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
+def _direct(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
             out: Optional[Tensor], columns: bool) -> Optional[Tensor]:
     """The flat result of a profile hit from its engine alone, or None (the guarded path then runs).
 
@@ -492,19 +502,16 @@ def _direct(t: Any, profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
     * the generated probe code of a parameter Jacobian, which the profile's ``runs`` holds;
       ``generated.rerun`` checks what the profile's key does not hold ([Generated code on the
       profile] in ``_probes/generated.py``);
-    * Taylor mode over a pure captured program for an input Jacobian (:func:`_columns_rerun`);
-      ``t`` remembers whether it served, so that the next walk takes the key alone.
+    * Taylor mode over a pure captured program for an input Jacobian (:func:`_columns_rerun`).
+
+    The transform remembers whether it served, so that the next walk takes the key alone.
     """
     if opts.wrt == "params" and not opts.create_graph:
         hot = profile.runs.get("probe_code")
         if hot is None or _budget(profile.facts[0], profile.facts[1], opts, out is not None) is None:
             return None
         return generated.rerun(hot, x, out)
-    if columns:
-        flat = _columns_rerun(profile.facts, f, x, opts)
-        t.__dict__["_columns"] = flat is not None
-        return flat
-    return None
+    return _columns_rerun(profile.facts, f, x, opts) if columns else None
 
 
 _OPTION_NAMES = ("wrt", "mode", "batched", "structure", "chunk_size", "max_memory", "create_graph", "flatten")
