@@ -132,11 +132,12 @@ class _Hot:
     model's tensors (read from their modules), the buffers' requires_grad, the backend, the leaf
     modules' scalar attributes and the program's guards."""
 
-    __slots__ = ("program", "refs", "layout", "x", "out", "backend", "tensors", "settings", "code")
+    __slots__ = ("guards", "refs", "layout", "x", "out", "backend", "tensors", "settings", "code")
 
     def __init__(self, program: Any, refs: list[tuple[dict[str, Any], str]], layout: Any, x: Tensor,
                  out: Optional[Tensor], backend: Any, tensors: list[Tensor], code: Callable[..., Tensor]) -> None:
-        self.program, self.refs, self.layout, self.backend, self.code = program, refs, layout, backend, code
+        self.guards = (*program.bound, *program.guards)  # the program's own, fixed (a recapture is a new program)
+        self.refs, self.layout, self.backend, self.code = refs, layout, backend, code
         self.x, self.out = _placed(x), None if out is None else _placed(out)
         self.tensors = [(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors]
         self.settings = layout.settings()
@@ -150,9 +151,11 @@ class _Hot:
             return None
         tensors = [d[n] for d, n in self.refs]
         if ([(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors] != self.tensors
-                or self.layout.settings() != self.settings
-                or not all(b.fresh() for b in (*self.program.bound, *self.program.guards))):
+                or self.layout.settings() != self.settings):
             return None
+        for g in self.guards:
+            if not g.fresh():
+                return None
         return self.code(x, *tensors) if out is None else self.code(x, out, *tensors)
 
 
@@ -165,8 +168,12 @@ def _applies(x: Tensor, out: Optional[Tensor]) -> bool:
 def rerun(hot: "_Hot", x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
     """The profile's last generated code on ``x`` (into ``out``), for a call whose profile matched
     and that runs nothing else: no guard of the model is needed (the code reads x and the model's
-    tensors, and changes neither), grad is off within. None where the code does not apply."""
-    if not _applies(x, out):
+    tensors, and changes neither), grad is off within. None where the code does not apply.
+
+    Of :func:`jacobian`'s conditions the profile's key holds the torch.func transforms, inference
+    mode and the layouts of x and ``out`` (the code was made where they allowed it); the rest are
+    checked here."""
+    if not (ENABLED and codegen.ENABLED) or torch.compiler.is_compiling() or codegen._modes_active():
         return None
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
