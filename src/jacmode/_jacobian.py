@@ -418,7 +418,7 @@ def _pure_step(step: Any) -> bool:
     return (not step.args and not step.kwargs) or getattr(step.fn, "__qualname__", "").startswith("_meta.")
 
 
-def _columns_rerun(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
+def _columns_rerun(profile: _profile.Profile, f: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
     """The flat result of a repeated input Jacobian by Taylor mode over a pure captured program
     (:func:`_pure`), or None (then the call takes the guarded path).
 
@@ -428,19 +428,12 @@ def _columns_rerun(found: tuple[Problem, Decision], f: Any, x: Tensor, opts: Opt
     program is rejected or the error left to the guarded path, which runs the call again with its
     fallbacks and its errors.
     """
-    if not _pure(found):
+    if not _pure(profile.facts):
         return None
-    problem, decision = found
-    check = problem.__dict__.get("_check_key")  # x's (shape, dtype, device): fixed by the profile's key
-    if not _profile.fresh(problem.program, x, check):
+    hit = _again(profile, f, x, opts, False)  # a pure program: x itself, never copied
+    if hit is None:
         return None
-    p = again(problem, f, x, opts, True)
-    if check is None:
-        problem.__dict__["_check_key"] = (tuple(x.shape[1:]), x.dtype, x.device.type)
-    budget = _budget(p, decision, opts, False)
-    if budget is None:
-        return None
-    decision.budget = budget
+    p, decision = hit
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
     try:
@@ -511,7 +504,7 @@ def _direct(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
         if hot is None or _budget(profile.facts[0], profile.facts[1], opts, out is not None) is None:
             return None
         return generated.rerun(hot, x, out)
-    return _columns_rerun(profile.facts, f, x, opts) if columns else None
+    return _columns_rerun(profile, f, x, opts) if columns else None
 
 
 _OPTION_NAMES = ("wrt", "mode", "batched", "structure", "chunk_size", "max_memory", "create_graph", "flatten")

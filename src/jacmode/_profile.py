@@ -107,6 +107,18 @@ def _hooks(m: nn.Module) -> tuple[Any, ...]:
             tuple(m._backward_pre_hooks))
 
 
+def _fields(m: nn.Module) -> tuple[bool, dict[str, Any], dict[str, Any], bool]:
+    """A module's training flag, parameters, buffers and whether it has hooks, read from its
+    ``__dict__`` without attribute look-ups (every call walks)."""
+    d = m.__dict__
+    try:
+        return (d["training"], d["_parameters"], d["_buffers"],
+                bool(d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]))
+    except KeyError:  # a module keeping them elsewhere (a ScriptModule): its attributes
+        return (m.training, m._parameters, m._buffers,
+                bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks))
+
+
 def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...], Optional[Survey]]:
     """The structure, flags, hooks, parameters and buffers of ``modules`` (see the note), and the
     guard's :class:`~jacmode._state.Survey` of them, in one walk (a repeated call reads every
@@ -123,13 +135,7 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
     grads: list[Any] = []
     buffers: list[tuple[nn.Module, str, Any]] = []
     for m in modules:
-        d = m.__dict__  # what nn.Module keeps there, read without attribute look-ups (every call walks)
-        try:
-            flag, own, buf = d["training"], d["_parameters"], d["_buffers"]
-            hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
-        except KeyError:  # a module keeping them elsewhere (a ScriptModule): its attributes
-            flag, own, buf = m.training, m._parameters, m._buffers
-            hooked = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        flag, own, buf, hooked = _fields(m)
         training.append(flag)
         add(id(m))
         add(flag)
@@ -176,13 +182,7 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
 
 def _module_key(m: nn.Module, add: Any, bound: Any) -> None:
     """One module's part of the key, as :func:`_walk` adds it."""
-    d = m.__dict__
-    try:
-        flag, own, buf = d["training"], d["_parameters"], d["_buffers"]
-        hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
-    except KeyError:  # a module keeping them elsewhere (a ScriptModule): its attributes
-        flag, own, buf = m.training, m._parameters, m._buffers
-        hooked = m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    flag, own, buf, hooked = _fields(m)
     add(id(m))
     add(flag)
     if hooked:
