@@ -252,7 +252,8 @@ ENTRIES = (*INPUT_ENTRIES, "jacobian_params", *PRODUCTS)
 # grad_create_graph: autograd.grad of a create_graph=True result wrt x and net's parameters;
 # fcall_autograd: the same wrt leaf tensors passed through functional_call; func_grad: torch.func.grad
 # over those parameters; vmap: torch.func.vmap over two stacked batches; jacrev: torch.func.jacrev wrt x;
-# repeated: the same call made until its generated code runs (codegen.AFTER_CALLS calls), the last judged.
+# repeated: the same call made until its generated code runs (codegen.AFTER_CALLS calls), then once more
+# (a profile hit that runs that code straight away), the last judged.
 CONVENTIONS = ("module", "lambda", "fcall_same", "fcall_other", "no_grad", "inference_mode",
                "grad_create_graph", "fcall_autograd", "func_grad", "vmap", "jacrev", "repeated")
 INT_HEADS = ("embedding", "embeddingbag")

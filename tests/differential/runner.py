@@ -411,9 +411,9 @@ def run_jacmode(case: G.Case, net: nn.Module, x: Tensor, extra: dict, weights_se
     if c == "no_grad":
         with torch.no_grad():
             return call(case, net, net, x, extra)
-    if c == "repeated":  # until the generated code (Taylor or probe engine) runs: see codegen.AFTER_CALLS
-        for _ in range(codegen.AFTER_CALLS - 1):
-            call(case, net, net, x, extra)
+    if c == "repeated":  # until the generated code (Taylor or probe engine) runs (codegen.AFTER_CALLS),
+        for _ in range(codegen.AFTER_CALLS):  # and once more: a profile's code then runs straight away
+            call(case, net, net, x, extra)  # (Profile.runs: _jacobian._direct, _operands.direct_call)
         return call(case, net, net, x, extra)
     if c == "inference_mode":
         with torch.inference_mode():
