@@ -51,6 +51,7 @@ import contextlib
 import contextvars
 import dataclasses
 import operator
+import sys
 from typing import Any, Callable, Collection, Iterator, Optional, Union
 
 import torch
@@ -68,14 +69,18 @@ AFTER_CALLS = 3  # generate on this call of a signature (1: the first); see the 
 MAX_SIGNATURES = 16  # generated versions kept per program; further signatures are interpreted
 
 @contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Inside the block Taylor-path calls always interpret (tests compare the two paths)."""
-    global ENABLED
-    old, ENABLED = ENABLED, False
+def switched_off(module: Any) -> Iterator[None]:
+    """Inside the block ``module.ENABLED`` (an internal switch: this one, ``generated.py``'s) is False."""
+    old, module.ENABLED = module.ENABLED, False
     try:
         yield
     finally:
-        ENABLED = old
+        module.ENABLED = old
+
+
+def disabled() -> contextlib.AbstractContextManager[None]:
+    """Inside the block Taylor-path calls always interpret (tests compare the two paths)."""
+    return switched_off(sys.modules[__name__])
 
 
 _MODE: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar("jacmode_codegen", default=None)

@@ -48,6 +48,7 @@ mode, Dynamo, a caller's torch function or dispatch mode, or with grad enabled
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -390,12 +391,6 @@ def _collapse_views(graph: fx.Graph) -> None:
         node.replace_all_uses_with(new)
 
 
-@contextlib.contextmanager
-def disabled() -> Any:
+def disabled() -> contextlib.AbstractContextManager[None]:
     """Inside the block the probe engine always interprets (tests compare the two paths)."""
-    global ENABLED
-    old, ENABLED = ENABLED, False
-    try:
-        yield
-    finally:
-        ENABLED = old
+    return codegen.switched_off(sys.modules[__name__])
