@@ -56,7 +56,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from .._capture import bindings, codegen
+from .._capture import bindings, codegen, rewrites
 from .._transforms import in_transform
 from . import layerwise
 from .probes import Coverage
@@ -345,8 +345,8 @@ def _shared_bmm(graph: fx.Graph) -> None:
         if node.op != "call_function" or node.target is not _aten.bmm.default or node.kwargs:
             continue
         a, b = node.args
-        va, vb, val = (getattr(n, "meta", {}).get("val") for n in (a, b, node))
-        if not (isinstance(va, Tensor) and isinstance(vb, Tensor) and isinstance(val, Tensor)):
+        va, vb, val = map(rewrites._val, (a, b, node))
+        if va is None or vb is None or val is None:
             continue
         if vb.stride(0) != 0 or not val.is_contiguous() or va.shape[0] < 2:
             continue
