@@ -61,6 +61,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from .._transforms import in_transform
 from . import bindings, rewrites
+from .bound import _getter
 from . import taylor as _taylor
 from .program import Program, Step
 
@@ -135,13 +136,6 @@ class _Layout:
                 if t is not None:
                     tensors.append(t)
         return values, tensors
-
-
-def _getter(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """``d -> tuple(d[k] for k in names)`` (KeyError where one is missing), as one ``itemgetter``."""
-    if len(names) >= 2:
-        return operator.itemgetter(*names)
-    return lambda d: tuple([d[k] for k in names])
 
 
 def _layout(program: Program) -> _Layout:
