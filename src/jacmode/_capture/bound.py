@@ -108,9 +108,7 @@ class Attributes:
         self.where, self.size = f"the attributes of {type(module).__name__}", len(module.__dict__)
         self.module = weakref.ref(module)  # the cache is weak in f: never keep f (or its modules) alive
         self.items = [(k, v) for k, v in module.__dict__.items() if _scalar(v)]
-        names = [k for k, _ in self.items]
-        # every profile hit reads them: one C call (itemgetter of two names or more gives a tuple)
-        self.get = operator.itemgetter(*names) if len(names) >= 2 else lambda d: tuple([d[k] for k in names])
+        self.get = _getter([k for k, _ in self.items])  # every profile hit reads them: one C call
         self.values = tuple(v for _, v in self.items)
         self.types = tuple(type(v) for v in self.values)
 
@@ -127,6 +125,13 @@ class Attributes:
             return False
         # equal and of the same types (True == 1, 1.0 == 1); a tuple compares identical objects as equal
         return values == self.values and tuple(map(type, values)) == self.types
+
+
+def _getter(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
+    """``d -> tuple(d[k] for k in names)`` (KeyError where one is missing), as one ``itemgetter``."""
+    if len(names) >= 2:  # an itemgetter of two names or more gives a tuple
+        return operator.itemgetter(*names)
+    return lambda d: tuple([d[k] for k in names])
 
 
 def _meta(t: Tensor) -> tuple:

@@ -51,6 +51,7 @@ import contextlib
 import contextvars
 import dataclasses
 import operator
+import sys
 from typing import Any, Callable, Collection, Iterator, Optional, Union
 
 import torch
@@ -60,6 +61,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from .._transforms import in_transform
 from . import bindings, rewrites
+from .bound import _getter
 from . import taylor as _taylor
 from .program import Program, Step
 
@@ -68,14 +70,18 @@ AFTER_CALLS = 3  # generate on this call of a signature (1: the first); see the 
 MAX_SIGNATURES = 16  # generated versions kept per program; further signatures are interpreted
 
 @contextlib.contextmanager
-def disabled() -> Iterator[None]:
-    """Inside the block Taylor-path calls always interpret (tests compare the two paths)."""
-    global ENABLED
-    old, ENABLED = ENABLED, False
+def switched_off(module: Any) -> Iterator[None]:
+    """Inside the block ``module.ENABLED`` (an internal switch: this one, ``generated.py``'s) is False."""
+    old, module.ENABLED = module.ENABLED, False
     try:
         yield
     finally:
-        ENABLED = old
+        module.ENABLED = old
+
+
+def disabled() -> contextlib.AbstractContextManager[None]:
+    """Inside the block Taylor-path calls always interpret (tests compare the two paths)."""
+    return switched_off(sys.modules[__name__])
 
 
 _MODE: contextvars.ContextVar[Optional[dict[str, Any]]] = contextvars.ContextVar("jacmode_codegen", default=None)
@@ -130,13 +136,6 @@ class _Layout:
                 if t is not None:
                     tensors.append(t)
         return values, tensors
-
-
-def _getter(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
-    """``d -> tuple(d[k] for k in names)`` (KeyError where one is missing), as one ``itemgetter``."""
-    if len(names) >= 2:
-        return operator.itemgetter(*names)
-    return lambda d: tuple([d[k] for k in names])
 
 
 def _layout(program: Program) -> _Layout:

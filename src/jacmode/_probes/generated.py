@@ -48,6 +48,7 @@ mode, Dynamo, a caller's torch function or dispatch mode, or with grad enabled
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -55,7 +56,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
-from .._capture import bindings, codegen
+from .._capture import bindings, codegen, rewrites
 from .._transforms import in_transform
 from . import layerwise
 from .probes import Coverage
@@ -344,8 +345,8 @@ def _shared_bmm(graph: fx.Graph) -> None:
         if node.op != "call_function" or node.target is not _aten.bmm.default or node.kwargs:
             continue
         a, b = node.args
-        va, vb, val = (getattr(n, "meta", {}).get("val") for n in (a, b, node))
-        if not (isinstance(va, Tensor) and isinstance(vb, Tensor) and isinstance(val, Tensor)):
+        va, vb, val = map(rewrites._val, (a, b, node))
+        if va is None or vb is None or val is None:
             continue
         if vb.stride(0) != 0 or not val.is_contiguous() or va.shape[0] < 2:
             continue
@@ -390,12 +391,6 @@ def _collapse_views(graph: fx.Graph) -> None:
         node.replace_all_uses_with(new)
 
 
-@contextlib.contextmanager
-def disabled() -> Any:
+def disabled() -> contextlib.AbstractContextManager[None]:
     """Inside the block the probe engine always interprets (tests compare the two paths)."""
-    global ENABLED
-    old, ENABLED = ENABLED, False
-    try:
-        yield
-    finally:
-        ENABLED = old
+    return codegen.switched_off(sys.modules[__name__])

@@ -121,17 +121,20 @@ def _matrix_rows(x: Traced, w: Tensor) -> Optional[Callable[[Seed], Tensor]]:
     return lambda seed: seed.index(w, 0).clone(memory_format=torch.contiguous_format)
 
 
-def linear_module(alg: Algebra, m: nn.Linear, x: Traced) -> Traced:
-    weight = m.weight
-    return linear(x, lambda v: _affine(v, weight, m.bias), _coefficients(alg, weight),
+def _dense(alg: Algebra, x: Traced, weight: Tensor, bias: Callable[[], Optional[Tensor]]) -> Traced:
+    """F.linear(x, weight, bias()), the bias read when the value is made."""
+    return linear(x, lambda v: _affine(v, weight, bias()), _coefficients(alg, weight),
                   _weight_columns(x, weight, getattr(alg, "directions_last", False)) if x.seed is not None else None)
+
+
+def linear_module(alg: Algebra, m: nn.Linear, x: Traced) -> Traced:
+    return _dense(alg, x, m.weight, lambda: m.bias)
 
 
 def linear_fn(alg: Algebra, x: Any, weight: Any, bias: Any = None) -> Traced:
     x = _traced(x, "F.linear")
     _plain(weight, bias)
-    return linear(x, lambda v: _affine(v, weight, bias), _coefficients(alg, weight),
-                  _weight_columns(x, weight, getattr(alg, "directions_last", False)) if x.seed is not None else None)
+    return _dense(alg, x, weight, lambda: bias)
 
 
 def matmul(alg: Algebra, x: Any, w: Any) -> Traced:
