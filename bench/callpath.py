@@ -31,7 +31,6 @@ Run: ``PYTHONPATH=src python -m bench.callpath [--rounds N]``.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from typing import Any, Callable
@@ -49,6 +48,7 @@ from jacmode._problem import again
 from jacmode._probes import layerio
 from jacmode._probes import products as _products_engine
 from bench.baselines import MLP, PinnNet, params_hand_rule, params_loop
+from bench.timing import shuffled_us
 
 
 def _profile_entry(f: Any, op: str, kind: str) -> Any:
@@ -134,31 +134,6 @@ def _psg_engine(net: Any, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]
     return engine
 
 
-def _time(cases: dict[str, Callable[[], Any]], rounds: int, block: int = 10) -> dict[str, float]:
-    """Median per case; each round runs every case ``block`` times in a row (warm, as a loop calls
-    it), the cases in a new random order each round, so that load and cache effects fall alike."""
-    for fn in cases.values():
-        for _ in range(5):
-            fn()
-    times: dict[str, list[int]] = {k: [] for k in cases}
-    order = list(cases)
-    rng = random.Random(0)
-    for _ in range(max(1, rounds // block)):
-        rng.shuffle(order)
-        for k in order:
-            fn = cases[k]
-            fn()
-            for _ in range(block):
-                t0 = time.perf_counter_ns()
-                fn()
-                times[k].append(time.perf_counter_ns() - t0)
-    _MINS.update({k: min(v) / 1e3 for k, v in times.items()})
-    return {k: statistics.median(v) / 1e3 for k, v in times.items()}
-
-
-_MINS: dict[str, float] = {}  # the fastest call of each case in _time (robust to a loaded machine)
-
-
 ENTRY_POINTS = ("jacobian params", "jacobian inputs", "partials", "laplacian", "per_sample_grads")
 
 
@@ -228,10 +203,10 @@ def main() -> None:
         "laplacian: engine fn": _operator_engine(pinn, xp, "laplacian", range(2), fn=True),
         "per_sample_grads: engine fn": _psg_engine(net, x, y),
     }
-    med = _time(cases, args.rounds)
+    med, mins = shuffled_us(cases, args.rounds)
     fixed = {name: _paired(cases, name, args.rounds) for name in ENTRY_POINTS}
     fixed_fn = {name: _paired(cases, name, args.rounds, "engine fn") for name in ENTRY_POINTS}
-    loop = _time({"loop": lambda: params_loop(net, x)}, max(20, args.rounds // 20))["loop"]
+    loop = shuffled_us({"loop": lambda: params_loop(net, x)}, max(20, args.rounds // 20))[0]["loop"]
     print(f"1 thread, medians of {args.rounds} calls per case (blocks of 10, shuffled rounds), microseconds;")
     print("fixed = median over back-to-back pairs of (call - engine alone)\n")
     print(f"{'entry point':18s} {'eager':>9s} {'transform':>10s} {'engine':>9s} {'fixed eager':>12s} "
@@ -244,9 +219,9 @@ def main() -> None:
     print("\nthe same from the fastest call of each case (min(call) - min(engine alone)): robust where other "
           "processes load the machine")
     for name in ENTRY_POINTS:
-        g = _MINS[f"{name}: engine alone"]
-        print(f"{name:18s} fixed eager {_MINS[f'{name}: eager'] - g:8.1f}   fixed transform "
-              f"{_MINS[f'{name}: transform'] - g:8.1f}   (engine alone {g:8.1f})")
+        g = mins[f"{name}: engine alone"]
+        print(f"{name:18s} fixed eager {mins[f'{name}: eager'] - g:8.1f}   fixed transform "
+              f"{mins[f'{name}: transform'] - g:8.1f}   (engine alone {g:8.1f})")
     hand = med["jacobian params: hand rule"]
     print(f"\nproblem 1, MLP(784, 20, 10), B = 2, jacobian(wrt='params'):")
     print(f"  hand-derived rule {hand:8.1f} us")
