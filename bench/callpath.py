@@ -59,20 +59,16 @@ def _profile_entry(f: Any, op: str, kind: str) -> Any:
     raise LookupError(op)
 
 
-def _profile_of(f: Any, op: str, kind: str) -> Any:
-    """The facts of f's profile of entry point ``op`` for a problem of ``kind``."""
-    return _profile_entry(f, op, kind).facts
-
-
 def _jacobian_engine(net: Any, x: torch.Tensor, wrt: str, fn: bool = False) -> Callable[[], Any]:
     for _ in range(codegen.AFTER_CALLS + 1):  # the profile, and its generated code where there is one
         jm.jacobian(net, x, wrt=wrt)
     opts = check_options(wrt=wrt, mode="auto", batched=True, structure="auto", chunk_size=None,
                          create_graph=False, flatten=True)
-    problem, decision = _profile_of(net, "jacobian", wrt)
+    prof = _profile_entry(net, "jacobian", wrt)
+    problem, decision = prof.facts
     p = again(problem, net, x, opts)
-    hit = _profile_entry(net, "jacobian", wrt).runs.get("probe_code")
-    if hit is not None and not fn:  # the profile's generated code (_jacobian._rerun): the engine of the call
+    hit = prof.runs.get("probe_code")
+    if hit is not None and not fn:  # the profile's generated code (_jacobian._direct): the engine of the call
         code, tensors = hit.code, [d[n] for d, n in hit.refs]
 
         def generated() -> Any:
