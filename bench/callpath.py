@@ -31,7 +31,6 @@ Run: ``PYTHONPATH=src python -m bench.callpath [--rounds N]``.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from typing import Any, Callable
@@ -49,6 +48,7 @@ from jacmode._problem import again
 from jacmode._probes import layerio
 from jacmode._probes import products as _products_engine
 from bench.baselines import MLP, PinnNet, params_hand_rule, params_loop
+from bench.timing import shuffled_us
 
 
 def _profile_entry(f: Any, op: str, kind: str) -> Any:
@@ -59,20 +59,16 @@ def _profile_entry(f: Any, op: str, kind: str) -> Any:
     raise LookupError(op)
 
 
-def _profile_of(f: Any, op: str, kind: str) -> Any:
-    """The facts of f's profile of entry point ``op`` for a problem of ``kind``."""
-    return _profile_entry(f, op, kind).facts
-
-
 def _jacobian_engine(net: Any, x: torch.Tensor, wrt: str, fn: bool = False) -> Callable[[], Any]:
     for _ in range(codegen.AFTER_CALLS + 1):  # the profile, and its generated code where there is one
         jm.jacobian(net, x, wrt=wrt)
     opts = check_options(wrt=wrt, mode="auto", batched=True, structure="auto", chunk_size=None,
                          create_graph=False, flatten=True)
-    problem, decision = _profile_of(net, "jacobian", wrt)
+    prof = _profile_entry(net, "jacobian", wrt)
+    problem, decision = prof.facts
     p = again(problem, net, x, opts)
-    hit = _profile_entry(net, "jacobian", wrt).runs.get("probe_code")
-    if hit is not None and not fn:  # the profile's generated code (_jacobian._rerun): the engine of the call
+    hit = prof.runs.get("probe_code")
+    if hit is not None and not fn:  # the profile's generated code (_jacobian._direct): the engine of the call
         code, tensors = hit.code, [d[n] for d, n in hit.refs]
 
         def generated() -> Any:
@@ -132,31 +128,6 @@ def _psg_engine(net: Any, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]
         return flat
 
     return engine
-
-
-def _time(cases: dict[str, Callable[[], Any]], rounds: int, block: int = 10) -> dict[str, float]:
-    """Median per case; each round runs every case ``block`` times in a row (warm, as a loop calls
-    it), the cases in a new random order each round, so that load and cache effects fall alike."""
-    for fn in cases.values():
-        for _ in range(5):
-            fn()
-    times: dict[str, list[int]] = {k: [] for k in cases}
-    order = list(cases)
-    rng = random.Random(0)
-    for _ in range(max(1, rounds // block)):
-        rng.shuffle(order)
-        for k in order:
-            fn = cases[k]
-            fn()
-            for _ in range(block):
-                t0 = time.perf_counter_ns()
-                fn()
-                times[k].append(time.perf_counter_ns() - t0)
-    _MINS.update({k: min(v) / 1e3 for k, v in times.items()})
-    return {k: statistics.median(v) / 1e3 for k, v in times.items()}
-
-
-_MINS: dict[str, float] = {}  # the fastest call of each case in _time (robust to a loaded machine)
 
 
 ENTRY_POINTS = ("jacobian params", "jacobian inputs", "partials", "laplacian", "per_sample_grads")
@@ -228,10 +199,10 @@ def main() -> None:
         "laplacian: engine fn": _operator_engine(pinn, xp, "laplacian", range(2), fn=True),
         "per_sample_grads: engine fn": _psg_engine(net, x, y),
     }
-    med = _time(cases, args.rounds)
+    med, mins = shuffled_us(cases, args.rounds)
     fixed = {name: _paired(cases, name, args.rounds) for name in ENTRY_POINTS}
     fixed_fn = {name: _paired(cases, name, args.rounds, "engine fn") for name in ENTRY_POINTS}
-    loop = _time({"loop": lambda: params_loop(net, x)}, max(20, args.rounds // 20))["loop"]
+    loop = shuffled_us({"loop": lambda: params_loop(net, x)}, max(20, args.rounds // 20))[0]["loop"]
     print(f"1 thread, medians of {args.rounds} calls per case (blocks of 10, shuffled rounds), microseconds;")
     print("fixed = median over back-to-back pairs of (call - engine alone)\n")
     print(f"{'entry point':18s} {'eager':>9s} {'transform':>10s} {'engine':>9s} {'fixed eager':>12s} "
@@ -244,9 +215,9 @@ def main() -> None:
     print("\nthe same from the fastest call of each case (min(call) - min(engine alone)): robust where other "
           "processes load the machine")
     for name in ENTRY_POINTS:
-        g = _MINS[f"{name}: engine alone"]
-        print(f"{name:18s} fixed eager {_MINS[f'{name}: eager'] - g:8.1f}   fixed transform "
-              f"{_MINS[f'{name}: transform'] - g:8.1f}   (engine alone {g:8.1f})")
+        g = mins[f"{name}: engine alone"]
+        print(f"{name:18s} fixed eager {mins[f'{name}: eager'] - g:8.1f}   fixed transform "
+              f"{mins[f'{name}: transform'] - g:8.1f}   (engine alone {g:8.1f})")
     hand = med["jacobian params: hand rule"]
     print(f"\nproblem 1, MLP(784, 20, 10), B = 2, jacobian(wrt='params'):")
     print(f"  hand-derived rule {hand:8.1f} us")

@@ -9,9 +9,7 @@ never be slower than the better explicit mode, nor than ``vmap(jacrev)``.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
 import torch
 from torch import nn
@@ -19,17 +17,11 @@ from torch.func import jacrev, vmap
 
 import jacmode as jm
 from bench.baselines import MLP, NetX, PinnNet
+from bench.timing import median_ms
 
 
-def med(fn, reps=15, budget=3.0):
-    for _ in range(2):
-        fn()
-    ts, start = [], time.perf_counter()
-    while len(ts) < reps and (len(ts) < 3 or time.perf_counter() - start < budget):
-        s = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - s)
-    return statistics.median(ts) * 1e3
+def med(fn):
+    return median_ms(fn, budget_s=3.0, min_repeats=3, max_repeats=15, warmup=2)
 
 
 def cases():

@@ -11,8 +11,6 @@ Run: ``PYTHONPATH=src:. python -m bench.probe_codegen [--rounds N] [--batch B]``
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import time
 import warnings
 from typing import Any, Callable
@@ -22,20 +20,7 @@ import torch
 import jacmode as jm
 from jacmode._probes import generated
 from bench.baselines import MLP, params_hand_rule, params_loop
-
-
-def _time(cases: dict[str, Callable[[], Any]], rounds: int, block: int = 10) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    names = list(cases)
-    for _ in range(rounds):
-        random.shuffle(names)
-        for k in names:
-            fn = cases[k]
-            for _ in range(block):
-                t0 = time.perf_counter()
-                fn()
-                times[k].append(time.perf_counter() - t0)
-    return {k: 1e6 * statistics.median(v) for k, v in times.items()}
+from bench.timing import shuffled_us
 
 
 def main() -> None:
@@ -69,7 +54,7 @@ def main() -> None:
     want = params_hand_rule(net, x)
     for name in ("eager generated", "transform generated", "transform compiled"):
         torch.testing.assert_close(cases[name](), want, rtol=1e-5, atol=1e-6)
-    res = _time(cases, args.rounds)
+    res = shuffled_us(cases, 10 * args.rounds)[0]  # args.rounds rounds of 10 calls of each case
     hand = res["hand rule"]
     print(f"problem 1, MLP(784, 20, 10), B = {args.batch}, jacobian(wrt='params'), 1 thread, medians (us)")
     for k, v in res.items():
