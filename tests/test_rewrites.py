@@ -155,6 +155,9 @@ def test_dead_code_keeps_mutations():
 def test_rows_of_blocks():
     rows = rewrites._rows(4096, 2560)
     assert 4096 % rows == 0 and 4096 // rows <= rewrites.MAX_CHUNKS  # one block size where possible
+    # by the rule itself: 4096 * 2560 bytes = 10 blocks of CHUNK_BYTES (1 MiB), capped at MAX_CHUNKS (8),
+    # and 8 divides 4096: 512 rows a block
+    assert (rewrites.CHUNK_BYTES, rewrites.MAX_CHUNKS) == (1 << 20, 8) and rows == 512
     assert rewrites._rows(1000, 64) == 1000  # small enough for one block
     assert rewrites._rows(7, 2560) == 7
     assert -(-100_000 // rewrites._rows(100_000, 2560)) <= rewrites.MAX_CHUNKS
