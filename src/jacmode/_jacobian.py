@@ -399,10 +399,9 @@ def _pure(found: tuple[Problem, Decision]) -> bool:
     plan = decision.plan
     known = problem.__dict__.get("_pure")
     if known is None or known[0] is not plan:  # per plan: execute may re-plan (decision.plan)
-        program = problem.program
+        program = problem.program  # not _attention: Taylor mode (loop-free, forward, broadcast) over it
         pure = (program is not None and problem.kind == "inputs" and problem.batched
                 and problem.structure != "diagonal" and not problem.random and program.riders_step is None
-                and plan.loop is None and plan.mode == "forward" and plan.strategy == "broadcast"
                 and not _attention(found) and all(_pure_step(s) for s in program.steps))
         known = problem.__dict__["_pure"] = (plan, pure)
     return known[1]
@@ -463,7 +462,7 @@ def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
     p = again(problem, f, x, opts, problem.program is not None and not opts.create_graph and plan.loop is None
               and plan.mode == "forward" and plan.strategy == "broadcast" and problem.kind == "inputs")
     if check is None:
-        problem.__dict__["_check_key"] = (tuple(x.shape[1:]), x.dtype, x.device.type)
+        problem.__dict__["_check_key"] = _profile.checked_key(x)
     budget = _budget(p, decision, opts, out_given)
     if budget is None:
         return None

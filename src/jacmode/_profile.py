@@ -180,49 +180,10 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
     return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
-def _module_key(m: nn.Module, add: Any, bound: Any) -> None:
-    """One module's part of the key, as :func:`_walk` adds it."""
-    flag, own, buf, hooked = _fields(m)
-    add(id(m))
-    add(flag)
-    if hooked:
-        add(_hooks(m))
-    if isinstance(m, _DropoutNd):
-        add(m.p)
-    if own:
-        add(tuple(own))
-        add(tuple([None if p is None else ("bound" if id(p) in bound else id(p), p.requires_grad, p.dtype,
-                                           p.shape, p.device) for p in own.values()]) if bound else
-            tuple([None if p is None else (id(p), p.requires_grad, p.dtype, p.shape, p.device) for p in own.values()]))
-    if buf:
-        add(tuple(buf))
-        add(tuple([None if b is None else (b.dtype, b.shape, b.device) for b in buf.values()]))
-
-
-def _tree(m: nn.Module, add: Any, bound: Any, seen: set[int]) -> None:
-    """:func:`_module_key` of m and of its submodules in ``modules_of``' order (pre-order, once each)."""
-    _module_key(m, add, bound)
-    for c in m._modules.values():
-        if c is not None and id(c) not in seen:
-            seen.add(id(c))
-            _tree(c, add, bound, seen)
-
-
 def module_key(token: int, x: Tensor, f: nn.Module) -> tuple[Any, ...]:
-    """``walked(token, (x,), {}, modules_of(f), guard=False)[0]`` for a module f, in one pass over
-    its tree (no list of its modules: a repeated call that runs code straight away needs none)."""
-    parts: list[Any] = []
-    add = parts.append
-    bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
-    try:
-        _tree(f, add, bound, {id(f)})
-    except RecursionError:  # deeper than the interpreter's limit
-        return walked(token, (x,), {}, modules_of(f), guard=False)[0]
-    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
-            or _module._global_backward_pre_hooks):
-        add((tuple(_module._global_forward_hooks), tuple(_module._global_forward_pre_hooks),
-             tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
-    return (token, (tensor_key(x),), tuple(parts), in_transform(), torch.is_inference_mode_enabled(),
+    """The key of a call ``f(x)`` of a module f that likely runs without the guard (no survey):
+    :func:`walked`'s walk, the one definition of the key (as fast as a pass over the tree itself)."""
+    return (token, (tensor_key(x),), _walk(modules_of(f), False)[0], in_transform(), torch.is_inference_mode_enabled(),
             torch.is_grad_enabled())
 
 
