@@ -409,7 +409,7 @@ def partials(
             f"u_t and u_xx, got {dims!r}. For a single partial use jacmode.partial.")
     if (len(args) == 1 and kwargs is None and has_aux is False and argnums is None and type(in_dims) is int
             and in_dims == 0 and isinstance(args[0], Tensor) and callable(f)
-            and all(type(d) is tuple and all(type(c) is int for c in d) for d in dims)):
+            and _int_tuples(dims)):
         call = None  # partials(f, x, [(0,), (1, 1)]): no coordinate names an argument, the front's simple call
         fn, x = f, args[0]
     else:
