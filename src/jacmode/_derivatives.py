@@ -15,7 +15,6 @@ from torch import Tensor
 
 from . import _args, _checks, _operators
 from ._args import Argnums, InDims
-from ._args.front import accepts_one
 from ._cache import WeakCache
 from ._checks import Options
 from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
@@ -383,22 +382,22 @@ def partials(
                                                     create_graph=create_graph),
                                    f, x, [check_dims(d, math.prod(x.shape[1:])) for d in ds], opts.structure,
                                    opts.create_graph)
-    walked = None
-    if (kwargs is None and has_aux is False and argnums is None and type(in_dims) is int and in_dims == 0
-            and (chunk_size is None or type(chunk_size) is int) and args and isinstance(args[0], Tensor)):
-        # a repeated simple call (the front's, below): the code its profile holds ready, else the walk
-        ds = dims if len(args) == 1 else args[1] if (
-            dims is None and len(args) == 2 and accepts_one(f) is True) else None
-        if type(ds) in (list, tuple) and ds and callable(f) and _int_tuples(ds):
-            known = _TARGETS.get((tuple(ds), math.prod(args[0].shape[1:])))  # dims checked before
-            if known is not None:
-                walked = _operands.direct_call(f, args[0], structure, create_graph, ("partials", known, chunk_size))
-                if walked is not None and not isinstance(walked, _operands.Walked):
-                    return walked
     # ---- front: the call of several arguments as one flat function (see _args/) ----
     args, legacy = _args.legacy_trailing(f, args, dims is not None, _is_dims_list, "dims",
                                          "jm.partials(u, x, t, dims=[('t',), ('x', 'x')])")
     dims = legacy if legacy is not None else dims
+    # partials(f, x, [(0,), (1, 1)]) with dims of int tuples: no coordinate names an argument, the front's simple call
+    plain = (len(args) == 1 and kwargs is None and has_aux is False and argnums is None and type(in_dims) is int
+             and in_dims == 0 and isinstance(args[0], Tensor) and callable(f))
+    walked = None
+    if (plain and type(dims) in (list, tuple) and dims and (chunk_size is None or type(chunk_size) is int)
+            and _int_tuples(dims)):
+        # a repeated simple call: the code its profile holds ready, else the walk (for evaluate)
+        known = _TARGETS.get((tuple(dims), math.prod(args[0].shape[1:])))  # dims checked before
+        if known is not None:
+            walked = _operands.direct_call(f, args[0], structure, create_graph, ("partials", known, chunk_size))
+            if walked is not None and not isinstance(walked, _operands.Walked):
+                return walked
     if dims is None:
         raise TypeError("dims: missing: pass one tuple of coordinates per partial, e.g. dims=[(0,), (1, 1)] or "
                         "dims=[('t',), ('x', 'x')] for u(x, t).")
@@ -407,10 +406,8 @@ def partials(
         raise TypeError(
             f"dims: expected a list of coordinate tuples, one per partial, e.g. [(0,), (1, 1)] for "
             f"u_t and u_xx, got {dims!r}. For a single partial use jacmode.partial.")
-    if (len(args) == 1 and kwargs is None and has_aux is False and argnums is None and type(in_dims) is int
-            and in_dims == 0 and isinstance(args[0], Tensor) and callable(f)
-            and all(type(d) is tuple and all(type(c) is int for c in d) for d in dims)):
-        call = None  # partials(f, x, [(0,), (1, 1)]): no coordinate names an argument, the front's simple call
+    if plain and _int_tuples(dims):
+        call = None
         fn, x = f, args[0]
     else:
         call = _front(f, args, kwargs, argnums, in_dims, has_aux, [c for d in dims for c in _coords(d)])

@@ -251,12 +251,13 @@ Direct = Callable[[Target], Optional[tuple[str, tuple[Any, ...], Callable[[Tenso
 
 class Walked:
     """What :func:`direct_call` found where it could not run code straight away: the modules and
-    the key it walked, for :func:`evaluate` right after (one walk per call)."""
+    the key it walked, and the key's profile (or None), for :func:`evaluate` right after (one walk
+    and one look-up per call)."""
 
-    __slots__ = ("modules", "key")
+    __slots__ = ("modules", "key", "found")
 
-    def __init__(self, modules: list[nn.Module], key: tuple[Any, ...]) -> None:
-        self.modules, self.key = modules, key
+    def __init__(self, modules: list[nn.Module], key: tuple[Any, ...], found: Optional[_profile.Profile]) -> None:
+        self.modules, self.key, self.found = modules, key, found
 
 
 def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hashable) -> Any:
@@ -288,7 +289,7 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
             torch._C._set_grad_enabled(was)
         if out is not None:
             return connected(out[0], f, x, True) if create_graph else out[0]
-    return Walked(modules_of(f) if modules is None else modules, key)
+    return Walked(modules_of(f) if modules is None else modules, key, found)
 
 
 def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:
@@ -326,17 +327,17 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
     """
     token = _TARGET_TOKEN[opts.structure, opts.create_graph]
     if walked is not None and walked.key[0] == token:  # direct_call looked this key up, and found no code ready
-        modules, key, survey, tried = walked.modules, walked.key, None, True
+        modules, key, survey, tried, found = walked.modules, walked.key, None, True, walked.found
     else:  # (inside a torch.func transform create_graph is True whatever the call said: another token)
         modules = modules_of(f)
         key, survey = _profile.walked(token, (x,), {}, modules, guard=direct is None)
-        tried = False
-    found = None
+        tried, found = False, None
     try:
         was = torch.is_grad_enabled()  # a repeated call of a captured program: no context managers
         torch._C._set_grad_enabled(opts.create_graph)
         try:
-            found = _profile.find(f, key)
+            if not tried:
+                found = _profile.find(f, key)
             hit: Optional[Target] = None
             out = None
             if direct is not None and found is not None and not tried and not isinstance(f, Flat):

@@ -319,7 +319,7 @@ def per_sample_grads(
     # x, y, the loss and the options as the call's arguments (no keywords to sort: every call does it)
     key, survey = _profile.walked(_PSG_TOKEN, (x, y, _loss_key(loss), options), _NO_KWARGS, modules)
     found = _profile.find(f, key)
-    hot = None if found is None or bound_values(f) is not None else found.__dict__.get("hot")
+    hot = None if found is None or bound_values(f) is not None else found.runs.get("hot")
     if hot is not None:  # a repeated call: what the first call found and checked
         opts, selected, names, params, n_params, dtype, torch_loss, rest_names, kernels = hot
         batch = x.shape[0]
@@ -345,8 +345,8 @@ def per_sample_grads(
             # which every attention kernel supports: the guard leaves their flags alone
             # (_state._kernels_in) unless the model holds torch's attention modules (their fast path)
             kernels = bool(rest_names) or any(isinstance(m, _ATTENTION) for m in modules)
-            found.__dict__["hot"] = (opts, selected, names, params, n_params, dtype, torch_loss, rest_names,
-                                     kernels)
+            found.runs["hot"] = (opts, selected, names, params, n_params, dtype, torch_loss, rest_names,
+                                 kernels)
     assert opts is not None  # validated above, or on the first call of a hit's key
     needed, budget = batch * n_params * dtype.itemsize, _budget(opts, x.device, result=True)
     if needed > budget:  # (the message is formatted only then)
