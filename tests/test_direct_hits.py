@@ -234,34 +234,6 @@ def test_a_key_without_the_survey_is_the_same_key() -> None:
     assert _profile.walked(-1, (x,), {}, mods)[0] == _profile.walked(-1, (x,), {}, mods, guard=False)[0]
 
 
-def test_the_key_of_a_module_tree_is_the_key_of_its_walk() -> None:
-    """``_profile.module_key`` (one pass over the tree) is ``walked``'s key, whatever the tree holds."""
-    shared = nn.Linear(2, 2)
-    bn = nn.BatchNorm1d(2)
-    net = nn.Sequential(shared, nn.Dropout(0.2), nn.Sequential(bn, shared, nn.Linear(2, 2, bias=False)), nn.Tanh())
-    net[2][2].register_forward_hook(lambda m, a, out: out)
-    x = torch.randn(3, 2)
-
-    def same() -> None:
-        for token in (-1, -4):
-            assert _profile.module_key(token, x, net) == _profile.walked(token, (x,), {}, modules_of(net))[0]
-
-    same()
-    net.eval()
-    same()
-    handle = nn.modules.module.register_module_forward_hook(lambda m, a, out: out)
-    try:
-        same()
-    finally:
-        handle.remove()
-    bn.running_mean = None  # type: ignore[assignment]
-    same()
-    deep: nn.Module = nn.Linear(1, 1)
-    for _ in range(1200):  # deeper than the recursion limit
-        deep = nn.Sequential(deep)
-    assert _profile.module_key(-1, x, deep) == _profile.walked(-1, (x,), {}, modules_of(deep))[0]
-
-
 def test_modules_of_is_f_modules_for_shared_and_nested_modules() -> None:
     shared = nn.Linear(2, 2)
     inner = nn.Sequential(shared, nn.Tanh(), nn.Sequential(nn.Linear(2, 2), shared))

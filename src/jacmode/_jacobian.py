@@ -324,26 +324,17 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=opts.chunk_size,
                                        max_memory=opts.max_memory, create_graph=opts.create_graph)
     # a repeated call that ran without the guard last time (_direct) likely does so again: its walk
-    # takes the key alone, over a module's tree in one pass (the guard, where it is needed after
-    # all, walks itself)
+    # takes the key alone (the guard, where it is needed after all, walks itself)
     columns = opts.wrt == "inputs" and out is None and not opts.create_graph and not inside
-    direct = t.__dict__.get("_direct", False)
-    modules: Optional[list[torch.nn.Module]] = None
-    if opts.mode == "autotune":
-        key, survey = None, None
-    elif direct and not data and isinstance(f, torch.nn.Module):
-        key, survey = _profile.module_key(t.token, x, f), None
-    else:
-        modules = modules_of(f)
-        key, survey = _profile.walked(t.token, (x,), data, modules, guard=not direct)
+    modules = modules_of(f)
+    key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(
+        t.token, (x,), data, modules, guard=not t.__dict__.get("_direct", False))
     profile = None if key is None else _profile.find(f, key)
     if profile is not None:
         flat = _direct(profile, f, x, opts, out, columns)
         t.__dict__["_direct"] = flat is not None
         if flat is not None:  # the profile's engine alone, without the guard of the model's state
             return _assemble(profile.facts[0], flat, opts, out)
-    if modules is None:
-        modules = modules_of(f)
     if profile is None:
         _checks.check_devices(f, x)
     # no_grad unless create_graph; a hit of Taylor mode over a program without attention leaves

@@ -273,12 +273,8 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
     token = _TARGET_TOKEN.get((structure, create_graph))
     if token is None:
         return None
-    modules: Optional[list[nn.Module]] = None
-    if isinstance(f, nn.Module):  # one pass over the tree; its list only where no code is ready
-        key = _profile.module_key(token, x, f)
-    else:
-        modules = modules_of(f)
-        key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
+    modules = modules_of(f)
+    key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
     found = _profile.find(f, key)
     if found is not None:
         was = torch.is_grad_enabled()
@@ -289,7 +285,7 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
             torch._C._set_grad_enabled(was)
         if out is not None:
             return connected(out[0], f, x, True) if create_graph else out[0]
-    return Walked(modules_of(f) if modules is None else modules, key, found)
+    return Walked(modules, key, found)
 
 
 def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:

@@ -180,13 +180,6 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
     return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
 
 
-def module_key(token: int, x: Tensor, f: nn.Module) -> tuple[Any, ...]:
-    """The key of a call ``f(x)`` of a module f that likely runs without the guard (no survey):
-    :func:`walked`'s walk, the one definition of the key (as fast as a pass over the tree itself)."""
-    return (token, (tensor_key(x),), _walk(modules_of(f), False)[0], in_transform(), torch.is_inference_mode_enabled(),
-            torch.is_grad_enabled())
-
-
 def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]) -> tuple[Any, ...]:
     """The one key of a profile (see the note): options, call signature, modules, modes."""
     return walked(token, args, kwargs, modules)[0]
