@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import jacmode as jm
@@ -215,3 +216,89 @@ def test_constants_leave_a_folded_tuple_alone():
     rewrites.constants(gm)
     a = torch.rand(4)
     torch.testing.assert_close(gm(a), f(a))
+
+
+# [Tanh in compiled code]: Cody and Waite's tanh in elementwise operations
+
+
+def _ulps(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """|got - exact| in units in the last place of ``exact`` rounded to ``dtype`` (exact in float64)."""
+    near = exact.to(dtype).abs()
+    ulp = (torch.nextafter(near, torch.full_like(near, float("inf"))) - near).double()
+    return (got.double() - exact.double()).abs() / ulp
+
+
+@pytest.mark.parametrize("dtype,tiny,limit", [(torch.float32, -45, 2.0), (torch.float64, -323, 2.0)])
+def test_tanh_spelled_within_two_ulps_over_the_whole_range(dtype, tiny, limit):
+    """A dense sweep of [-30, 30] and a logarithmic one down to the smallest subnormals: float32
+    against float64's tanh, float64 against torch's own (itself within 1 ulp)."""
+    sweep = torch.logspace(tiny, 1.6, 200_001, dtype=dtype)
+    x = torch.cat([torch.linspace(-30, 30, 1_000_001, dtype=dtype), sweep, -sweep])
+    exact = torch.tanh(x.double())
+    err = _ulps(rewrites.tanh_spelled(x), exact, dtype)[exact != 0]
+    assert err.max() <= limit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_tanh_spelled_special_values(dtype):
+    x = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e30, -1e30, 0.5493061443340549,
+                      -9.1, 19.1], dtype=dtype)
+    got, want = rewrites.tanh_spelled(x), torch.tanh(x)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=2 * torch.finfo(dtype).eps)
+    assert torch.equal(torch.signbit(got[:2]), torch.tensor([False, True]))  # signed zeros kept
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.floats(width=32, allow_nan=True, allow_infinity=True))
+def test_tanh_spelled_any_float32(v):
+    x = torch.tensor([v], dtype=torch.float32)
+    got, exact = rewrites.tanh_spelled(x), torch.tanh(x.double())
+    if exact.isnan().any():
+        assert got.isnan().all()
+    elif exact.item() == 0:
+        assert got.item() == 0 and torch.signbit(got).item() == torch.signbit(x).item()
+    else:
+        assert _ulps(got, exact, torch.float32).item() <= 2.0
+
+
+def test_fast_tanh_rewrites_every_cpu_float_tanh_and_leaves_half_alone():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x, h):
+        return torch.tanh(2 * x) * x, torch.tanh(h)
+
+    x, h = torch.randn(64, dtype=torch.float64), torch.randn(8, dtype=torch.float16)
+    gm = make_fx(f)(x, h)
+    assert rewrites.fast_tanh(gm)
+    tanhs = [n for n in gm.graph.nodes if n.target is _aten.tanh.default]
+    assert len(tanhs) == 1 and tanhs[0].meta["val"].dtype == torch.float16  # float16 keeps torch's tanh
+    got, want = gm(x, h), f(x, h)
+    torch.testing.assert_close(got[0], want[0], rtol=4e-16, atol=4e-16)
+    assert torch.equal(got[1], want[1])
+    assert not rewrites.fast_tanh(gm)  # nothing left to replace
+
+
+def _has_compiler() -> bool:
+    from tests.test_compile import _has_compiler as has
+
+    return has()
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(not _has_compiler(), reason="no C++ compiler for inductor")
+def test_compiled_laplacian_and_derivatives_with_the_spelled_tanh():
+    """Compiled code without grad takes the spelled-out tanh: results as the interpreter's (float32
+    tolerance), and with create_graph (autograd through the code) torch's own tanh."""
+    torch.manual_seed(5)
+    net = _TorchTanh(3, 16)
+    x = torch.rand(64, 3)
+    with codegen.generated("inductor"):
+        lap = jm.laplacian(net, x)
+        d2 = jm.partials(net, x, [(0,), (1, 1)])
+    graphs = _graphs(net)
+    assert graphs and not any(n.target is _aten.tanh.default for gm in graphs for n in gm.graph.nodes)
+    with interpreter():
+        torch.testing.assert_close(lap, jm.laplacian(net, x), rtol=1e-4, atol=1e-5)
+        for a, b in zip(d2, jm.partials(net, x, [(0,), (1, 1)])):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lap.double(), _oracle_laplacian(net.double(), x.double()), rtol=1e-4, atol=1e-5)

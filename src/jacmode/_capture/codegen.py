@@ -347,6 +347,8 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], t
     rewrites.constants(gm)
     gm = rewrites.constant_directions(gm, compiled=mode is not None and mode["backend"] is not None,
                                       in_place=not grad) or gm
+    if mode is not None and mode["backend"] == "inductor" and not grad:
+        rewrites.fast_tanh(gm)  # see [Tanh in compiled code] in rewrites.py
     fuse(gm, in_place=not grad)
     if mode is not None and mode["backend"] is not None:
         from .compiled import compiled, options

@@ -38,6 +38,22 @@ nothing reads (the first-order coefficients of the output that a Laplacian never
 pass over (D, B, H) and a product): make_fx keeps them, torch.compile drops them itself,
 uncompiled code ran them. ``ENABLED`` switches the rewrites (not dead code) off for tests and
 benchmarks.
+
+NOTE: [Tanh in compiled code]
+Inductor's C++ code evaluates ``tanh`` with a vectorised routine accurate to 1 ulp that costs
+about 3.5x an ``exp`` (0.77 ms for 4096 x 64 floats on one thread of the development machine,
+against 0.22 ms): a quarter of a compiled forward Laplacian of the PINN class, and most of the
+no-grad forward of problem 2's ``net_x``. For compiled code that runs without grad,
+:func:`fast_tanh` spells each ``tanh`` out as Cody and Waite's algorithm (Software Manual for the
+Elementary Functions, 1980, chapter 17) in elementwise operations that Inductor fuses:
+tanh|x| = |x| + |x| R(x^2) below ln(3)/2, with their rational R of degree (1, 1) in single and (2, 3)
+in double precision, and 1 - 2 / (exp(2|x|) + 1) above it, the sign copied back. Measured over
+4 million points of [-30, 30] and a logarithmic sweep down to the smallest subnormals, the result
+is within 1.5 ulp of the exact value in float32 (Inductor's own: 1.0) and within 1 ulp of torch's
+tanh in float64; signed zeros, infinities and NaN are kept. About 1.8x faster compiled (0.42 ms
+above). Only without grad: the coefficients of the Taylor algebra are computed from the value
+(``tanh_backward``), never by differentiating it, whereas under ``create_graph`` autograd would
+differentiate the spelled-out form. Only on CPU (CUDA's tanh is one fast instruction sequence).
 """
 
 from __future__ import annotations
@@ -345,6 +361,67 @@ def _propagate(gm: fx.GraphModule) -> bool:
     except Exception:  # noqa: BLE001 -- an op that fake tensors cannot run: keep the traced graph
         return False
     return True
+
+
+_TANH_K = 0.54930614433405484570  # ln(3) / 2, where Cody and Waite switch from R to exp
+# Cody and Waite's coefficients: numerator p(g) and denominator q(g) of tanh|x| = |x| + |x| p(g) / q(g), g = x^2
+_TANH_P = {torch.float32: (-0.8237728127, -0.3831010665e-2),
+           torch.float64: (-0.16134119023996228053e4, -0.99225929672236083313e2, -0.96437492777225469787)}
+_TANH_Q = {torch.float32: (2.471319654, 1.0),
+           torch.float64: (0.48402357071988688686e4, 0.22337720718962312926e4, 0.11274474380534949335e3, 1.0)}
+_TANH_ONE = {torch.float32: 9.1, torch.float64: 19.1}  # tanh rounds to 1 beyond these
+
+
+def tanh_spelled(x: Any, dtype: Optional[torch.dtype] = None, call: Any = None) -> Any:
+    """tanh(x) by Cody and Waite's algorithm in elementwise aten operations (see [Tanh in compiled
+    code]), x float32 or float64 (``dtype``: x's, given where x is a graph node); ``call(op, args)``
+    makes each operation (default: runs it).
+
+    Example:
+        >>> x = torch.linspace(-3, 3, 7)
+        >>> bool((tanh_spelled(x) - torch.tanh(x)).abs().max() < 1e-6)
+        True
+    """
+    op = call or (lambda target, args: target(*args))
+    dtype = dtype or x.dtype
+
+    def poly(g: Any, coefs: tuple[float, ...]) -> Any:  # coefs[0] + coefs[1] g + ..., by Horner
+        acc: Any = coefs[-1]
+        for c in reversed(coefs[:-1]):
+            acc = op(_aten.add.Tensor, (op(_aten.mul.Tensor, (acc, g)) if not isinstance(acc, float) else
+                                        op(_aten.mul.Tensor, (g, acc)), c))
+        return acc
+
+    f = op(_aten.abs.default, (x,))
+    g = op(_aten.mul.Tensor, (f, f))
+    p = op(_aten.mul.Tensor, (poly(g, _TANH_P[dtype]), g))
+    small = op(_aten.add.Tensor, (f, op(_aten.mul.Tensor, (f, op(_aten.div.Tensor, (p, poly(g, _TANH_Q[dtype])))))))
+    e = op(_aten.exp.default, (op(_aten.mul.Tensor, (op(_aten.clamp_max.default, (f, _TANH_ONE[dtype])), 2.0)),))
+    big = op(_aten.rsub.Scalar, (op(_aten.div.Tensor, (op(_aten.reciprocal.default, (op(_aten.add.Tensor, (e, 1.0)),)), 0.5)), 1.0))
+    pick = op(_aten.gt.Scalar, (f, _TANH_K))
+    return op(_aten.copysign.Tensor, (op(_aten.where.self, (pick, big, small)), x))
+
+
+def fast_tanh(gm: fx.GraphModule) -> bool:
+    """Replace each float32/float64 CPU ``tanh`` of gm by :func:`tanh_spelled`, in place; False
+    where there is none (see [Tanh in compiled code]: for compiled code that runs without grad)."""
+    if not ENABLED:
+        return False
+    graph, done = gm.graph, False
+    for node in list(graph.nodes):
+        v = _val(node)
+        if (node.op != "call_function" or node.target is not _aten.tanh.default or v is None
+                or v.dtype not in _TANH_P or v.device.type != "cpu"):
+            continue
+        with graph.inserting_before(node):
+            new = tanh_spelled(node.args[0], v.dtype, lambda target, args: graph.call_function(target, tuple(args)))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        done = True
+    if done:
+        graph.lint()
+        gm.recompile()
+    return done
 
 
 def work(gm: fx.GraphModule) -> int:
