@@ -63,12 +63,23 @@ def _plain(*weights: Any) -> None:
 def _affine(v: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     """F.linear(v, weight, bias), cheaper for a batch of rows: torch's addmm first copies the bias
     into every row (a full pass over the output), ``mm`` then ``add_`` does not; with one input
-    feature (a scalar per sample, problem 2) one fused ``addcmul`` replaces the product."""
+    feature (a scalar per sample, problem 2) one fused ``addcmul`` replaces the product.
+
+    NOTE: [The weight gradient of a narrow input]
+    Given ``W^T`` as a transposed view, autograd computes the weight's gradient in W's own layout,
+    ``(G^T X)`` (O, B) x (B, I): for few inputs (the PINN class's first layer, I = 2, O = 64, B =
+    10^4) MKL runs that product 7x slower than ``(X^T G)^T`` (1.1 ms against 0.15 ms, 1 thread),
+    3% of a training step. Where grad mode is on and I < O the product therefore
+    reads a row-major copy of W^T (2 x 64 numbers), whose gradient is X^T G; the same numbers.
+    """
     if v.dim() != 2 or bias is None or weight.dim() != 2:
         return F.linear(v, weight, bias)
     if weight.shape[1] == 1:
         return torch.addcmul(bias, v, weight.t())
-    return torch.mm(v, weight.t()).add_(bias)
+    wt = weight.t()
+    if weight.shape[1] < weight.shape[0] and torch.is_grad_enabled():  # generated code is traced detached
+        wt = wt.contiguous()
+    return torch.mm(v, wt).add_(bias)
 
 
 def _weight_columns(x: Traced, weight: Tensor, last: bool = False) -> Optional[Callable[[Seed], Tensor]]:
