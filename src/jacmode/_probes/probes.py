@@ -58,6 +58,8 @@ class Coverage:
     uncovered: dict[str, str] = field(default_factory=dict)
     rules: dict[nn.Module, Rule] = field(default_factory=dict)  # covered module -> its rule
     tensors: dict[str, Tensor] = field(default_factory=dict)  # covered name -> the selected parameter
+    # what ``_probes/layerwise.write_rows`` derives from a selection once: names -> its plan
+    plans: dict[tuple[str, ...], Any] = field(default_factory=dict, repr=False, compare=False)
 
     @functools.cached_property
     def modules(self) -> dict[nn.Module, dict[str, str]]:
@@ -199,6 +201,9 @@ class Recording:
         return out
 
 
+_NO_KWARGS: dict[str, Any] = {}
+
+
 def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequence[nn.Module]] = None,
            clone: bool = True) -> Recording:
     """Run ``model(x)`` once with probes on the covered modules (or on ``modules``); hooks removed after.
@@ -216,7 +221,8 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
             return None
         rule = cov.rules[module]
         for attr, name in cov.modules.get(module, {}).items():
-            if name in cov.tensors and _held(module, attr) is not cov.tensors[name]:
+            held = module._parameters.get(attr) if rule is not LOCAL else _held(module, attr)  # (not dotted)
+            if name in cov.tensors and held is not cov.tensors[name]:
                 raise NotCovered(f"{type(module).__name__}.{attr} in use is not the parameter {name!r} "
                                  "(functional_call or a swap in forward): the rules would read the wrong tensor")
         z = torch.zeros_like(first, requires_grad=True)
@@ -224,7 +230,13 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
         calls.append(Call(module, rule, (args, kwargs) if rule is LOCAL else args, z, versions))
         return (first + z, *out[1:]) if isinstance(out, tuple) else first + z
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in (modules if modules is not None else cov.modules)]
+    def plain(module: nn.Module, args: tuple[Any, ...], out: Any) -> Any:  # a rule that reads no keywords
+        return hook(module, args, _NO_KWARGS, out)
+
+    # with_kwargs only where the rule reads them (the module-local vmap rule): torch's call of such a
+    # hook costs twice as much to register and more to run
+    handles = [m.register_forward_hook(hook, with_kwargs=True) if cov.rules.get(m) is LOCAL else m.register_forward_hook(plain)
+               for m in (modules if modules is not None else cov.modules)]
     try:
         with torch.enable_grad():
             xin = x.clone() if clone else x  # by default never the caller's x: the model may modify its input

@@ -91,8 +91,8 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, l
             grads = (None,) * len(zs)
     if any(c.stale for c in rec.calls):
         raise NotCovered("a module input was modified in place after the call")
-    gs = [(g if g is not None else torch.zeros_like(z)).unsqueeze(0) for g, z in zip(grads, zs)]
-    layerwise.write(rec, gs, cov, named, result.unsqueeze(1))
+    gs = [g if g is not None else torch.zeros_like(z) for g, z in zip(grads, zs)]
+    layerwise.write_rows(rec, gs, cov, named, result)
     return rec.modified
 
 

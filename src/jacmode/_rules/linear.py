@@ -205,6 +205,17 @@ class LinearRule(Rule):
             block = g.permute(1, 0, 3, 2) @ a.unsqueeze(1)
             w.add_(block) if accumulate else w.copy_(block)
 
+    def write_rows(self, module: nn.Module, inputs: tuple[Any, ...], g: Tensor, targets: Blocks) -> None:
+        a = inputs[0]
+        if a.dim() != 2 or g.dim() != 2 or a.shape[0] != g.shape[0]:  # leading dims: the K = 1 write
+            return super().write_rows(module, inputs, g, targets)
+        b = targets.get("bias")  # the bias first: see the note [Order of the writes]
+        if b is not None:
+            b.copy_(g)
+        w = targets.get("weight")
+        if w is not None:  # (B, O, 1) * (B, 1, I): one broadcast product into the (B, O, I) view
+            torch.mul(g.unsqueeze(2), a.unsqueeze(1), out=w)
+
     def sq_sum(self, module: nn.Module, inputs: tuple[Any, ...], G: Tensor, signs: Optional[Tensor]) -> Blocks:
         """{attr: param.shape}: sum over B and K of s[b, k] * J[b, k]^2 (signs (B, K) or None: all 1)."""
         a, g = self._factors(inputs, G)
