@@ -94,10 +94,14 @@ def test_write_rows_gives_the_numbers_of_write_with_one_direction() -> None:
         gs = torch.autograd.grad(ce(rec.output, y).sum(), zs)
     P = sum(p.numel() for p in model.parameters())
     rows, old = torch.full((5, P), float("nan"), dtype=torch.float64), torch.full((5, P), 7.0, dtype=torch.float64)
+    padded = torch.full((5, P + 7), float("nan"), dtype=torch.float64)
+    inner = padded[:, 3:P + 3]  # rows longer than P, a storage offset: the views are placed by both
     for _ in range(2):  # the second time from the selection's plan
         layerwise.write_rows(rec, list(gs), cov, named, rows)
+        layerwise.write_rows(rec, list(gs), cov, named, inner)
         layerwise.write(rec, [g.unsqueeze(0) for g in gs], cov, named, old.unsqueeze(1))
-        assert torch.equal(rows, old)
+        assert torch.equal(rows, old) and torch.equal(inner, old)
+    assert padded[:, :3].isnan().all() and padded[:, P + 3:].isnan().all()
     torch.testing.assert_close(rows, vmap_psg(model, x, ce, y))
 
 
