@@ -12,8 +12,11 @@ Rows: ``after`` is ``jm.per_sample_grads(m, x, ce, y=y)`` as it is; ``before`` t
 the probe engine's steps as they were before issue 19's work on them (a probed forward on a copy
 of x, ``autograd.grad`` of the loss to the output, then a second reverse pass from the output to
 the probes; the blocks written in forward order, each Linear's weight before its bias), swapped
-in for the timed call only. ``--parts`` adds the probed forward and reverse pass alone, the write
-of the blocks alone and a no-grad forward. ``--jacobians`` adds section 11's parameter Jacobians
+in for the timed call only (the probed forward itself is today's). ``--parts`` adds the probed
+forward and reverse pass alone, the write of the blocks alone (``layerwise.write_rows``, as the
+call runs it, and the K = 1 ``layerwise.write`` it replaced), a no-grad forward, and the first
+layer's product as ``F.linear`` runs it against the same product taken transposed
+(``addmm(b[:, None], W, x^T)^T``, made contiguous), which nn.Linear does not run. ``--jacobians`` adds section 11's parameter Jacobians
 (the CNN class at B = 64, problem 1's class at B = 512) before and after, whose blocks go through
 the same write: run it apart from the psg rows, its (B, Y, P) results change the allocator's state.
 
@@ -179,15 +182,32 @@ def main() -> None:
                 r = probes.record(m, x, cov, clone=False)
                 torch.autograd.grad(ce(r.output, y).sum(), [c.probe for c in r.calls])
 
+        rows = [g[0] for g in gs]
+
         def write():
+            layerwise.write_rows(rec, rows, cov, named, res)
+
+        def write_k():
             layerwise.write(rec, gs, cov, named, res.unsqueeze(1))
 
         def forward():
             with torch.no_grad():
                 m(x)
 
-        methods.update({"probed fwd+bwd": fwd_bwd, "write (existing result)": write, "no-grad forward": forward})
-        floors.update({k: "alloc+fill" for k in ("probed fwd+bwd", "write (existing result)", "no-grad forward")})
+        w1, b1 = m.fc1.weight.detach(), m.fc1.bias.detach()
+
+        def fc1():
+            with torch.no_grad():
+                F.linear(x, w1, b1)
+
+        def fc1_t():  # the same product as (W x^T)^T, made contiguous: not what nn.Linear runs
+            with torch.no_grad():
+                torch.addmm(b1.unsqueeze(1), w1, x.t()).t().contiguous()
+
+        parts = {"probed fwd+bwd": fwd_bwd, "write (existing result)": write, "write, K=1 (write)": write_k,
+                 "no-grad forward": forward, "fc1 F.linear": fc1, "fc1 addmm(b,W,x^T)^T": fc1_t}
+        methods.update(parts)
+        floors.update(dict.fromkeys(parts, "alloc+fill"))
     first = after()  # the profile is found by the first call (before's would say 'modifies its input')
     assert torch.equal(before(), first)
     clock = time.perf_counter if args.clock == "wall" else time.process_time

@@ -21,8 +21,8 @@ A (B, P) or (B, Y, P) result is written block by block, each a strided column ra
 A small block (a bias, the last layer's weight) written after a large one touches a few cache
 lines in each of B rows that the large block's stream has already pushed out to memory; written
 before it, the same lines are cheap and the large block streams around them. The write of
-``_probes/layerwise.py`` therefore takes the modules with the fewest columns first and this rule
-writes the bias before the weight (measured by ``bench/psg_floor.py``: per_sample_grads of problem 1's class at
+``_probes/layerwise.py`` (``write``, and ``write_rows`` for per-sample gradients) therefore takes the
+modules with the fewest columns first and this rule writes the bias before the weight (measured by ``bench/psg_floor.py``: per_sample_grads of problem 1's class at
 B = 512 spends 0.1-0.4 ms less in the writes, 3-10% of the fill of its result).
 """
 
