@@ -15,7 +15,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import jacmode as jm
-from jacmode._probes import layerwise, probes
+from jacmode._probes import layerio, layerwise, probes
 from jacmode._rules.local import LOCAL
 
 
@@ -132,3 +132,57 @@ def test_float32_problem_class_against_a_float64_oracle() -> None:
         got = jm.per_sample_grads(model, x, ce, y=y)
         assert got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+class Rewrites(nn.Module):
+    """Each layer's output is modified in place after the call: its own cotangent is not the layer's."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.how = nn.Linear(5, 6), nn.Linear(6, 3), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.how == "relu_":
+            h = torch.relu_(h)
+        elif self.how == "view":
+            h[:, 0] = 0.0  # through a view of the output
+        else:
+            h.mul_(2.0)
+        out = self.fc2(torch.tanh(h))
+        return out
+
+
+@pytest.mark.parametrize("how", ["relu_", "view", "mul_"])
+def test_outputs_modified_in_place_after_the_call_give_exact_rows(how: str) -> None:
+    """The first call finds the rewritten output (the generic engine serves it), later ones take probes."""
+    torch.manual_seed(0)
+    model = Rewrites(how).double()
+    x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
+    want = vmap_psg(model, x, ce, y)
+    for _ in range(3):
+        torch.testing.assert_close(jm.per_sample_grads(model, x, ce, y=y), want)
+    assert layerio.usable(model, x, list(model.named_parameters())).found == {"rewritten": True}
+    cov = probes.coverage(model, list(model.named_parameters()), local=False)
+    rec = probes.record(model, x, cov, outputs=True)
+    assert [c.rewritten for c in rec.calls] == [True, False]
+
+
+def test_outputs_stand_for_the_probes_where_they_require_grad() -> None:
+    """The module's output itself is the probe of a call whose output requires grad; a frozen layer
+    on an input without grad keeps a probe. Same cotangents as the probes', bit for bit."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    x, y = torch.randn(7, 5, dtype=torch.float64), torch.randint(0, 3, (7,))
+    model[0].requires_grad_(False)
+    named = list(model.named_parameters())
+    cov = probes.coverage(model, named)
+    with torch.enable_grad():
+        got = probes.record(model, x, cov, outputs=True)
+        assert got.calls[0].output_version is None and got.calls[0].probe.is_leaf  # a probe
+        assert [c.probe.grad_fn is not None and c.output_version is not None for c in got.calls[1:]] == [True, True]
+        a = torch.autograd.grad(ce(got.output, y).sum(), [c.probe for c in got.calls])
+        ref = probes.record(model, x, cov)
+        b = torch.autograd.grad(ce(ref.output, y).sum(), [c.probe for c in ref.calls])
+    assert all(torch.equal(u, v) for u, v in zip(a, b))
+    assert not any(c.rewritten for c in got.calls)

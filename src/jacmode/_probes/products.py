@@ -78,12 +78,15 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, l
     """Write the covered columns of the (B, P) ``result``: one probed forward, one reverse pass.
 
     The reverse pass runs from sum_b loss_b straight to the probes (only their cotangents are
-    needed; autograd computes no parameter gradient). ``clone``: see :func:`probes.record`.
-    Returns whether the model modified its input in place. Raises NotCovered (nothing usable
-    written) when a recorded input went stale.
+    needed; autograd computes no parameter gradient), which are the modules' outputs themselves
+    until a call finds one of them modified in place after its module ran (``record``'s
+    ``outputs``; that call raises NotCovered and the coverage then keeps the probes). ``clone``:
+    see :func:`probes.record`. Returns whether the model modified its input in place. Raises
+    NotCovered (nothing usable written) when a recorded input or output went stale.
     """
+    outputs = not cov.found.get("rewritten", False)
     with torch.enable_grad():
-        rec = probes.record(model, x, cov, clone=clone)
+        rec = probes.record(model, x, cov, clone=clone, outputs=outputs)
         loss = losses(rec.output)
         zs = [c.probe for c in rec.calls]
         grads: Sequence[Optional[Tensor]]
@@ -93,6 +96,9 @@ def per_sample_grads_layers(model: nn.Module, cov: probes.Coverage, x: Tensor, l
             grads = (None,) * len(zs)
     if any(c.stale for c in rec.calls):
         raise NotCovered("a module input was modified in place after the call")
+    if outputs and (any(c.rewritten for c in rec.calls) or len({id(z) for z in zs}) != len(zs)):
+        cov.found["rewritten"] = True  # the next calls take probes; this one the generic engine
+        raise NotCovered("a module output was modified in place after the call")
     gs = [g if g is not None else torch.zeros_like(z) for g, z in zip(grads, zs)]
     layerwise.write_rows(rec, gs, cov, named, result)
     return rec.modified
