@@ -219,9 +219,9 @@ def main() -> None:
             zs = [c.probe for c in rec.calls]
             gs = [g.unsqueeze(0) for g in torch.autograd.grad(ce(rec.output, y).sum(), zs)]
 
-        def fwd_bwd():
+        def fwd_bwd():  # as the call runs it: the layers' outputs stand for the probes
             with torch.no_grad(), torch.enable_grad():
-                r = probes.record(m, x, cov, clone=False)
+                r = probes.record(m, x, cov, clone=False, outputs=True)
                 torch.autograd.grad(ce(r.output, y).sum(), [c.probe for c in r.calls])
 
         rows = [g[0] for g in gs]
