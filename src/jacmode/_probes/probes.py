@@ -26,7 +26,11 @@ Cotangents are taken with respect to the probe z added to each covered module's 
 with respect to the output itself: an in-place operation after the layer (``ReLU(inplace=True)``)
 rewrites that output, and autograd would then hand back the cotangent of the rewritten tensor.
 The probe sits between the layer and whatever follows, so residual connections, concatenations,
-functional activations and custom ``forward`` code need no rules: autograd carries them. A module
+functional activations and custom ``forward`` code need no rules: autograd carries them.
+Per-sample gradients take the outputs themselves where nothing rewrote them (``record``'s
+``outputs``: the same cotangents, bit for bit, without a probe's tensor, add and reverse-pass
+node); the outputs' version counters tell afterwards whether one was modified in place, and then
+that call is not used and the probes serve the later calls. A module
 input modified in place after the call is detected by its version counter (``Call.stale``), and a
 module that holds another tensor than the selected parameter when it runs (``functional_call``
 inside forward) by the hook itself, which raises NotCovered: the generic engine then runs.
