@@ -6,14 +6,20 @@ ratios to ``torch.empty(B, P).fill_(1.0)`` (the target of issue 19: <= 1.5x at B
 page faults each call paid.
 
     PYTHONPATH=src:. python -m bench.psg_floor [--repeats 200] [--batch 512] [--parts] [--jacobians]
-        [--clock wall|cpu] [--unpinned]
+        [--traced] [--clock wall|cpu] [--unpinned]
 
 Rows: ``after`` is ``jm.per_sample_grads(m, x, ce, y=y)`` as it is; ``before`` the same call with
 the probe engine's steps as they were before issue 19's work on them (a probed forward on a copy
 of x, ``autograd.grad`` of the loss to the output, then a second reverse pass from the output to
 the probes; the blocks written in forward order, each Linear's weight before its bias), swapped
-in for the timed call only. ``--parts`` adds the probed forward and reverse pass alone, the write
-of the blocks alone and a no-grad forward. ``--jacobians`` adds section 11's parameter Jacobians
+in for the timed call only (the probed forward itself is today's). ``--parts`` adds the probed
+forward and reverse pass alone, the write of the blocks alone (``layerwise.write_rows``, as the
+call runs it, and the K = 1 ``layerwise.write`` it replaced), a no-grad forward, and the first
+layer's product as ``F.linear`` runs it against the same product taken transposed
+(``addmm(b[:, None], W, x^T)^T``, made contiguous), which nn.Linear does not run. ``--traced``
+adds the same probe step traced by ``make_fx`` into an fx graph of its aten calls, run without the
+interpreted engine's module calls, hooks and autograd engine (not a jacmode path: a measure of
+what they cost). ``--jacobians`` adds section 11's parameter Jacobians
 (the CNN class at B = 64, problem 1's class at B = 512) before and after, whose blocks go through
 the same write: run it apart from the psg rows, its (B, Y, P) results change the allocator's state.
 
@@ -114,6 +120,41 @@ def before_layers(model, cov, x, losses, named, result, clone=True):
 AFTER_LAYERS = engine.per_sample_grads_layers
 
 
+def traced_step(m, x, y, ce, B, P):
+    """The probe step of ``after`` (a fresh (B, P) result, the probed forward, the reverse pass to
+    the probes, the writes) traced by ``make_fx`` with the parameters as inputs, the probes dropped
+    as ``_probes/generated.py`` drops them; checked bit for bit against the call."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    from jacmode._probes.generated import _drop_probes
+
+    named = list(m.named_parameters())
+    names = [n for n, _ in named]
+    cov = layerio.usable(m, x, named)
+
+    def step(xx, yy, *ts):
+        swap = dict(zip(names, ts))
+        held = probes.Coverage(cov.covered, cov.uncovered, cov.rules, swap)
+        res = torch.empty(B, P)
+        with _reparametrize_module(m, swap), torch.enable_grad():
+            AFTER_LAYERS(m, held, xx, lambda o: ce(o, yy), [(n, swap[n]) for n in names], res, clone=False)
+        return res
+
+    ts = [p.detach() for p in m.parameters()]
+    gm = make_fx(step, tracing_mode="fake")(x, y, *ts)
+    _drop_probes(gm.graph)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+    def run():
+        with torch.no_grad():
+            return gm(x, y, *ts)
+
+    assert torch.equal(run(), jm.per_sample_grads(m, x, ce, y=y))
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=200)
@@ -129,6 +170,10 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: time.process_time, which leaves out the time the process waited for a core "
                          "(a machine shared by several people)")
+    ap.add_argument("--traced", action="store_true",
+                    help="also the same probe step traced once by make_fx and run as an fx graph of aten calls "
+                         "(no module calls, hooks, autograd engine or Python between the kernels): not a jacmode path, "
+                         "the measure of what the interpreted engine's own cost is")
     args = ap.parse_args()
     if not args.unpinned and "GLIBC_TUNABLES" not in os.environ:
         env = dict(os.environ, GLIBC_TUNABLES="glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296")
@@ -174,20 +219,40 @@ def main() -> None:
             zs = [c.probe for c in rec.calls]
             gs = [g.unsqueeze(0) for g in torch.autograd.grad(ce(rec.output, y).sum(), zs)]
 
-        def fwd_bwd():
+        def fwd_bwd():  # as the call runs it: the layers' outputs stand for the probes
             with torch.no_grad(), torch.enable_grad():
-                r = probes.record(m, x, cov, clone=False)
+                r = probes.record(m, x, cov, clone=False, outputs=True)
                 torch.autograd.grad(ce(r.output, y).sum(), [c.probe for c in r.calls])
 
+        rows = [g[0] for g in gs]
+
         def write():
+            layerwise.write_rows(rec, rows, cov, named, res)
+
+        def write_k():
             layerwise.write(rec, gs, cov, named, res.unsqueeze(1))
 
         def forward():
             with torch.no_grad():
                 m(x)
 
-        methods.update({"probed fwd+bwd": fwd_bwd, "write (existing result)": write, "no-grad forward": forward})
-        floors.update({k: "alloc+fill" for k in ("probed fwd+bwd", "write (existing result)", "no-grad forward")})
+        w1, b1 = m.fc1.weight.detach(), m.fc1.bias.detach()
+
+        def fc1():
+            with torch.no_grad():
+                F.linear(x, w1, b1)
+
+        def fc1_t():  # the same product as (W x^T)^T, made contiguous: not what nn.Linear runs
+            with torch.no_grad():
+                torch.addmm(b1.unsqueeze(1), w1, x.t()).t().contiguous()
+
+        parts = {"probed fwd+bwd": fwd_bwd, "write (existing result)": write, "write, K=1 (write)": write_k,
+                 "no-grad forward": forward, "fc1 F.linear": fc1, "fc1 addmm(b,W,x^T)^T": fc1_t}
+        methods.update(parts)
+        floors.update(dict.fromkeys(parts, "alloc+fill"))
+    if args.traced:
+        methods["traced step"] = traced_step(m, x, y, ce, B, P)
+        floors["traced step"] = "alloc+fill"
     first = after()  # the profile is found by the first call (before's would say 'modifies its input')
     assert torch.equal(before(), first)
     clock = time.perf_counter if args.clock == "wall" else time.process_time

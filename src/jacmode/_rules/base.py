@@ -205,6 +205,15 @@ class Rule:
                 target = targets[attr]
                 target.add_(block) if accumulate else target.copy_(block)
 
+    def write_rows(self, module: nn.Module, inputs: tuple[Any, ...], g: Tensor, targets: Blocks) -> None:
+        """:meth:`write` for one output direction (a per-sample gradient), not accumulating: ``g``
+        (B, *out) is the cotangent without the K dim, ``targets`` {attr: (B, *param.shape)} views.
+
+        A rule may write these with fewer views than :meth:`write` needs for K directions (see
+        ``_probes/layerwise.write_rows``); by default it is :meth:`write` with K = 1.
+        """
+        self.write(module, inputs, g.unsqueeze(0), {a: t.unsqueeze(1) for a, t in targets.items()}, False)
+
 
 def has(rule: Rule, method: str) -> bool:
     """Whether ``rule`` defines the optional reduction ``method`` (``sq_sum``, ``gram``, ...)."""
