@@ -326,14 +326,23 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     # a repeated call that ran without the guard last time (_direct) likely does so again: its walk
     # takes the key alone (the guard, where it is needed after all, walks itself)
     columns = opts.wrt == "inputs" and out is None and not opts.create_graph and not inside
+    direct = t.__dict__.get("_direct", False)
+    if direct and not data and opts.mode != "autotune":  # the last hit's key, tested in place
+        profile = _profile.recheck(f, t.token, x)
+        if profile is not None:
+            flat = _direct(profile, f, x, opts, None, columns)
+            if flat is not None:
+                return _assemble(profile.facts[0], flat, opts, None)
     modules = modules_of(f)
     key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(
-        t.token, (x,), data, modules, guard=not t.__dict__.get("_direct", False))
+        t.token, (x,), data, modules, guard=not direct)
     profile = None if key is None else _profile.find(f, key)
     if profile is not None:
         flat = _direct(profile, f, x, opts, out, columns)
         t.__dict__["_direct"] = flat is not None
         if flat is not None:  # the profile's engine alone, without the guard of the model's state
+            if not data:
+                _profile.remember(f, t.token, x, profile)  # the next call tests this key in place
             return _assemble(profile.facts[0], flat, opts, out)
     if profile is None:
         _checks.check_devices(f, x)

@@ -47,10 +47,25 @@ from . import _functional
 from ._args import Flat
 from ._cache import WeakCache, _resolved
 from ._state import Survey, modules_of
-from ._transforms import in_transform
+from ._transforms import _PEEK, in_transform
 
 PER_FUNCTION = 16
-_PROFILES = WeakCache("profiles")
+
+
+class _Table(WeakCache):
+    """The profiles' cache: a profile it drops (``clear_cache``) is no longer :attr:`Profile.live`."""
+
+    def clear(self) -> None:
+        with _LOCK:
+            for entries in list(self._data.values()):
+                for p in entries.values():
+                    if isinstance(p, Profile):
+                        p.live = False
+            _LAST.clear()
+            super().clear()
+
+
+_PROFILES = _Table("profiles")
 _LOCK = threading.Lock()  # keep / forget from several threads (a look-up needs none)
 
 
@@ -73,6 +88,8 @@ class Profile:
     facts: Any
     holds: tuple[Any, ...] = ()
     runs: dict[Any, Any] = field(default_factory=dict)
+    live: bool = True  # False once dropped from the cache (forget, a newer profile, clear_cache)
+    check: Any = None  # :func:`recheck`'s test of its key (False: none can be made)
 
 
 def _value_key(v: Any) -> Hashable:
@@ -247,7 +264,10 @@ def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module])
         except TypeError:  # f cannot be weakly referenced: not profiled
             return
         if len(entries) >= PER_FUNCTION and k not in entries:
-            entries.pop(next(iter(entries)))
+            _dead(entries.pop(next(iter(entries))))
+        old = entries.get(k)
+        if old is not profile:
+            _dead(old)
         entries[k] = profile
 
 
@@ -256,9 +276,14 @@ def forget(f: Any, k: tuple[Any, ...]) -> None:
     f, k = _resolved(f, k)
     with _LOCK:
         try:
-            _PROFILES._data.get(f, {}).pop(k, None)
+            _dead(_PROFILES._data.get(f, {}).pop(k, None))
         except TypeError:
             pass
+
+
+def _dead(p: Any) -> None:
+    if isinstance(p, Profile):
+        p.live = False
 
 
 def count(f: Any) -> int:
@@ -267,3 +292,123 @@ def count(f: Any) -> int:
         return len(_PROFILES._data.get(f, {}))
     except TypeError:
         return 0
+
+
+# ---- the repeated call: the last hit's key tested in place (see recheck) ----
+
+# f (weakly) -> {token: the profile its last call of that token found and served straight away}
+_LAST: "weakref.WeakKeyDictionary[Any, dict[int, Profile]]" = weakref.WeakKeyDictionary()
+
+
+def recheck(f: Any, token: int, x: Tensor) -> Optional[Profile]:
+    """The profile that ``find(f, walked(token, (x,), {}, modules_of(f))[0])`` would return, where it
+    is the one the last such call of f and ``token`` found (:func:`remember`), else None.
+
+    Instead of building the key (one walk of the modules, tuples of every parameter's facts, a
+    hash, a deep comparison), the profile's :attr:`Profile.check` compares what the key holds
+    with the values it held, in place: x's shape, dtype, device, ``requires_grad`` and layout;
+    the tree of modules (each one's children, the same objects in the same order), their training
+    flags, hooks (none), dropout probabilities, parameters (slot names, identity, requires_grad,
+    dtype, shape, device) and buffers (names, dtype, shape, device); the process-wide hooks (none),
+    no dict of tensors bound in (``_functional``), torch.func transforms, inference and grad mode.
+    A profile dropped from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not
+    returned. None where anything differs: the caller then walks (the key decides).
+    """
+    try:
+        last = _LAST.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+    except TypeError:  # not weak-referenceable
+        return None
+    found = None if last is None else last.get(token)
+    if found is None or not found.live:
+        return None
+    return found if found.check(f, x) else None
+
+
+def remember(f: Any, token: int, x: Tensor, found: Profile) -> None:
+    """After ``found`` served a call of f with ``token`` on x straight away (found by its walked key,
+    with no keyword arguments): :func:`recheck` tries it first on the next call. Makes the
+    profile's check once (nothing where f is not a module or its key holds what the check does not
+    test: hooks, tensors bound in, a torch.func transform, inference mode)."""
+    if found.check is None:
+        found.check = _checker(f, x, token, found) or False
+    if found.check is False or not found.live:
+        return
+    try:
+        _LAST.setdefault(f, {})[token] = found
+    except TypeError:
+        pass
+
+
+def _checker(f: Any, x: Tensor, token: int, found: Profile) -> Optional[Any]:
+    """The generated test of :func:`recheck` for the key f, ``token`` and x have now (which must be
+    ``found``'s), or None."""
+    if not isinstance(f, nn.Module) or not isinstance(x, Tensor) or _functional._BOUND or in_transform():
+        return None
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks):
+        return None
+    modules = modules_of(f)
+    key = walked(token, (x,), {}, modules, guard=False)[0]
+    entries = _PROFILES._data.get(f)
+    if entries is None or entries.get(key) is not found:  # the key as of now is not found's
+        return None
+    ns: dict[str, Any] = {"_module": _module, "_functional": _functional, "_PEEK": _PEEK,
+                          "_inference": torch.is_inference_mode_enabled, "_grad": torch.is_grad_enabled}
+
+    def const(v: Any) -> str:
+        name = f"c{len(ns)}"
+        ns[name] = v
+        return name
+
+    lines = ["def check(f, x):", " try:"]
+    emit = lambda line: lines.append("  " + line)  # noqa: E731
+    emit(f"if x.shape != {const(x.shape)} or x.dtype is not {const(x.dtype)} or x.requires_grad is not "
+         f"{const(x.requires_grad)} or x.layout is not {const(x.layout)} or x.device != {const(x.device)}: return False")
+    for i, m in enumerate(modules):
+        d = m.__dict__
+        try:
+            flag, params, buffers, children = d["training"], d["_parameters"], d["_buffers"], d["_modules"]
+            hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+        except KeyError:  # a module keeping them elsewhere (a ScriptModule): the walk decides
+            return None
+        if type(flag) is not bool or hooked or any(c is f for c in children.values()):
+            return None
+        emit(f"d = {'f' if i == 0 else const(m)}.__dict__")
+        emit(f"if d['training'] is not {flag} or d['_forward_hooks'] or d['_forward_pre_hooks'] or "
+             "d['_backward_hooks'] or d['_backward_pre_hooks']: return False")
+        if isinstance(m, _DropoutNd):
+            emit(f"if not (d['p'] == {const(m.p)}): return False" if "p" in d else "return False")
+        emit(f"if tuple(d['_modules'].values()) != {const(tuple(children.values()))}: return False"
+             if children else "if d['_modules']: return False")
+        if params:
+            emit(f"t = d['_parameters']")
+            emit(f"if tuple(t) != {const(tuple(params))}: return False")
+            for name, p in params.items():
+                if p is None:
+                    emit(f"if t[{name!r}] is not None: return False")
+                    continue
+                emit(f"p = t[{name!r}]")
+                emit(f"if p is not {const(p)} or p.requires_grad is not {p.requires_grad} or p.dtype is not "
+                     f"{const(p.dtype)} or p.shape != {const(p.shape)} or p.device != {const(p.device)}: return False")
+        else:
+            emit("if d['_parameters']: return False")
+        if buffers:
+            emit(f"t = d['_buffers']")
+            emit(f"if tuple(t) != {const(tuple(buffers))}: return False")
+            for name, b in buffers.items():
+                if b is None:
+                    emit(f"if t[{name!r}] is not None: return False")
+                    continue
+                emit(f"b = t[{name!r}]")
+                emit(f"if b is None or b.dtype is not {const(b.dtype)} or b.shape != {const(b.shape)} or "
+                     f"b.device != {const(b.device)}: return False")
+        else:
+            emit("if d['_buffers']: return False")
+    emit("if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks "
+         "or _module._global_backward_pre_hooks or _functional._BOUND): return False")
+    emit(f"return {'' if _PEEK is None else '_PEEK() is None and '}_inference() is {key[4]} and _grad() is {key[5]}")
+    lines.append(" except (KeyError, AttributeError, ValueError, TypeError):")
+    lines.append("  return False")
+    exec(compile("\n".join(lines), f"<jacmode profile check of {type(f).__name__}>", "exec"), ns)
+    check = ns["check"]
+    return check if check(f, x) else None
