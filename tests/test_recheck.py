@@ -2,7 +2,8 @@
 
 The direct paths of ``jacobian`` (``_jacobian._direct``) and of the derivative operators
 (``_operands.direct_call``) remember the profile that served the last call of a function and token
-(``_profile.remember``); the next call runs the profile's generated check of its key
+(``_profile.remember``), and so does ``per_sample_grads`` (whose guard then reads the
+modules' flags, slots and parameters from the check, ``_profile.survey``); the next call runs the profile's generated check of its key
 (``Profile.check``) and, where it holds, that profile's code, without building the key. Each test
 warms that path (and checks it is taken), changes one thing, checks that the key's test sees the
 change where the key holds it (and lets the call through where it does not), and compares the
@@ -16,11 +17,12 @@ from typing import Any, Callable
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jacfwd, jacrev, vmap
+from torch.func import functional_call, grad, jacfwd, jacrev, vmap
 from torch.nn.modules import module as _module
 
 import jacmode as jm
 from jacmode import _profile
+from jacmode._products import _PSG_TOKEN
 
 DIMS = [(0,), (1, 1)]
 
@@ -52,8 +54,18 @@ OPS: dict[str, Callable[[Any, Tensor], Any]] = {
     "partials": lambda f, x: jm.partials(f, x, DIMS),
     "laplacian": lambda f, x: jm.laplacian(f, x),
     "jacobian params transform": lambda f, x: jm.transform(jm.jacobian, f, wrt="params")(x),
+    "per_sample_grads": lambda f, x: jm.per_sample_grads(f, x, _loss, y=_target(x)),
+    "per_sample_grads transform": lambda f, x: jm.transform(jm.per_sample_grads, f, loss=_loss)(x, _target(x)),
     "laplacian transform": lambda f, x: jm.transform(jm.laplacian, f)(x),
 }
+
+
+def _loss(out: Tensor, y: Tensor) -> Tensor:
+    return ((out - y) ** 2).sum(1)
+
+
+def _target(x: Tensor) -> Tensor:
+    return torch.linspace(-1, 1, 3 * x.shape[0], dtype=x.dtype).reshape(x.shape[0], 3)
 
 
 def _single(f: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
@@ -61,6 +73,14 @@ def _single(f: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
 
 
 def _oracle(op: str, f: nn.Module, x: Tensor) -> Any:
+    if op == "per_sample_grads":
+        params = {n: p.detach() for n, p in f.named_parameters() if p.requires_grad}
+
+        def term(p: dict[str, Tensor], xi: Tensor, yi: Tensor) -> Tensor:
+            return _loss(functional_call(f, p, (xi[None],)), yi[None])[0]
+
+        g = vmap(grad(term), in_dims=(None, 0, 0))(params, x, _target(x))
+        return torch.cat([g[n].reshape(x.shape[0], -1) for n in params], 1)
     if op == "jacobian params":
         names = [n for n, p in f.named_parameters() if p.requires_grad]
         params = {n: p.detach() for n, p in f.named_parameters() if p.requires_grad}
@@ -94,8 +114,8 @@ def _check(name: str, f: nn.Module, x: Tensor) -> None:
 
 def _rechecks(f: Any, x: Tensor) -> list[Any]:
     """The profiles :func:`_profile.recheck` finds for f at x, per token remembered."""
-    last = _profile._LAST.get(f, {})
-    return [_profile.recheck(f, token, x) for token in last]
+    psg = (x, _target(x), _loss.__code__, ("params", None, None, True, str, type(None), type(None), bool))
+    return [_profile.recheck(f, token, *(psg if token == _PSG_TOKEN else (x,))) for token in _profile._LAST.get(f, {})]
 
 
 def _warm(name: str, f: nn.Module, x: Tensor) -> None:
@@ -191,3 +211,48 @@ def test_no_check_for_a_plain_function() -> None:
     for _ in range(6):
         torch.testing.assert_close(jm.laplacian(g, x), _oracle("laplacian", f, x), rtol=1e-9, atol=1e-10)
     assert all(p.check in (None, False) for p in _profile._PROFILES._data.get(g, {}).values())
+
+
+class Counting(Net):
+    """Net with a buffer its forward updates in place (what the guard puts back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+def _loop(f: nn.Module, x: Tensor) -> Tensor:
+    """Per-sample gradients by an autograd loop (the oracle where torch.func refuses f's in-place update)."""
+    params = [p for p in f.parameters() if p.requires_grad]
+    y = _target(x)
+    rows = [torch.cat([g.reshape(-1) for g in torch.autograd.grad(_loss(f(x[b:b + 1]), y[b:b + 1]).sum(), params)])
+            for b in range(x.shape[0])]
+    return torch.stack(rows)
+
+
+def test_a_rechecked_per_sample_grads_leaves_the_model_as_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    surveys = []
+    survey = _profile.survey
+    monkeypatch.setattr(_profile, "survey", lambda found: surveys.append(found) or survey(found))
+    torch.manual_seed(0)
+    f, x = Counting().double(), torch.randn(5, 2, dtype=torch.float64)
+    for _ in range(4):
+        jm.per_sample_grads(f, x, _loss, y=_target(x))
+    assert _profile._LAST.get(f), "the repeated call remembered no profile"
+    grads = {n: torch.full_like(p, 0.25) for n, p in f.named_parameters()}
+    for n, p in f.named_parameters():
+        p.grad = grads[n]
+    f.calls.zero_()
+    buffer, params = f.calls, dict(f.named_parameters())
+    want = _loop(f, x)
+    f.calls.zero_()
+    for _ in range(3):
+        got = jm.per_sample_grads(f, x, _loss, y=_target(x))
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+        assert f.calls is buffer and f.calls.item() == 0 and f.training
+        assert all(p is params[n] and p.grad is grads[n] and p.requires_grad for n, p in f.named_parameters())
+    assert len(surveys) >= 3  # the calls took the last hit's key, tested in place

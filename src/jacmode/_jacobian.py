@@ -342,7 +342,7 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
         t.__dict__["_direct"] = flat is not None
         if flat is not None:  # the profile's engine alone, without the guard of the model's state
             if not data:
-                _profile.remember(f, t.token, x, profile)  # the next call tests this key in place
+                _profile.remember(f, t.token, profile, x)  # the next call tests this key in place
             return _assemble(profile.facts[0], flat, opts, out)
     if profile is None:
         _checks.check_devices(f, x)

@@ -284,7 +284,7 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
     if found is not None:
         out = _ready_in(found, name, f, x, create_graph)
         if out is not None:
-            _profile.remember(f, token, x, found)  # the next call tests this key in place
+            _profile.remember(f, token, found, x)  # the next call tests this key in place
             return connected(out[0], f, x, True) if create_graph else out[0]
     return Walked(modules, key, found)
 
@@ -306,7 +306,9 @@ def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_gr
     run = found.runs.get(name)
     if not run or not _profile.fresh(found.facts[0], x, run[3]):
         return None
-    z = x if create_graph else x.detach()
+    # without create_graph the code runs under no_grad: x itself serves unless it requires grad
+    # (then detached: the code's key holds z's requires_grad=False)
+    z = x if create_graph or not x.requires_grad else x.detach()
     out = run[0](z if z.dim() == 2 else z.reshape(x.shape[0], run[1]))  # (B, N) already: z itself
     if out is None:  # what the code's key holds changed
         found.runs.pop(name, None)

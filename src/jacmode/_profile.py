@@ -89,7 +89,7 @@ class Profile:
     holds: tuple[Any, ...] = ()
     runs: dict[Any, Any] = field(default_factory=dict)
     live: bool = True  # False once dropped from the cache (forget, a newer profile, clear_cache)
-    check: Any = None  # :func:`recheck`'s test of its key (False: none can be made)
+    check: Any = None  # :func:`recheck`'s test of its key, a :class:`Check` (False: none can be made)
 
 
 def _value_key(v: Any) -> Hashable:
@@ -300,19 +300,20 @@ def count(f: Any) -> int:
 _LAST: "weakref.WeakKeyDictionary[Any, dict[int, Profile]]" = weakref.WeakKeyDictionary()
 
 
-def recheck(f: Any, token: int, x: Tensor) -> Optional[Profile]:
-    """The profile that ``find(f, walked(token, (x,), {}, modules_of(f))[0])`` would return, where it
+def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
+    """The profile that ``find(f, walked(token, args, {}, modules_of(f))[0])`` would return, where it
     is the one the last such call of f and ``token`` found (:func:`remember`), else None.
 
     Instead of building the key (one walk of the modules, tuples of every parameter's facts, a
-    hash, a deep comparison), the profile's :attr:`Profile.check` compares what the key holds
-    with the values it held, in place: x's shape, dtype, device, ``requires_grad`` and layout;
-    the tree of modules (each one's children, the same objects in the same order), their training
-    flags, hooks (none), dropout probabilities, parameters (slot names, identity, requires_grad,
-    dtype, shape, device) and buffers (names, dtype, shape, device); the process-wide hooks (none),
-    no dict of tensors bound in (``_functional``), torch.func transforms, inference and grad mode.
-    A profile dropped from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not
-    returned. None where anything differs: the caller then walks (the key decides).
+    hash, a deep comparison), the profile's check (:class:`Check`) compares what the key holds
+    with the values it held, in place: each tensor argument's shape, dtype, device,
+    ``requires_grad`` and layout, the other arguments' types and values; the tree of modules (each
+    one's children, the same objects in the same order), their training flags, hooks (none),
+    dropout probabilities, parameters (slot names, identity, requires_grad, dtype, shape, device)
+    and buffers (names, dtype, shape, device); the process-wide hooks (none), no dict of tensors
+    bound in (``_functional``), torch.func transforms, inference and grad mode. A profile dropped
+    from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not returned. None where
+    anything differs: the caller then walks (the key decides).
     """
     try:
         last = _LAST.data.get(weakref.ref(f))  # type: ignore[attr-defined]
@@ -321,16 +322,37 @@ def recheck(f: Any, token: int, x: Tensor) -> Optional[Profile]:
     found = None if last is None else last.get(token)
     if found is None or not found.live:
         return None
-    return found if found.check(f, x) else None
+    return found if found.check.test(f, *args) else None
 
 
-def remember(f: Any, token: int, x: Tensor, found: Profile) -> None:
-    """After ``found`` served a call of f with ``token`` on x straight away (found by its walked key,
-    with no keyword arguments): :func:`recheck` tries it first on the next call. Makes the
-    profile's check once (nothing where f is not a module or its key holds what the check does not
-    test: hooks, tensors bound in, a torch.func transform, inference mode)."""
+class Check:
+    """:func:`recheck`'s test of a profile's key (``test(f, *args)``), with the key and what the
+    guard's walk of it found that the key fixes (:func:`survey`)."""
+
+    __slots__ = ("test", "key", "modules", "training", "slots", "params", "flags", "buffered")
+
+    def __init__(self, test: Any, key: tuple[Any, ...], modules: list[nn.Module], found: Survey) -> None:
+        self.test, self.key, self.modules = test, key, modules
+        self.training, self.slots, self.params, self.flags = found.training, found.slots, found.params, found.flags
+        self.buffered = [m for m in modules if m._buffers]
+
+
+def survey(found: Profile) -> Survey:
+    """The guard's :class:`~jacmode._state.Survey` of the modules of a profile that :func:`recheck`
+    returned: the flags, slots and parameters its key fixes, as its check found them; the buffers
+    and ``.grad`` references (which the key does not hold) read now."""
+    c: Check = found.check
+    buffers = [(m, name, b) for m in c.buffered for name, b in m._buffers.items() if b is not None]
+    return Survey(c.training, c.slots, c.params, buffers, c.flags, [p.grad if p.is_leaf else None for p in c.params])
+
+
+def remember(f: Any, token: int, found: Profile, *args: Any) -> None:
+    """After ``found`` served a call ``(f, *args)`` with ``token`` (found by its walked key, with no
+    keyword arguments): :func:`recheck` tries it first on the next call. Makes the profile's
+    :class:`Check` once (none where f is not a module or its key holds what the check does not
+    test: hooks, tensors bound in, a torch.func transform, inference mode, unhashable arguments)."""
     if found.check is None:
-        found.check = _checker(f, x, token, found) or False
+        found.check = _checker(f, args, token, found) or False
     if found.check is False or not found.live:
         return
     try:
@@ -339,16 +361,16 @@ def remember(f: Any, token: int, x: Tensor, found: Profile) -> None:
         pass
 
 
-def _checker(f: Any, x: Tensor, token: int, found: Profile) -> Optional[Any]:
-    """The generated test of :func:`recheck` for the key f, ``token`` and x have now (which must be
-    ``found``'s), or None."""
-    if not isinstance(f, nn.Module) or not isinstance(x, Tensor) or _functional._BOUND or in_transform():
+def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optional[Check]:
+    """The generated :class:`Check` of :func:`recheck` for the key f, ``token`` and ``args`` have now
+    (which must be ``found``'s), or None."""
+    if not isinstance(f, nn.Module) or _functional._BOUND or in_transform():
         return None
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
         return None
     modules = modules_of(f)
-    key = walked(token, (x,), {}, modules, guard=False)[0]
+    key, seen = walked(token, args, {}, modules)
     entries = _PROFILES._data.get(f)
     if entries is None or entries.get(key) is not found:  # the key as of now is not found's
         return None
@@ -360,10 +382,21 @@ def _checker(f: Any, x: Tensor, token: int, found: Profile) -> Optional[Any]:
         ns[name] = v
         return name
 
-    lines = ["def check(f, x):", " try:"]
+    names = [f"a{i}" for i in range(len(args))]
+    lines = [f"def check(f, {', '.join(names)}):", " try:"]
     emit = lambda line: lines.append("  " + line)  # noqa: E731
-    emit(f"if x.shape != {const(x.shape)} or x.dtype is not {const(x.dtype)} or x.requires_grad is not "
-         f"{const(x.requires_grad)} or x.layout is not {const(x.layout)} or x.device != {const(x.device)}: return False")
+    for a, v in zip(names, args):
+        if isinstance(v, Tensor):
+            emit(f"if {a}.shape != {const(v.shape)} or {a}.dtype is not {const(v.dtype)} or {a}.requires_grad is not "
+                 f"{v.requires_grad} or {a}.layout is not {const(v.layout)} or {a}.device != {const(v.device)}: "
+                 "return False")
+            continue
+        try:
+            hash(v)
+        except TypeError:  # in the key by its identity
+            return None
+        emit(f"if type({a}) is not {const(type(v))} or ({a} is not {const(v)} and not ({a} == {const(v)})): "
+             "return False")
     for i, m in enumerate(modules):
         d = m.__dict__
         try:
@@ -407,8 +440,8 @@ def _checker(f: Any, x: Tensor, token: int, found: Profile) -> Optional[Any]:
     emit("if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks "
          "or _module._global_backward_pre_hooks or _functional._BOUND): return False")
     emit(f"return {'' if _PEEK is None else '_PEEK() is None and '}_inference() is {key[4]} and _grad() is {key[5]}")
-    lines.append(" except (KeyError, AttributeError, ValueError, TypeError):")
+    lines.append(" except Exception:  # noqa: BLE001 -- a slot gone, a value that will not compare: the walk decides")
     lines.append("  return False")
     exec(compile("\n".join(lines), f"<jacmode profile check of {type(f).__name__}>", "exec"), ns)
-    check = ns["check"]
-    return check if check(f, x) else None
+    test = ns["check"]
+    return Check(test, key, modules, seen) if test(f, *args) else None
