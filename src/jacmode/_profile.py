@@ -224,13 +224,28 @@ def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) 
         return True
     if not isinstance(program.checked.get(signature or (tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
         return False
-    for b in program.bound:
-        if not b.fresh():
-            return False
-    for g in program.guards:
-        if not g.fresh():
-            return False
-    return True
+    guards = program.__dict__.get("_fresh")
+    if guards is None:  # the program's own, fixed (a recapture is a new program): one generated check
+        guards = program.__dict__["_fresh"] = _fresh_check((*program.bound, *program.guards))
+    return guards()
+
+
+def _fresh_check(guards: tuple[Any, ...]) -> Any:
+    """``() -> bool``: every guard fresh (``bound.emit_fresh``: as their ``fresh()``, in straight-line code)."""
+    from ._capture.bound import emit_fresh
+
+    ns: dict[str, Any] = {}
+
+    def const(v: Any) -> str:
+        name = f"c{len(ns)}"
+        ns[name] = v
+        return name
+
+    lines = ["def fresh():", " try:"]
+    emit_fresh(guards, lambda line: lines.append("  " + line), const, "return False")
+    lines += ["  return True", " except KeyError:  # an attribute that is gone", "  return False"]
+    exec(compile("\n".join(lines), "<jacmode program guards>", "exec"), ns)
+    return ns["fresh"]
 
 
 def checked_key(x: Tensor) -> tuple[Any, ...]:

@@ -57,7 +57,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._capture import bindings, codegen, rewrites
-from .._capture.bound import Attributes
+from .._capture.bound import emit_fresh
 from .._transforms import in_transform
 from . import layerwise
 from .probes import Coverage
@@ -182,17 +182,7 @@ def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]
         conds = [f"len(d) != {expected[0]}"] + [
             f"(d[{const(k)}] is not {const(v)} and d[{const(k)}] != {const(v)})" for k, v in zip(keys, expected[1:])]
         emit(f"if {' or '.join(conds)}: return None")
-    for g in hot.guards:
-        if type(g) is not Attributes:
-            emit(f"if not {const(g)}.fresh(): return None")
-            continue
-        emit(f"m = {const(g.module)}()")
-        emit("if m is None: return None")
-        emit("d = m.__dict__")
-        emit(f"if len(d) != {g.size}: return None")
-        for (k, _), v, t in zip(g.items, g.values, g.types):
-            emit(f"v = d[{const(k)}]")
-            emit(f"if type(v) is not {const(t)} or (v is not {const(v)} and not (v == {const(v)})): return None")
+    emit_fresh(hot.guards, emit, const, "return None")
     args = ", ".join(["x", *([] if hot.out is None else ["out"]), *names])
     emit(f"return _code({args})")
     lines.append(" except KeyError:  # an attribute or a slot that is gone")
