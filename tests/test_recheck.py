@@ -237,7 +237,7 @@ def _loop(f: nn.Module, x: Tensor) -> Tensor:
 def test_a_rechecked_per_sample_grads_leaves_the_model_as_found(monkeypatch: pytest.MonkeyPatch) -> None:
     surveys = []
     survey = _profile.survey
-    monkeypatch.setattr(_profile, "survey", lambda found: surveys.append(found) or survey(found))
+    monkeypatch.setattr(_profile, "survey", lambda found, f: surveys.append(found) or survey(found, f))
     torch.manual_seed(0)
     f, x = Counting().double(), torch.randn(5, 2, dtype=torch.float64)
     for _ in range(4):
@@ -256,3 +256,36 @@ def test_a_rechecked_per_sample_grads_leaves_the_model_as_found(monkeypatch: pyt
         assert f.calls is buffer and f.calls.item() == 0 and f.training
         assert all(p is params[n] and p.grad is grads[n] and p.requires_grad for n, p in f.named_parameters())
     assert len(surveys) >= 3  # the calls took the last hit's key, tested in place
+
+
+class Rooted(Net):
+    """Net with a parameter and a buffer of the root module itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.tensor([0.1, -0.2, 0.3]))
+        self.register_buffer("gain", torch.full((1,), 2.0))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(x) * self.gain + self.shift
+
+
+@pytest.mark.parametrize("name", list(OPS))
+def test_a_remembered_profile_keeps_no_model_alive(name: str) -> None:
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    f, x = Rooted().double(), torch.randn(5, 2, dtype=torch.float64)
+    for _ in range(6):
+        _check(name, f, x)
+    # the probe code covers no parameter of the root itself: jacobian(wrt="params") takes the guarded path
+    assert bool(_profile._LAST.get(f)) is not name.startswith("jacobian params")
+    f.shift.requires_grad_(False)  # a change the root's own slots must show
+    assert all(p is None for p in _rechecks(f, x))
+    for _ in range(4):
+        _check(name, f, x)
+    gone = weakref.ref(f)
+    del f
+    gc.collect()
+    assert gone() is None, "a profile or its check keeps the model alive"

@@ -321,7 +321,8 @@ def per_sample_grads(
     found = _profile.recheck(f, _PSG_TOKEN, x, y, loss_key, options) if hashable else None
     walk = found is None
     if found is not None:  # the last hit's key, tested in place: its modules, and the guard's survey
-        key, modules, survey = found.check.key, found.check.modules, _profile.survey(found)
+        key = found.check.key
+        modules, survey = _profile.survey(found, f)
     else:
         modules = modules_of(f)
         key, survey = _profile.walked(_PSG_TOKEN, (x, y, loss_key, options), _NO_KWARGS, modules)

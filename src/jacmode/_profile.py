@@ -342,23 +342,30 @@ def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
 
 class Check:
     """:func:`recheck`'s test of a profile's key (``test(f, *args)``), with the key and what the
-    guard's walk of it found that the key fixes (:func:`survey`)."""
+    guard's walk of it found that the key fixes (:func:`survey`). It never holds f (the profile's
+    weak key, which a profile must not keep alive): f's own part is put back per call."""
 
-    __slots__ = ("test", "key", "modules", "training", "slots", "params", "flags", "buffered")
+    __slots__ = ("test", "key", "rest", "training", "own", "slots", "params", "flags", "buffered", "root_buffers")
 
-    def __init__(self, test: Any, key: tuple[Any, ...], modules: list[nn.Module], found: Survey) -> None:
-        self.test, self.key, self.modules = test, key, modules
-        self.training, self.slots, self.params, self.flags = found.training, found.slots, found.params, found.flags
-        self.buffered = [m for m in modules if m._buffers]
+    def __init__(self, test: Any, key: tuple[Any, ...], f: nn.Module, modules: list[nn.Module], found: Survey) -> None:
+        self.test, self.key, self.rest = test, key, modules[1:]  # modules[0] is f
+        self.training, self.params, self.flags = found.training, found.params, found.flags
+        self.own = [(name, p) for m, name, p in found.slots if m is f]
+        self.slots = [s for s in found.slots if s[0] is not f]
+        self.buffered = [m for m in self.rest if m._buffers]
+        self.root_buffers = bool(f._buffers)
 
 
-def survey(found: Profile) -> Survey:
-    """The guard's :class:`~jacmode._state.Survey` of the modules of a profile that :func:`recheck`
-    returned: the flags, slots and parameters its key fixes, as its check found them; the buffers
-    and ``.grad`` references (which the key does not hold) read now."""
+def survey(found: Profile, f: nn.Module) -> tuple[list[nn.Module], Survey]:
+    """f's modules (``modules_of(f)``) and the guard's :class:`~jacmode._state.Survey` of them, for
+    a profile that :func:`recheck` returned for f: the flags, slots and parameters its key fixes, as
+    its check found them; the buffers and ``.grad`` references (which the key does not hold) read now."""
     c: Check = found.check
-    buffers = [(m, name, b) for m in c.buffered for name, b in m._buffers.items() if b is not None]
-    return Survey(c.training, c.slots, c.params, buffers, c.flags, [p.grad if p.is_leaf else None for p in c.params])
+    slots = [(f, name, p) for name, p in c.own] + c.slots if c.own else c.slots
+    buffered = [f, *c.buffered] if c.root_buffers else c.buffered
+    buffers = [(m, name, b) for m in buffered for name, b in m._buffers.items() if b is not None]
+    grads = [p.grad if p.is_leaf else None for p in c.params]
+    return [f, *c.rest], Survey(c.training, slots, c.params, buffers, c.flags, grads)
 
 
 def remember(f: Any, token: int, found: Profile, *args: Any) -> None:
@@ -459,4 +466,4 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
     lines.append("  return False")
     exec(compile("\n".join(lines), f"<jacmode profile check of {type(f).__name__}>", "exec"), ns)
     test = ns["check"]
-    return Check(test, key, modules, seen) if test(f, *args) else None
+    return Check(test, key, f, modules, seen) if test(f, *args) else None
