@@ -289,3 +289,15 @@ def test_a_remembered_profile_keeps_no_model_alive(name: str) -> None:
     del f
     gc.collect()
     assert gone() is None, "a profile or its check keeps the model alive"
+
+
+def test_a_repeated_call_sees_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jacmode._planning import memory
+
+    f, x = _model()
+    _warm("jacobian params", f, x)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 1_000)  # the (B, Y, P) result no longer fits
+    with pytest.raises(MemoryError, match="result"):
+        jm.jacobian(f, x, wrt="params")
+    monkeypatch.undo()
+    _check("jacobian params", f, x)

@@ -475,8 +475,13 @@ def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
 def _budget(p: Problem, decision: Decision, opts: Options, out_given: bool) -> Optional[int]:
     """The memory budget of a repeated call, or None where the result or the plan's workspace no
     longer fits (``describe`` and ``decide`` then raise the MemoryError or plan anew)."""
-    result_bytes = p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
-    free = _memory.available_bytes(p.device)
+    return _fits(p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in),
+                 p.device, decision, opts, out_given)
+
+
+def _fits(result_bytes: int, device: torch.device, decision: Decision, opts: Options, out_given: bool) -> Optional[int]:
+    """:func:`_budget` of a result of ``result_bytes`` on ``device``."""
+    free = _memory.available_bytes(device)
     if not out_given and result_bytes > free:
         return None
     budget = opts.max_memory if opts.max_memory is not None else max(
@@ -500,7 +505,14 @@ def _direct(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
     """
     if opts.wrt == "params" and not opts.create_graph:
         hot = profile.runs.get("probe_code")
-        if hot is None or _budget(profile.facts[0], profile.facts[1], opts, out is not None) is None:
+        if hot is None:
+            return None
+        sized = profile.__dict__.get("_sized")  # the result's bytes and device: the profile's key fixes them
+        if sized is None:
+            p = profile.facts[0]
+            sized = profile.__dict__["_sized"] = (
+                p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in), p.device)
+        if _fits(sized[0], sized[1], profile.facts[1], opts, out is not None) is None:
             return None
         return generated.rerun(hot, x, out)
     return _columns_rerun(profile, f, x, opts) if columns else None
