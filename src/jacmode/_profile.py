@@ -33,6 +33,7 @@ function (the oldest goes first). ``jm.clear_cache()`` forgets all of them.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -396,7 +397,7 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
     entries = _PROFILES._data.get(f)
     if entries is None or entries.get(key) is not found:  # the key as of now is not found's
         return None
-    ns: dict[str, Any] = {"_module": _module, "_functional": _functional, "_PEEK": _PEEK,
+    ns: dict[str, Any] = {"_module": _module, "_functional": _functional, "_PEEK": _PEEK, "_is_not": operator.is_not,
                           "_inference": torch.is_inference_mode_enabled, "_grad": torch.is_grad_enabled}
 
     def const(v: Any) -> str:
@@ -433,8 +434,11 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
              "d['_backward_hooks'] or d['_backward_pre_hooks']: return False")
         if isinstance(m, _DropoutNd):
             emit(f"if not (d['p'] == {const(m.p)}): return False" if "p" in d else "return False")
-        emit(f"if tuple(d['_modules'].values()) != {const(tuple(children.values()))}: return False"
-             if children else "if d['_modules']: return False")
+        if children:  # the same objects, by identity (a module's own __eq__ does not count, as in the key)
+            emit("c = tuple(d['_modules'].values())")
+            emit(f"if len(c) != {len(children)} or any(map(_is_not, c, {const(tuple(children.values()))})): return False")
+        else:
+            emit("if d['_modules']: return False")
         if params:
             emit(f"t = d['_parameters']")
             emit(f"if tuple(t) != {const(tuple(params))}: return False")
