@@ -463,7 +463,7 @@ def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
               and plan.mode == "forward" and plan.strategy == "broadcast" and problem.kind == "inputs")
     if check is None:
         problem.__dict__["_check_key"] = _profile.checked_key(x)
-    budget = _budget(p, decision, opts, out_given)
+    budget = _fits(*_sized(profile, p), decision, opts, out_given)
     if budget is None:
         return None
     decision.budget = budget
@@ -472,15 +472,20 @@ def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
     return p, decision
 
 
-def _budget(p: Problem, decision: Decision, opts: Options, out_given: bool) -> Optional[int]:
-    """The memory budget of a repeated call, or None where the result or the plan's workspace no
-    longer fits (``describe`` and ``decide`` then raise the MemoryError or plan anew)."""
-    return _fits(p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in),
-                 p.device, decision, opts, out_given)
+def _sized(profile: _profile.Profile, p: Problem) -> tuple[int, torch.device]:
+    """The bytes and the device of a profile's result, computed once from ``p`` (its facts, or its
+    problem at a new x): the profile's key fixes the shapes, dtypes and devices they depend on."""
+    sized = profile.__dict__.get("_sized")
+    if sized is None:
+        sized = profile.__dict__["_sized"] = (
+            p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in), p.device)
+    return sized  # type: ignore[no-any-return]
 
 
 def _fits(result_bytes: int, device: torch.device, decision: Decision, opts: Options, out_given: bool) -> Optional[int]:
-    """:func:`_budget` of a result of ``result_bytes`` on ``device``."""
+    """The memory budget of a repeated call with a result of ``result_bytes`` on ``device``, or None
+    where the result or the plan's workspace no longer fits (``describe`` and ``decide`` then
+    raise the MemoryError or plan anew). The free memory is re-read (at most every ``memory.RECENT_S``)."""
     free = _memory.available_bytes(device)
     if not out_given and result_bytes > free:
         return None
@@ -507,12 +512,7 @@ def _direct(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
         hot = profile.runs.get("probe_code")
         if hot is None:
             return None
-        sized = profile.__dict__.get("_sized")  # the result's bytes and device: the profile's key fixes them
-        if sized is None:
-            p = profile.facts[0]
-            sized = profile.__dict__["_sized"] = (
-                p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in), p.device)
-        if _fits(sized[0], sized[1], profile.facts[1], opts, out is not None) is None:
+        if _fits(*_sized(profile, profile.facts[0]), profile.facts[1], opts, out is not None) is None:
             return None
         return generated.rerun(hot, x, out)
     return _columns_rerun(profile, f, x, opts) if columns else None
