@@ -320,3 +320,11 @@ def test_a_child_replaced_by_an_equal_one_is_seen(name: str) -> None:
     f.fc2 = Alike(8, 3).double()
     assert all(p is None for p in _rechecks(f, x))
     _check(name, f, x)
+
+
+@pytest.mark.parametrize("name", ["laplacian", "jacobian params", "per_sample_grads"])
+def test_an_input_on_another_device_is_seen(name: str) -> None:
+    f, x = _model()
+    _warm(name, f, x)
+    assert all(p is None for p in _rechecks(f, torch.empty(5, 2, dtype=torch.float64, device="meta")))
+    _check(name, f, x)

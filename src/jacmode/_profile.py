@@ -405,14 +405,17 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
         ns[name] = v
         return name
 
+    def on(t: str, device: torch.device) -> str:
+        """``t.device != device``, without making a device object where the device is the CPU."""
+        return f"not {t}.is_cpu" if device.type == "cpu" else f"{t}.device != {const(device)}"
+
     names = [f"a{i}" for i in range(len(args))]
     lines = [f"def check(f, {', '.join(names)}):", " try:"]
     emit = lambda line: lines.append("  " + line)  # noqa: E731
     for a, v in zip(names, args):
         if isinstance(v, Tensor):
             emit(f"if {a}.shape != {const(v.shape)} or {a}.dtype is not {const(v.dtype)} or {a}.requires_grad is not "
-                 f"{v.requires_grad} or {a}.layout is not {const(v.layout)} or {a}.device != {const(v.device)}: "
-                 "return False")
+                 f"{v.requires_grad} or {a}.layout is not {const(v.layout)} or {on(a, v.device)}: return False")
             continue
         try:
             hash(v)
@@ -448,7 +451,7 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
                     continue
                 emit(f"p = t[{name!r}]")
                 emit(f"if p is not {const(p)} or p.requires_grad is not {p.requires_grad} or p.dtype is not "
-                     f"{const(p.dtype)} or p.shape != {const(p.shape)} or p.device != {const(p.device)}: return False")
+                     f"{const(p.dtype)} or p.shape != {const(p.shape)} or {on('p', p.device)}: return False")
         else:
             emit("if d['_parameters']: return False")
         if buffers:
@@ -460,7 +463,7 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
                     continue
                 emit(f"b = t[{name!r}]")
                 emit(f"if b is None or b.dtype is not {const(b.dtype)} or b.shape != {const(b.shape)} or "
-                     f"b.device != {const(b.device)}: return False")
+                     f"{on('b', b.device)}: return False")
         else:
             emit("if d['_buffers']: return False")
     emit("if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks "
