@@ -328,3 +328,25 @@ def test_an_input_on_another_device_is_seen(name: str) -> None:
     _warm(name, f, x)
     assert all(p is None for p in _rechecks(f, torch.empty(5, 2, dtype=torch.float64, device="meta")))
     _check(name, f, x)
+
+
+@pytest.mark.parametrize("name", ["laplacian", "partials"])
+def test_a_rechecked_profile_without_ready_code(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile the check found has no code ready (dropped): the call goes on with the check's key
+    and f's modules (no walk), answers exactly, and keeps the code again."""
+    f, x = _model()
+    _warm(name, f, x)
+    [found] = [p for p in _rechecks(f, x) if p is not None]
+    ready = {k: v for k, v in found.runs.items() if isinstance(v, tuple)}
+    assert ready
+    for k in ready:
+        del found.runs[k]
+    walks = []
+    walked = _profile.walked
+    monkeypatch.setattr(_profile, "walked", lambda *a, **k: walks.append(1) or walked(*a, **k))
+    _check(name, f, x)
+    assert not walks  # the check's key served
+    monkeypatch.undo()
+    for _ in range(3):
+        _check(name, f, x)
+    assert any(isinstance(v, tuple) for v in found.runs.values())

@@ -274,29 +274,27 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
     if token is None:
         return None
     found = _profile.recheck(f, token, x)  # the last hit's key, tested in place
+    walked = None
+    if found is None:
+        modules = modules_of(f)
+        key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
+        found = _profile.find(f, key)
+        walked = Walked(modules, key, found)
     if found is not None:
-        out = _ready_in(found, name, f, x, create_graph)
+        was = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(create_graph)
+        try:
+            out = _ready(found, name, f, x, create_graph)
+        finally:
+            torch._C._set_grad_enabled(was)
         if out is not None:
+            if walked is not None:
+                _profile.remember(f, token, found, x)  # the next call tests this key in place
             return connected(out[0], f, x, True) if create_graph else out[0]
-    modules = modules_of(f)
-    key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
-    found = _profile.find(f, key)
-    if found is not None:
-        out = _ready_in(found, name, f, x, create_graph)
-        if out is not None:
-            _profile.remember(f, token, found, x)  # the next call tests this key in place
-            return connected(out[0], f, x, True) if create_graph else out[0]
-    return Walked(modules, key, found)
-
-
-def _ready_in(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:
-    """:func:`_ready` under the grad mode set to ``create_graph``."""
-    was = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(create_graph)
-    try:
-        return _ready(found, name, f, x, create_graph)
-    finally:
-        torch._C._set_grad_enabled(was)
+        if walked is None:  # no code ready: the rechecked key and f's modules, as a walk would find them
+            check = found.check
+            walked = Walked([f, *check.rest], check.key, found)
+    return walked
 
 
 def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:
