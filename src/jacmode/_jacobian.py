@@ -326,14 +326,23 @@ def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     # a repeated call that ran without the guard last time (_direct) likely does so again: its walk
     # takes the key alone (the guard, where it is needed after all, walks itself)
     columns = opts.wrt == "inputs" and out is None and not opts.create_graph and not inside
+    direct = t.__dict__.get("_direct", False)
+    if direct and not data and opts.mode != "autotune":  # the last hit's key, tested in place
+        profile = _profile.recheck(f, t.token, x)
+        if profile is not None:
+            flat = _direct(profile, f, x, opts, None, columns)
+            if flat is not None:
+                return _assemble(profile.facts[0], flat, opts, None)
     modules = modules_of(f)
     key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(
-        t.token, (x,), data, modules, guard=not t.__dict__.get("_direct", False))
+        t.token, (x,), data, modules, guard=not direct)
     profile = None if key is None else _profile.find(f, key)
     if profile is not None:
         flat = _direct(profile, f, x, opts, out, columns)
         t.__dict__["_direct"] = flat is not None
         if flat is not None:  # the profile's engine alone, without the guard of the model's state
+            if not data:
+                _profile.remember(f, t.token, profile, x)  # the next call tests this key in place
             return _assemble(profile.facts[0], flat, opts, out)
     if profile is None:
         _checks.check_devices(f, x)
@@ -454,7 +463,7 @@ def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
               and plan.mode == "forward" and plan.strategy == "broadcast" and problem.kind == "inputs")
     if check is None:
         problem.__dict__["_check_key"] = _profile.checked_key(x)
-    budget = _budget(p, decision, opts, out_given)
+    budget = _fits(*_sized(profile, p), decision, opts, out_given)
     if budget is None:
         return None
     decision.budget = budget
@@ -463,11 +472,21 @@ def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
     return p, decision
 
 
-def _budget(p: Problem, decision: Decision, opts: Options, out_given: bool) -> Optional[int]:
-    """The memory budget of a repeated call, or None where the result or the plan's workspace no
-    longer fits (``describe`` and ``decide`` then raise the MemoryError or plan anew)."""
-    result_bytes = p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
-    free = _memory.available_bytes(p.device)
+def _sized(profile: _profile.Profile, p: Problem) -> tuple[int, torch.device]:
+    """The bytes and the device of a profile's result, computed once from ``p`` (its facts, or its
+    problem at a new x): the profile's key fixes the shapes, dtypes and devices they depend on."""
+    sized = profile.__dict__.get("_sized")
+    if sized is None:
+        sized = profile.__dict__["_sized"] = (
+            p.dtype.itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in), p.device)
+    return sized  # type: ignore[no-any-return]
+
+
+def _fits(result_bytes: int, device: torch.device, decision: Decision, opts: Options, out_given: bool) -> Optional[int]:
+    """The memory budget of a repeated call with a result of ``result_bytes`` on ``device``, or None
+    where the result or the plan's workspace no longer fits (``describe`` and ``decide`` then
+    raise the MemoryError or plan anew). The free memory is re-read (at most every ``memory.RECENT_S``)."""
+    free = _memory.available_bytes(device)
     if not out_given and result_bytes > free:
         return None
     budget = opts.max_memory if opts.max_memory is not None else max(
@@ -491,7 +510,9 @@ def _direct(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
     """
     if opts.wrt == "params" and not opts.create_graph:
         hot = profile.runs.get("probe_code")
-        if hot is None or _budget(profile.facts[0], profile.facts[1], opts, out is not None) is None:
+        if hot is None:
+            return None
+        if _fits(*_sized(profile, profile.facts[0]), profile.facts[1], opts, out is not None) is None:
             return None
         return generated.rerun(hot, x, out)
     return _columns_rerun(profile, f, x, opts) if columns else None

@@ -273,9 +273,13 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
     token = _TARGET_TOKEN.get((structure, create_graph))
     if token is None:
         return None
-    modules = modules_of(f)
-    key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
-    found = _profile.find(f, key)
+    found = _profile.recheck(f, token, x)  # the last hit's key, tested in place
+    walked = None
+    if found is None:
+        modules = modules_of(f)
+        key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
+        found = _profile.find(f, key)
+        walked = Walked(modules, key, found)
     if found is not None:
         was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(create_graph)
@@ -284,8 +288,13 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
         finally:
             torch._C._set_grad_enabled(was)
         if out is not None:
+            if walked is not None:
+                _profile.remember(f, token, found, x)  # the next call tests this key in place
             return connected(out[0], f, x, True) if create_graph else out[0]
-    return Walked(modules, key, found)
+        if walked is None:  # no code ready: the rechecked key and f's modules, as a walk would find them
+            check = found.check
+            walked = Walked([f, *check.rest], check.key, found)
+    return walked
 
 
 def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:
@@ -295,7 +304,9 @@ def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_gr
     run = found.runs.get(name)
     if not run or not _profile.fresh(found.facts[0], x, run[3]):
         return None
-    z = x if create_graph else x.detach()
+    # without create_graph the code runs under no_grad: x itself serves unless it requires grad
+    # (then detached: the code's key holds z's requires_grad=False)
+    z = x if create_graph or not x.requires_grad else x.detach()
     out = run[0](z if z.dim() == 2 else z.reshape(x.shape[0], run[1]))  # (B, N) already: z itself
     if out is None:  # what the code's key holds changed
         found.runs.pop(name, None)

@@ -315,10 +315,18 @@ def per_sample_grads(
     except TypeError:
         opts = _checked(f, x, wrt, chunk_size, max_memory, flatten)
         options = opts
-    modules = modules_of(f)
     # x, y, the loss and the options as the call's arguments (no keywords to sort: every call does it)
-    key, survey = _profile.walked(_PSG_TOKEN, (x, y, _loss_key(loss), options), _NO_KWARGS, modules)
-    found = _profile.find(f, key)
+    loss_key = _loss_key(loss)
+    hashable = opts is None  # the key holds the options as given: the last hit's key may be tested in place
+    found = _profile.recheck(f, _PSG_TOKEN, x, y, loss_key, options) if hashable else None
+    walk = found is None
+    if found is not None:  # the last hit's key, tested in place: its modules, and the guard's survey
+        key = found.check.key
+        modules, survey = _profile.survey(found, f)
+    else:
+        modules = modules_of(f)
+        key, survey = _profile.walked(_PSG_TOKEN, (x, y, loss_key, options), _NO_KWARGS, modules)
+        found = _profile.find(f, key)
     hot = None if found is None or bound_values(f) is not None else found.runs.get("hot")
     if hot is not None:  # a repeated call: what the first call found and checked
         opts, selected, names, params, n_params, dtype, torch_loss, rest_names, kernels = hot
@@ -400,6 +408,8 @@ def per_sample_grads(
         if found is None and not (cov is not None and len(rest) == len(selected) and rest):
             _profile.keep(f, key, _profile.Profile("per_sample_grads", (cov, cols, bool(rest),
                           selected if bound_values(f) is None else None, modifies)), modules)  # not a dict's tensors
+    if walk and hashable and hot is not None and found is not None:
+        _profile.remember(f, _PSG_TOKEN, found, x, y, loss_key, options)  # the next call tests this key in place
     if flatten:
         return flat
     sizes = [p.numel() for p in params]

@@ -33,6 +33,7 @@ function (the oldest goes first). ``jm.clear_cache()`` forgets all of them.
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -47,10 +48,25 @@ from . import _functional
 from ._args import Flat
 from ._cache import WeakCache, _resolved
 from ._state import Survey, modules_of
-from ._transforms import in_transform
+from ._transforms import _PEEK, in_transform
 
 PER_FUNCTION = 16
-_PROFILES = WeakCache("profiles")
+
+
+class _Table(WeakCache):
+    """The profiles' cache: a profile it drops (``clear_cache``) is no longer :attr:`Profile.live`."""
+
+    def clear(self) -> None:
+        with _LOCK:
+            for entries in list(self._data.values()):
+                for p in entries.values():
+                    if isinstance(p, Profile):
+                        p.live = False
+            _LAST.clear()
+            super().clear()
+
+
+_PROFILES = _Table("profiles")
 _LOCK = threading.Lock()  # keep / forget from several threads (a look-up needs none)
 
 
@@ -73,6 +89,8 @@ class Profile:
     facts: Any
     holds: tuple[Any, ...] = ()
     runs: dict[Any, Any] = field(default_factory=dict)
+    live: bool = True  # False once dropped from the cache (forget, a newer profile, clear_cache)
+    check: Any = None  # :func:`recheck`'s test of its key, a :class:`Check` (False: none can be made)
 
 
 def _value_key(v: Any) -> Hashable:
@@ -207,13 +225,28 @@ def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) 
         return True
     if not isinstance(program.checked.get(signature or (tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
         return False
-    for b in program.bound:
-        if not b.fresh():
-            return False
-    for g in program.guards:
-        if not g.fresh():
-            return False
-    return True
+    guards = program.__dict__.get("_fresh")
+    if guards is None:  # the program's own, fixed (a recapture is a new program): one generated check
+        guards = program.__dict__["_fresh"] = _fresh_check((*program.bound, *program.guards))
+    return guards()
+
+
+def _fresh_check(guards: tuple[Any, ...]) -> Any:
+    """``() -> bool``: every guard fresh (``bound.emit_fresh``: as their ``fresh()``, in straight-line code)."""
+    from ._capture.bound import emit_fresh
+
+    ns: dict[str, Any] = {}
+
+    def const(v: Any) -> str:
+        name = f"c{len(ns)}"
+        ns[name] = v
+        return name
+
+    lines = ["def fresh():", " try:"]
+    emit_fresh(guards, lambda line: lines.append("  " + line), const, "return False")
+    lines += ["  return True", " except KeyError:  # an attribute that is gone", "  return False"]
+    exec(compile("\n".join(lines), "<jacmode program guards>", "exec"), ns)
+    return ns["fresh"]
 
 
 def checked_key(x: Tensor) -> tuple[Any, ...]:
@@ -247,7 +280,10 @@ def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module])
         except TypeError:  # f cannot be weakly referenced: not profiled
             return
         if len(entries) >= PER_FUNCTION and k not in entries:
-            entries.pop(next(iter(entries)))
+            _dead(entries.pop(next(iter(entries))))
+        old = entries.get(k)
+        if old is not profile:
+            _dead(old)
         entries[k] = profile
 
 
@@ -256,9 +292,14 @@ def forget(f: Any, k: tuple[Any, ...]) -> None:
     f, k = _resolved(f, k)
     with _LOCK:
         try:
-            _PROFILES._data.get(f, {}).pop(k, None)
+            _dead(_PROFILES._data.get(f, {}).pop(k, None))
         except TypeError:
             pass
+
+
+def _dead(p: Any) -> None:
+    if isinstance(p, Profile):
+        p.live = False
 
 
 def count(f: Any) -> int:
@@ -267,3 +308,169 @@ def count(f: Any) -> int:
         return len(_PROFILES._data.get(f, {}))
     except TypeError:
         return 0
+
+
+# ---- the repeated call: the last hit's key tested in place (see recheck) ----
+
+# f (weakly) -> {token: the profile its last call of that token found and served straight away}
+_LAST: "weakref.WeakKeyDictionary[Any, dict[int, Profile]]" = weakref.WeakKeyDictionary()
+
+
+def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
+    """The profile that ``find(f, walked(token, args, {}, modules_of(f))[0])`` would return, where it
+    is the one the last such call of f and ``token`` found (:func:`remember`), else None.
+
+    Instead of building the key (one walk of the modules, tuples of every parameter's facts, a
+    hash, a deep comparison), the profile's check (:class:`Check`) compares what the key holds
+    with the values it held, in place: each tensor argument's shape, dtype, device,
+    ``requires_grad`` and layout, the other arguments' types and values; the tree of modules (each
+    one's children, the same objects in the same order), their training flags, hooks (none),
+    dropout probabilities, parameters (slot names, identity, requires_grad, dtype, shape, device)
+    and buffers (names, dtype, shape, device); the process-wide hooks (none), no dict of tensors
+    bound in (``_functional``), torch.func transforms, inference and grad mode. A profile dropped
+    from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not returned. None where
+    anything differs: the caller then walks (the key decides).
+    """
+    try:
+        last = _LAST.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+    except TypeError:  # not weak-referenceable
+        return None
+    found = None if last is None else last.get(token)
+    if found is None or not found.live:
+        return None
+    return found if found.check.test(f, *args) else None
+
+
+class Check:
+    """:func:`recheck`'s test of a profile's key (``test(f, *args)``), with the key and what the
+    guard's walk of it found that the key fixes (:func:`survey`). It never holds f (the profile's
+    weak key, which a profile must not keep alive): f's own part is put back per call."""
+
+    __slots__ = ("test", "key", "rest", "training", "own", "slots", "params", "flags", "buffered", "root_buffers")
+
+    def __init__(self, test: Any, key: tuple[Any, ...], f: nn.Module, modules: list[nn.Module], found: Survey) -> None:
+        self.test, self.key, self.rest = test, key, modules[1:]  # modules[0] is f
+        self.training, self.params, self.flags = found.training, found.params, found.flags
+        self.own = [(name, p) for m, name, p in found.slots if m is f]
+        self.slots = [s for s in found.slots if s[0] is not f]
+        self.buffered = [m for m in self.rest if m._buffers]
+        self.root_buffers = bool(f._buffers)
+
+
+def survey(found: Profile, f: nn.Module) -> tuple[list[nn.Module], Survey]:
+    """f's modules (``modules_of(f)``) and the guard's :class:`~jacmode._state.Survey` of them, for
+    a profile that :func:`recheck` returned for f: the flags, slots and parameters its key fixes, as
+    its check found them; the buffers and ``.grad`` references (which the key does not hold) read now."""
+    c: Check = found.check
+    slots = [(f, name, p) for name, p in c.own] + c.slots if c.own else c.slots
+    buffered = [f, *c.buffered] if c.root_buffers else c.buffered
+    buffers = [(m, name, b) for m in buffered for name, b in m._buffers.items() if b is not None]
+    grads = [p.grad if p.is_leaf else None for p in c.params]
+    return [f, *c.rest], Survey(c.training, slots, c.params, buffers, c.flags, grads)
+
+
+def remember(f: Any, token: int, found: Profile, *args: Any) -> None:
+    """After ``found`` served a call ``(f, *args)`` with ``token`` (found by its walked key, with no
+    keyword arguments): :func:`recheck` tries it first on the next call. Makes the profile's
+    :class:`Check` once (none where f is not a module or its key holds what the check does not
+    test: hooks, tensors bound in, a torch.func transform, inference mode, unhashable arguments)."""
+    if found.check is None:
+        found.check = _checker(f, args, token, found) or False
+    if found.check is False or not found.live:
+        return
+    try:
+        _LAST.setdefault(f, {})[token] = found
+    except TypeError:
+        pass
+
+
+def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optional[Check]:
+    """The generated :class:`Check` of :func:`recheck` for the key f, ``token`` and ``args`` have now
+    (which must be ``found``'s), or None."""
+    if not isinstance(f, nn.Module) or _functional._BOUND or in_transform():
+        return None
+    if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
+            or _module._global_backward_pre_hooks):
+        return None
+    modules = modules_of(f)
+    key, seen = walked(token, args, {}, modules)
+    entries = _PROFILES._data.get(f)
+    if entries is None or entries.get(key) is not found:  # the key as of now is not found's
+        return None
+    ns: dict[str, Any] = {"_module": _module, "_functional": _functional, "_PEEK": _PEEK, "_is_not": operator.is_not,
+                          "_inference": torch.is_inference_mode_enabled, "_grad": torch.is_grad_enabled}
+
+    def const(v: Any) -> str:
+        name = f"c{len(ns)}"
+        ns[name] = v
+        return name
+
+    def on(t: str, device: torch.device) -> str:
+        """``t.device != device``, without making a device object where the device is the CPU."""
+        return f"not {t}.is_cpu" if device.type == "cpu" else f"{t}.device != {const(device)}"
+
+    names = [f"a{i}" for i in range(len(args))]
+    lines = [f"def check(f, {', '.join(names)}):", " try:"]
+    emit = lambda line: lines.append("  " + line)  # noqa: E731
+    for a, v in zip(names, args):
+        if isinstance(v, Tensor):
+            emit(f"if {a}.shape != {const(v.shape)} or {a}.dtype is not {const(v.dtype)} or {a}.requires_grad is not "
+                 f"{v.requires_grad} or {a}.layout is not {const(v.layout)} or {on(a, v.device)}: return False")
+            continue
+        try:
+            hash(v)
+        except TypeError:  # in the key by its identity
+            return None
+        emit(f"if type({a}) is not {const(type(v))} or ({a} is not {const(v)} and not ({a} == {const(v)})): "
+             "return False")
+    for i, m in enumerate(modules):
+        d = m.__dict__
+        try:
+            flag, params, buffers, children = d["training"], d["_parameters"], d["_buffers"], d["_modules"]
+            hooked = d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
+        except KeyError:  # a module keeping them elsewhere (a ScriptModule): the walk decides
+            return None
+        if type(flag) is not bool or hooked or any(c is f for c in children.values()):
+            return None
+        emit(f"d = {'f' if i == 0 else const(m)}.__dict__")
+        emit(f"if d['training'] is not {flag} or d['_forward_hooks'] or d['_forward_pre_hooks'] or "
+             "d['_backward_hooks'] or d['_backward_pre_hooks']: return False")
+        if isinstance(m, _DropoutNd):
+            emit(f"if not (d['p'] == {const(m.p)}): return False" if "p" in d else "return False")
+        if children:  # the same objects, by identity (a module's own __eq__ does not count, as in the key)
+            emit("c = tuple(d['_modules'].values())")
+            emit(f"if len(c) != {len(children)} or any(map(_is_not, c, {const(tuple(children.values()))})): return False")
+        else:
+            emit("if d['_modules']: return False")
+        if params:
+            emit(f"t = d['_parameters']")
+            emit(f"if tuple(t) != {const(tuple(params))}: return False")
+            for name, p in params.items():
+                if p is None:
+                    emit(f"if t[{name!r}] is not None: return False")
+                    continue
+                emit(f"p = t[{name!r}]")
+                emit(f"if p is not {const(p)} or p.requires_grad is not {p.requires_grad} or p.dtype is not "
+                     f"{const(p.dtype)} or p.shape != {const(p.shape)} or {on('p', p.device)}: return False")
+        else:
+            emit("if d['_parameters']: return False")
+        if buffers:
+            emit(f"t = d['_buffers']")
+            emit(f"if tuple(t) != {const(tuple(buffers))}: return False")
+            for name, b in buffers.items():
+                if b is None:
+                    emit(f"if t[{name!r}] is not None: return False")
+                    continue
+                emit(f"b = t[{name!r}]")
+                emit(f"if b is None or b.dtype is not {const(b.dtype)} or b.shape != {const(b.shape)} or "
+                     f"{on('b', b.device)}: return False")
+        else:
+            emit("if d['_buffers']: return False")
+    emit("if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks "
+         "or _module._global_backward_pre_hooks or _functional._BOUND): return False")
+    emit(f"return {'' if _PEEK is None else '_PEEK() is None and '}_inference() is {key[4]} and _grad() is {key[5]}")
+    lines.append(" except Exception:  # noqa: BLE001 -- a slot gone, a value that will not compare: the walk decides")
+    lines.append("  return False")
+    exec(compile("\n".join(lines), f"<jacmode profile check of {type(f).__name__}>", "exec"), ns)
+    test = ns["check"]
+    return Check(test, key, f, modules, seen) if test(f, *args) else None

@@ -25,8 +25,8 @@ def _positional(f: Any) -> tuple[tuple[str, ...], Optional[bool]]:
     """(names of f's positional parameters, whether it takes exactly one or fewer; None: unknown),
     from ``inspect.signature`` of f (a module's forward), remembered per function (or module class)."""
     key = type(f) if isinstance(f, torch.nn.Module) else f
-    try:
-        hit = _SIGNATURES.get(key)
+    try:  # WeakKeyDictionary.get without its own call (every call of a one-argument form asks)
+        hit = _SIGNATURES.data.get(weakref.ref(key))  # type: ignore[attr-defined]
     except TypeError:
         hit = None
     if hit is not None:

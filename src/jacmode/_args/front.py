@@ -90,7 +90,7 @@ def legacy_trailing(f: Any, args: tuple[Any, ...], given: bool, looks: Callable[
     """
     if given or len(args) != 2:
         return args, None
-    one = accepts_one(f)
+    one = _positional(f)[1]  # accepts_one, without its own call (every call of the one-argument form asks)
     if one is True:  # f takes one argument: the last one is the option, whatever it is (checked later)
         return args[:1], args[1]
     if not looks(args[1]) or (option != "terms" and any(isinstance(v, Tensor) for v in tree_flatten(args[1])[0])):

@@ -127,6 +127,26 @@ class Attributes:
         return values == self.values and tuple(map(type, values)) == self.types
 
 
+def emit_fresh(guards: Any, emit: Callable[[str], None], const: Callable[[Any], str], fail: str) -> None:
+    """Emit straight-line Python that runs ``fail`` (e.g. ``return None``) unless every guard is
+    fresh: :meth:`Attributes.fresh` inline (the module still there, as many attributes, each scalar
+    of the same type and equal; a missing one raises KeyError, which the caller's code turns into
+    ``fail``), any other guard by its ``fresh()``. ``const(v)``: the name of the constant v in the
+    generated code's namespace (for generated checks of repeated calls, ``_probes/generated.py``,
+    ``_profile.fresh``)."""
+    for g in guards:
+        if type(g) is not Attributes:
+            emit(f"if not {const(g)}.fresh(): {fail}")
+            continue
+        emit(f"m = {const(g.module)}()")
+        emit(f"if m is None: {fail}")
+        emit("d = m.__dict__")
+        emit(f"if len(d) != {g.size}: {fail}")
+        for (k, _), v, t in zip(g.items, g.values, g.types):
+            emit(f"v = d[{const(k)}]")
+            emit(f"if type(v) is not {const(t)} or (v is not {const(v)} and not (v == {const(v)})): {fail}")
+
+
 def _getter(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     """``d -> tuple(d[k] for k in names)`` (KeyError where one is missing), as one ``itemgetter``."""
     if len(names) >= 2:  # an itemgetter of two names or more gives a tuple

@@ -57,6 +57,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._capture import bindings, codegen, rewrites
+from .._capture.bound import emit_fresh
 from .._transforms import in_transform
 from . import layerwise
 from .probes import Coverage
@@ -131,9 +132,10 @@ class _Hot:
     """A profile's last generated code, with what the profile's key does not hold of its call
     (see [Generated code on the profile]): the strides and storage offsets of x, ``out`` and the
     model's tensors (read from their modules), the buffers' requires_grad, the backend, the leaf
-    modules' scalar attributes and the program's guards."""
+    modules' scalar attributes and the program's guards. :meth:`run` is generated once per code:
+    those checks and the call as straight-line Python (:func:`_hot_run`)."""
 
-    __slots__ = ("guards", "refs", "layout", "x", "out", "backend", "tensors", "settings", "code")
+    __slots__ = ("guards", "refs", "layout", "x", "out", "backend", "tensors", "settings", "code", "run")
 
     def __init__(self, program: Any, refs: list[tuple[dict[str, Any], str]], layout: Any, x: Tensor,
                  out: Optional[Tensor], backend: Any, tensors: list[Tensor], code: Callable[..., Tensor]) -> None:
@@ -142,22 +144,51 @@ class _Hot:
         self.x, self.out = _placed(x), None if out is None else _placed(out)
         self.tensors = [(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors]
         self.settings = layout.settings()
+        self.run: Callable[[Tensor, Optional[Tensor]], Optional[Tensor]] = _hot_run(self)
 
-    def run(self, x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
-        """The code on ``x`` (into ``out``), or None where anything it froze changed."""
-        mode = codegen._MODE.get()
-        if (None if mode is None else mode["backend"]) != self.backend or _placed(x) != self.x:
-            return None
-        if (None if out is None else _placed(out)) != self.out:
-            return None
-        tensors = [d[n] for d, n in self.refs]
-        if ([(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors] != self.tensors
-                or self.layout.settings() != self.settings):
-            return None
-        for g in self.guards:
-            if not g.fresh():
-                return None
-        return self.code(x, *tensors) if out is None else self.code(x, out, *tensors)
+
+def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]]:
+    """``run(x, out)``: the code on ``x`` (into ``out``), or None where anything it froze changed:
+    the backend; the strides and storage offsets of x, ``out`` and each tensor, read where the code
+    reads it, and its requires_grad; each leaf module's number of attributes and scalar settings
+    (as ``codegen._Layout.settings``: equal); the program's guards (the scalar attributes of the
+    modules the trace went through, as ``bound.Attributes.fresh``: equal and of the same types,
+    inline; any other guard by its ``fresh``)."""
+    ns: dict[str, Any] = {"_MODE": codegen._MODE, "_code": hot.code}
+
+    def const(v: Any) -> str:
+        name = f"c{len(ns)}"
+        ns[name] = v
+        return name
+
+    lines = ["def run(x, out):", " try:"]
+    emit = lambda line: lines.append("  " + line)  # noqa: E731
+    emit("mode = _MODE.get()")
+    emit(f"if (None if mode is None else mode['backend']) != {const(hot.backend)}: return None")
+    emit(f"if x.stride() != {const(hot.x[0])} or x.storage_offset() != {hot.x[1]}: return None")
+    if hot.out is None:
+        emit("if out is not None: return None")
+    else:
+        emit(f"if out is None or out.stride() != {const(hot.out[0])} or out.storage_offset() != {hot.out[1]}: "
+             "return None")
+    names = []
+    for i, ((d, n), (stride, offset, grad)) in enumerate(zip(hot.refs, hot.tensors)):
+        emit(f"t{i} = {const(d)}[{const(n)}]")
+        emit(f"if t{i}.stride() != {const(stride)} or t{i}.storage_offset() != {offset} or t{i}.requires_grad "
+             f"is not {grad}: return None")
+        names.append(f"t{i}")
+    for (m, keys), expected in zip(hot.layout.scalars, hot.settings):
+        emit(f"d = {const(m)}.__dict__")
+        conds = [f"len(d) != {expected[0]}"] + [
+            f"(d[{const(k)}] is not {const(v)} and d[{const(k)}] != {const(v)})" for k, v in zip(keys, expected[1:])]
+        emit(f"if {' or '.join(conds)}: return None")
+    emit_fresh(hot.guards, emit, const, "return None")
+    args = ", ".join(["x", *([] if hot.out is None else ["out"]), *names])
+    emit(f"return _code({args})")
+    lines.append(" except KeyError:  # an attribute or a slot that is gone")
+    lines.append("  return None")
+    exec(compile("\n".join(lines), "<jacmode probe code check>", "exec"), ns)
+    return ns["run"]  # type: ignore[no-any-return]
 
 
 def _applies(x: Tensor, out: Optional[Tensor]) -> bool:
