@@ -230,7 +230,7 @@ class Ready:
     """
 
     __slots__ = ("program", "layout", "code", "z_meta", "grad", "backend", "metas", "values", "same", "strides",
-                 "slots")
+                 "slots", "fast")
 
     def __init__(self, program: Program, layout: _Layout, code: Callable[..., Tensor], z_meta: tuple, grad: bool,
                  backend: Optional[str], metas: tuple, values: tuple, settings: tuple,
@@ -245,10 +245,57 @@ class Ready:
         slots = [(owner._parameters if kind == "p" else owner._buffers, name)
                  for _, slots in layout.modules for owner, kind, name in slots]
         self.slots = None if same is None or layout.steps or len(slots) != len(same) else slots
+        self.fast = None if self.slots is None else self._fast()
 
     def __call__(self, z: Tensor) -> Optional[Tensor]:
         """The code's result for z, or None where a check fails. The caller holds in its own key
         what this call does not check again: torch.func transforms, inference mode, z's layout."""
+        fast = self.fast
+        return self.checked(z) if fast is None else fast(z)
+
+    def _fast(self) -> Callable[[Tensor], Optional[Tensor]]:
+        """:meth:`checked` for code that reads only the vouched tensors of the leaf modules, as
+        straight-line code with the values it compares with inlined (a repeated call of
+        ``partials`` or ``laplacian`` makes this test every time); where a slot holds another
+        tensor than the vouched one, :meth:`checked` decides."""
+        ns: dict[str, Any] = {"_cg": sys.modules[__name__], "_compiling": torch.compiler.is_compiling,
+                              "_grad": torch.is_grad_enabled, "_MODE": _MODE, "_code": self.code,
+                              "_checked": self.checked}
+
+        def const(v: Any) -> str:
+            name = f"c{len(ns)}"
+            ns[name] = v
+            return name
+
+        shape, stride, dtype, device, requires_grad = self.z_meta
+        lines = ["def run(z):", " try:"]
+        emit = lambda line: lines.append("  " + line)  # noqa: E731
+        emit(f"if not _cg.ENABLED or _compiling() or _cg._modes_active() or _grad() is not {self.grad}: return None")
+        emit("mode = _MODE.get()")
+        emit(f"if (None if mode is None else mode['backend']) != {const(self.backend)}: return None")
+        on = "not z.is_cpu" if device.type == "cpu" else f"z.device != {const(device)}"
+        emit(f"if z.shape != {const(shape)} or z.stride() != {const(stride)} or z.dtype is not {const(dtype)} or "
+             f"z.requires_grad is not {requires_grad} or {on}: return None")
+        names = [f"t{i}" for i in range(len(self.slots or ()))]
+        for t, (d, k), same in zip(names, self.slots or (), self.same or ()):
+            emit(f"{t} = {const(d)}[{const(k)}]")
+        if names:
+            emit(f"if {' or '.join(f'{t} is not {const(v)}' for t, v in zip(names, self.same or ()))}: "
+                 "return _checked(z)")
+            emit(f"if {' or '.join(f'{t}.stride() != {const(st)}' for t, st in zip(names, self.strides))}: return None")
+        for (m, keys), expected in zip(self.layout.scalars, self.values[1]):  # as _Layout.settings, compared
+            conds = [f"len(d) != {expected[0]}"] + [
+                f"(d[{const(k)}] is not {const(v)} and d[{const(k)}] != {const(v)})" for k, v in zip(keys, expected[1:])]
+            emit(f"d = {const(m)}.__dict__")
+            emit(f"if {' or '.join(conds)}: return None")
+        emit(f"return _code(z{''.join(', ' + t for t in names)})")
+        lines.append(" except KeyError:  # a slot or an attribute that is gone")
+        lines.append("  return None")
+        exec(compile("\n".join(lines), "<jacmode generated code check>", "exec"), ns)
+        return ns["run"]  # type: ignore[no-any-return]
+
+    def checked(self, z: Tensor) -> Optional[Tensor]:
+        """:meth:`__call__`, checked by the general code (any reading steps and tensors)."""
         if not ENABLED or torch.compiler.is_compiling() or _modes_active() or torch.is_grad_enabled() is not self.grad:
             return None
         mode = _MODE.get()
