@@ -284,3 +284,28 @@ def test_the_profiles_memo_checks_what_its_key_does_not_hold():
         got = jm.jacobian(model, x, wrt="params", mode="reverse", out=out)
     torch.testing.assert_close(got, _oracle(model, x), rtol=1e-10, atol=1e-12)
     check()
+
+
+def test_large_results_are_not_generated_and_stay_exact(monkeypatch):
+    """Above MAX_RESULT_BYTES the interpreted engine keeps serving (generating would cost seconds for
+    a step whose Python is a small part of it); with compile it is still generated."""
+    torch.manual_seed(4)
+    model = Residual().double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    monkeypatch.setattr(generated, "MAX_RESULT_BYTES", 8 * 3 * 8 * 5)  # below the (8, 3, P) result's bytes
+    for _ in range(CALLS):
+        got = jm.jacobian(model, x, wrt="params", mode="reverse")
+    assert not _codes(model)
+    torch.testing.assert_close(got, _oracle(model, x), rtol=1e-10, atol=1e-12)
+
+
+def test_the_generating_check_compares_every_sample():
+    """``_close`` compares a few samples at a time: a difference in any of them, the last included, is found."""
+    want = torch.randn(300, 10, 1000, dtype=torch.float64)
+    assert generated._close(want.clone(), want, 1e-12)
+    for b in (0, 150, 299):
+        got = want.clone()
+        got[b, 9, 999] += 1e-6
+        assert not generated._close(got, want, 1e-12)
+    assert not generated._close(want[:-1], want, 1e-12)
+    assert generated._close(torch.tensor(1.0), torch.tensor(1.0), 1e-12)
