@@ -34,7 +34,7 @@ def _hessians(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return torch.func.vmap(torch.func.hessian(lambda z: net(z[None])[0]))(x)
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(d=st.integers(1, 4), h=st.integers(2, 12), depth=st.integers(1, 3), act=st.sampled_from(["tanh", "sigmoid"]),
        batch=st.integers(1, 40), scale=st.sampled_from([0.1, 1.0, 4.0]), seed=st.integers(0, 2**16))
 def test_compiled_operators_match_float64_oracles(d, h, depth, act, batch, scale, seed):
