@@ -6,31 +6,16 @@ numbers as ``layerwise.write`` with K = 1."""
 
 from __future__ import annotations
 
-from typing import Callable
-
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call, grad, vmap
 
 import jacmode as jm
 from jacmode._probes import layerio, layerwise, probes
 from jacmode._rules.local import LOCAL
+from tests.test_psg_probe_pass import ce, vmap_psg
 
 
-def vmap_psg(model: nn.Module, x: torch.Tensor, loss: Callable, y: torch.Tensor) -> torch.Tensor:
-    params = {n: p.detach() for n, p in model.named_parameters()}
-
-    def one(p: dict, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        return loss(functional_call(model, p, (xb.unsqueeze(0),)), yb.unsqueeze(0)).sum()
-
-    g = vmap(grad(one), in_dims=(None, 0, 0))(params, x, y)
-    return torch.cat([t.reshape(x.shape[0], -1) for t in g.values()], 1)
-
-
-def ce(out: torch.Tensor, yy: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out, yy, reduction="none")
 
 
 class Scale(nn.Module):
