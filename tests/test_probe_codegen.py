@@ -288,7 +288,7 @@ def test_the_profiles_memo_checks_what_its_key_does_not_hold():
 
 def test_large_results_are_not_generated_and_stay_exact(monkeypatch):
     """Above MAX_RESULT_BYTES the interpreted engine keeps serving (generating would cost seconds for
-    a step whose Python is a small part of it); with compile it is still generated."""
+    a step whose Python is a small part of it; the cap is on uncompiled code)."""
     torch.manual_seed(4)
     model = Residual().double()
     x = torch.randn(8, 6, dtype=torch.float64)

@@ -233,20 +233,12 @@ def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) 
 
 def _fresh_check(guards: tuple[Any, ...]) -> Any:
     """``() -> bool``: every guard fresh (``bound.emit_fresh``: as their ``fresh()``, in straight-line code)."""
-    from ._capture.bound import emit_fresh
+    from ._capture.bound import Source, emit_fresh
 
-    ns: dict[str, Any] = {}
-
-    def const(v: Any) -> str:
-        name = f"c{len(ns)}"
-        ns[name] = v
-        return name
-
-    lines = ["def fresh():", " try:"]
-    emit_fresh(guards, lambda line: lines.append("  " + line), const, "return False")
-    lines += ["  return True", " except KeyError:  # an attribute that is gone", "  return False"]
-    exec(compile("\n".join(lines), "<jacmode program guards>", "exec"), ns)
-    return ns["fresh"]
+    src = Source("fresh()")
+    emit_fresh(guards, src.emit, src.const, "return False")
+    src.emit("return True")
+    return src.function("KeyError", "return False  # an attribute that is gone", "<jacmode program guards>")
 
 
 def checked_key(x: Tensor) -> tuple[Any, ...]:
@@ -397,21 +389,12 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
     entries = _PROFILES._data.get(f)
     if entries is None or entries.get(key) is not found:  # the key as of now is not found's
         return None
-    ns: dict[str, Any] = {"_module": _module, "_functional": _functional, "_PEEK": _PEEK, "_is_not": operator.is_not,
-                          "_inference": torch.is_inference_mode_enabled, "_grad": torch.is_grad_enabled}
-
-    def const(v: Any) -> str:
-        name = f"c{len(ns)}"
-        ns[name] = v
-        return name
-
-    def on(t: str, device: torch.device) -> str:
-        """``t.device != device``, without making a device object where the device is the CPU."""
-        return f"not {t}.is_cpu" if device.type == "cpu" else f"{t}.device != {const(device)}"
+    from ._capture.bound import Source
 
     names = [f"a{i}" for i in range(len(args))]
-    lines = [f"def check(f, {', '.join(names)}):", " try:"]
-    emit = lambda line: lines.append("  " + line)  # noqa: E731
+    src = Source(f"check(f, {', '.join(names)})", _module=_module, _functional=_functional, _PEEK=_PEEK,
+                 _is_not=operator.is_not, _inference=torch.is_inference_mode_enabled, _grad=torch.is_grad_enabled)
+    emit, const, on = src.emit, src.const, src.off
     for a, v in zip(names, args):
         if isinstance(v, Tensor):
             emit(f"if {a}.shape != {const(v.shape)} or {a}.dtype is not {const(v.dtype)} or {a}.requires_grad is not "
@@ -442,35 +425,25 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
             emit(f"if len(c) != {len(children)} or any(map(_is_not, c, {const(tuple(children.values()))})): return False")
         else:
             emit("if d['_modules']: return False")
-        if params:
-            emit(f"t = d['_parameters']")
-            emit(f"if tuple(t) != {const(tuple(params))}: return False")
-            for name, p in params.items():
-                if p is None:
+        for attr, table in (("_parameters", params), ("_buffers", buffers)):
+            if not table:
+                emit(f"if d[{attr!r}]: return False")
+                continue
+            emit(f"t = d[{attr!r}]")
+            emit(f"if tuple(t) != {const(tuple(table))}: return False")
+            for name, tensor in table.items():
+                if tensor is None:
                     emit(f"if t[{name!r}] is not None: return False")
                     continue
-                emit(f"p = t[{name!r}]")
-                emit(f"if p is not {const(p)} or p.requires_grad is not {p.requires_grad} or p.dtype is not "
-                     f"{const(p.dtype)} or p.shape != {const(p.shape)} or {on('p', p.device)}: return False")
-        else:
-            emit("if d['_parameters']: return False")
-        if buffers:
-            emit(f"t = d['_buffers']")
-            emit(f"if tuple(t) != {const(tuple(buffers))}: return False")
-            for name, b in buffers.items():
-                if b is None:
-                    emit(f"if t[{name!r}] is not None: return False")
-                    continue
-                emit(f"b = t[{name!r}]")
-                emit(f"if b is None or b.dtype is not {const(b.dtype)} or b.shape != {const(b.shape)} or "
-                     f"{on('b', b.device)}: return False")
-        else:
-            emit("if d['_buffers']: return False")
+                # a parameter by identity and flag (as in the key), a buffer by its place only
+                same = (f"v is not {const(tensor)} or v.requires_grad is not {tensor.requires_grad}"
+                        if attr == "_parameters" else "v is None")
+                emit(f"v = t[{name!r}]")
+                emit(f"if {same} or v.dtype is not {const(tensor.dtype)} or v.shape != {const(tensor.shape)} or "
+                     f"{on('v', tensor.device)}: return False")
     emit("if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks "
          "or _module._global_backward_pre_hooks or _functional._BOUND): return False")
     emit(f"return {'' if _PEEK is None else '_PEEK() is None and '}_inference() is {key[4]} and _grad() is {key[5]}")
-    lines.append(" except Exception:  # noqa: BLE001 -- a slot gone, a value that will not compare: the walk decides")
-    lines.append("  return False")
-    exec(compile("\n".join(lines), f"<jacmode profile check of {type(f).__name__}>", "exec"), ns)
-    test = ns["check"]
+    test = src.function("Exception", "return False  # a slot gone, a value that will not compare: the walk decides",
+                        f"<jacmode profile check of {type(f).__name__}>")
     return Check(test, key, f, modules, seen) if test(f, *args) else None

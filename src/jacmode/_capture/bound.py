@@ -127,6 +127,35 @@ class Attributes:
         return values == self.values and tuple(map(type, values)) == self.types
 
 
+class Source:
+    """A check generated as straight-line Python for repeated calls (``_profile``'s key and guard
+    checks, ``_probes/generated._Hot``, ``codegen.Ready``): ``const(v)`` names the value v in the
+    code's namespace, ``emit(line)`` adds a line to the body of ``def <signature>: try: ...``, and
+    :meth:`function` closes the ``try`` with ``except <caught>: <fail>`` and compiles it."""
+
+    def __init__(self, signature: str, **names: Any) -> None:
+        self.name = signature.split("(")[0]
+        self.ns: dict[str, Any] = dict(names)
+        self.lines = [f"def {signature}:", " try:"]
+
+    def const(self, v: Any) -> str:
+        name = f"c{len(self.ns)}"
+        self.ns[name] = v
+        return name
+
+    def emit(self, line: str) -> None:
+        self.lines.append("  " + line)
+
+    def off(self, t: str, device: Any) -> str:
+        """The test ``t.device != device``, without making a device object where it is the CPU."""
+        return f"not {t}.is_cpu" if device.type == "cpu" else f"{t}.device != {self.const(device)}"
+
+    def function(self, caught: str, fail: str, filename: str) -> Callable[..., Any]:
+        lines = [*self.lines, f" except {caught}:", f"  {fail}"]
+        exec(compile("\n".join(lines), filename, "exec"), self.ns)
+        return self.ns[self.name]  # type: ignore[no-any-return]
+
+
 def emit_fresh(guards: Any, emit: Callable[[str], None], const: Callable[[Any], str], fail: str) -> None:
     """Emit straight-line Python that runs ``fail`` (e.g. ``return None``) unless every guard is
     fresh: :meth:`Attributes.fresh` inline (the module still there, as many attributes, each scalar

@@ -61,7 +61,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from .._transforms import in_transform
 from . import bindings, rewrites
-from .bound import _getter
+from .bound import Source, _getter
 from . import taylor as _taylor
 from .program import Program, Step
 
@@ -126,6 +126,17 @@ class _Layout:
                 d = m.__dict__
                 out.append((len(d), *(d.get(k, _GONE) for k in names)))
             return tuple(out)
+
+    def emit_settings(self, expected: tuple, emit: Callable[[str], None], const: Callable[[Any], str],
+                      fail: str) -> None:
+        """Emit straight-line Python that runs ``fail`` unless :meth:`settings` equals ``expected``
+        (each value identical or ``==``, as a tuple compares; an attribute that is gone raises
+        KeyError, which the generated code's ``except`` turns into ``fail``): see ``bound.Source``."""
+        for (m, keys), want in zip(self.scalars, expected):
+            conds = [f"len(d) != {want[0]}"] + [
+                f"(d[{const(k)}] is not {const(v)} and d[{const(k)}] != {const(v)})" for k, v in zip(keys, want[1:])]
+            emit(f"d = {const(m)}.__dict__")
+            emit(f"if {' or '.join(conds)}: {fail}")
 
     def read(self, program: Program) -> tuple[list[Any], list[Tensor]]:
         values = [program.steps[i].fn() for i in self.steps]
@@ -258,41 +269,26 @@ class Ready:
         straight-line code with the values it compares with inlined (a repeated call of
         ``partials`` or ``laplacian`` makes this test every time); where a slot holds another
         tensor than the vouched one, :meth:`checked` decides."""
-        ns: dict[str, Any] = {"_cg": sys.modules[__name__], "_compiling": torch.compiler.is_compiling,
-                              "_grad": torch.is_grad_enabled, "_MODE": _MODE, "_code": self.code,
-                              "_checked": self.checked}
-
-        def const(v: Any) -> str:
-            name = f"c{len(ns)}"
-            ns[name] = v
-            return name
-
+        src = Source("run(z)", _cg=sys.modules[__name__], _compiling=torch.compiler.is_compiling,
+                     _grad=torch.is_grad_enabled, _MODE=_MODE, _code=self.code, _checked=self.checked)
+        emit, const = src.emit, src.const
         shape, stride, dtype, device, requires_grad = self.z_meta
-        lines = ["def run(z):", " try:"]
-        emit = lambda line: lines.append("  " + line)  # noqa: E731
         emit(f"if not _cg.ENABLED or _compiling() or _cg._modes_active() or _grad() is not {self.grad}: return None")
         emit("mode = _MODE.get()")
         emit(f"if (None if mode is None else mode['backend']) != {const(self.backend)}: return None")
-        on = "not z.is_cpu" if device.type == "cpu" else f"z.device != {const(device)}"
         emit(f"if z.shape != {const(shape)} or z.stride() != {const(stride)} or z.dtype is not {const(dtype)} or "
-             f"z.requires_grad is not {requires_grad} or {on}: return None")
+             f"z.requires_grad is not {requires_grad} or {src.off('z', device)}: return None")
         names = [f"t{i}" for i in range(len(self.slots or ()))]
-        for t, (d, k), same in zip(names, self.slots or (), self.same or ()):
+        for t, (d, k) in zip(names, self.slots or ()):
             emit(f"{t} = {const(d)}[{const(k)}]")
         if names:
             emit(f"if {' or '.join(f'{t} is not {const(v)}' for t, v in zip(names, self.same or ()))}: "
                  "return _checked(z)")
             emit(f"if {' or '.join(f'{t}.stride() != {const(st)}' for t, st in zip(names, self.strides))}: return None")
-        for (m, keys), expected in zip(self.layout.scalars, self.values[1]):  # as _Layout.settings, compared
-            conds = [f"len(d) != {expected[0]}"] + [
-                f"(d[{const(k)}] is not {const(v)} and d[{const(k)}] != {const(v)})" for k, v in zip(keys, expected[1:])]
-            emit(f"d = {const(m)}.__dict__")
-            emit(f"if {' or '.join(conds)}: return None")
+        self.layout.emit_settings(self.values[1], emit, const, "return None")
         emit(f"return _code(z{''.join(', ' + t for t in names)})")
-        lines.append(" except KeyError:  # a slot or an attribute that is gone")
-        lines.append("  return None")
-        exec(compile("\n".join(lines), "<jacmode generated code check>", "exec"), ns)
-        return ns["run"]  # type: ignore[no-any-return]
+        return src.function("KeyError", "return None  # a slot or an attribute that is gone",
+                            "<jacmode generated code check>")
 
     def checked(self, z: Tensor) -> Optional[Tensor]:
         """:meth:`__call__`, checked by the general code (any reading steps and tensors)."""

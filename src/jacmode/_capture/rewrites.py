@@ -388,8 +388,7 @@ def tanh_spelled(x: Any, dtype: Optional[torch.dtype] = None, call: Any = None) 
     def poly(g: Any, coefs: tuple[float, ...]) -> Any:  # coefs[0] + coefs[1] g + ..., by Horner
         acc: Any = coefs[-1]
         for c in reversed(coefs[:-1]):
-            acc = op(_aten.add.Tensor, (op(_aten.mul.Tensor, (acc, g)) if not isinstance(acc, float) else
-                                        op(_aten.mul.Tensor, (g, acc)), c))
+            acc = op(_aten.add.Tensor, (op(_aten.mul.Tensor, (g, acc)), c))
         return acc
 
     f = op(_aten.abs.default, (x,))

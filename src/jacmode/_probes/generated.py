@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from .._capture import bindings, codegen, rewrites
-from .._capture.bound import emit_fresh
+from .._capture.bound import Source, emit_fresh
 from .._transforms import in_transform
 from . import layerwise
 from .probes import Coverage
@@ -162,15 +162,8 @@ def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]
     (as ``codegen._Layout.settings``: equal); the program's guards (the scalar attributes of the
     modules the trace went through, as ``bound.Attributes.fresh``: equal and of the same types,
     inline; any other guard by its ``fresh``)."""
-    ns: dict[str, Any] = {"_MODE": codegen._MODE, "_code": hot.code}
-
-    def const(v: Any) -> str:
-        name = f"c{len(ns)}"
-        ns[name] = v
-        return name
-
-    lines = ["def run(x, out):", " try:"]
-    emit = lambda line: lines.append("  " + line)  # noqa: E731
+    src = Source("run(x, out)", _MODE=codegen._MODE, _code=hot.code)
+    emit, const = src.emit, src.const
     emit("mode = _MODE.get()")
     emit(f"if (None if mode is None else mode['backend']) != {const(hot.backend)}: return None")
     emit(f"if x.stride() != {const(hot.x[0])} or x.storage_offset() != {hot.x[1]}: return None")
@@ -185,18 +178,10 @@ def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]
         emit(f"if t{i}.stride() != {const(stride)} or t{i}.storage_offset() != {offset} or t{i}.requires_grad "
              f"is not {grad}: return None")
         names.append(f"t{i}")
-    for (m, keys), expected in zip(hot.layout.scalars, hot.settings):
-        emit(f"d = {const(m)}.__dict__")
-        conds = [f"len(d) != {expected[0]}"] + [
-            f"(d[{const(k)}] is not {const(v)} and d[{const(k)}] != {const(v)})" for k, v in zip(keys, expected[1:])]
-        emit(f"if {' or '.join(conds)}: return None")
+    hot.layout.emit_settings(hot.settings, emit, const, "return None")
     emit_fresh(hot.guards, emit, const, "return None")
-    args = ", ".join(["x", *([] if hot.out is None else ["out"]), *names])
-    emit(f"return _code({args})")
-    lines.append(" except KeyError:  # an attribute or a slot that is gone")
-    lines.append("  return None")
-    exec(compile("\n".join(lines), "<jacmode probe code check>", "exec"), ns)
-    return ns["run"]  # type: ignore[no-any-return]
+    emit(f"return _code({', '.join(['x', *([] if hot.out is None else ['out']), *names])})")
+    return src.function("KeyError", "return None  # an attribute or a slot that is gone", "<jacmode probe code check>")
 
 
 def _applies(x: Tensor, out: Optional[Tensor]) -> bool:

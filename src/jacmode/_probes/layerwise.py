@@ -165,14 +165,6 @@ RowsPlan = tuple[dict[int, list[Target]], dict[tuple[int, ...], tuple[list[Step]
 MAX_ORDERS = 8  # selections a coverage keeps plans for, and call sequences a plan keeps steps for
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], 1
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
-
-
 def _rows_plan(cov: Coverage, named: Sequence[tuple[str, Tensor]]) -> RowsPlan:
     """For :func:`write_rows`, once per selection: each covered module's targets (attr, first column,
     number of columns, parameter shape) by the module's id, and the steps found for each sequence
@@ -181,7 +173,7 @@ def _rows_plan(cov: Coverage, named: Sequence[tuple[str, Tensor]]) -> RowsPlan:
     plan = cov.plans.get(key)
     if plan is None:
         cols, shapes = columns(named), {n: tuple(p.shape) for n, p in named}
-        plan = ({id(m): [(attr, *cols[name], shapes[name], _contiguous_strides(shapes[name]))
+        plan = ({id(m): [(attr, *cols[name], shapes[name], torch.empty(shapes[name], device="meta").stride())
                          for attr, name in attrs.items()] for m, attrs in cov.modules.items()}, {})
         if len(cov.plans) < MAX_ORDERS:
             cov.plans[key] = plan
