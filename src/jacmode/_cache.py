@@ -1,8 +1,10 @@
 """The caches of jacmode, keyed weakly by the user's function, and ``clear_cache``.
 
-Every cache maps a function (weakly: entries go when the function does) to a dict keyed by what
-the cached fact depends on (see :func:`problem_key`). Functions that cannot be weakly referenced
-are simply not cached.
+Every cache maps a function (weakly: entries go when the function does) to a dict keyed by the
+generation of the function's state in the call's scope (``_guard.py``: a fact is found again only
+under a state that passes the guards of the one it was found under) and by what the cached fact
+depends on (see :func:`problem_key`). A call with no generation (a first call, a function that
+cannot be guarded or weakly referenced) neither reads nor writes any cache.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ._args import Flat, signature
+from ._guard import clear as _forget_guards, current
 
 _ALL: list["WeakCache"] = []
 
@@ -28,6 +31,8 @@ class WeakCache:
 
     def get(self, ident: Any, key: tuple) -> Optional[Any]:
         ident, key = _resolved(ident, key)
+        if key[0] is None:  # no generation in scope: nothing may be reused
+            return None
         try:
             return self._data.get(ident, {}).get(key)
         except TypeError:  # not weak-referenceable
@@ -35,6 +40,8 @@ class WeakCache:
 
     def put(self, ident: Any, key: tuple, value: Any) -> None:
         ident, key = _resolved(ident, key)
+        if key[0] is None:
+            return
         try:
             self._data.setdefault(ident, {})[key] = value
         except TypeError:
@@ -50,11 +57,13 @@ class WeakCache:
 
 
 def _resolved(ident: Any, key: tuple) -> tuple[Any, tuple]:
-    """A flat function of a call with several arguments (``_args.Flat``, new per call) is cached
-    under the user's function, with the call's structure added to the key."""
+    """The function a cache entry is kept under, and its full key: the generation of that function
+    in the call's scope first (None: not to be cached). A flat function of a call with several
+    arguments (``_args.Flat``, new per call) is cached under the user's function, with the call's
+    structure added to the key."""
     if isinstance(ident, Flat):
-        return ident.f, (signature(ident), *key)
-    return ident, key
+        return ident.f, (current(ident.f), signature(ident), *key)
+    return ident, (current(ident), *key)
 
 
 def problem_key(f: Any, x: Tensor, batched: bool, wrt: Any, structure: str, full_shape: bool) -> tuple:
@@ -102,6 +111,7 @@ def clear_cache() -> None:
     """
     for cache in _ALL:  # the profiles (_profile.py) too
         cache.clear()
+    _forget_guards()
 
 
 def rng_kept(device: torch.device) -> ContextManager[None]:

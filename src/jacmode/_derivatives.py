@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from . import _guard
 from . import _args, _checks, _operators
 from ._args import Argnums, InDims
 from ._cache import WeakCache
@@ -32,6 +33,7 @@ from ._state import preserved_state
 Fn = Callable[[Tensor], Tensor]
 
 
+@_guard.entry(_args.trailing_inputs("order", lambda v: _is_int(v)))
 def derivative(
     f: Callable[..., Any],
     *args: Any,
@@ -219,6 +221,7 @@ def _is_dims_list(v: Any) -> bool:
     return isinstance(v, (tuple, list)) and bool(v) and all(isinstance(d, (tuple, list)) for d in v)
 
 
+@_guard.entry(_args.trailing_inputs("dims", lambda v: _is_dims(v)))
 def partial(
     f: Callable[..., Any],
     *args: Any,
@@ -310,6 +313,7 @@ def _partial(f: Fn, x: Tensor, dims: tuple[int, ...], opts: Options) -> Tensor:
     return evaluate(f, x, opts, body)
 
 
+@_guard.entry(_args.trailing_inputs("dims", lambda v: _is_dims_list(v)))
 def partials(
     f: Callable[..., Any],
     *args: Any,
@@ -449,6 +453,7 @@ def partials(
     return _args.finish(call, tuple(call.outputs(r, (x.shape[0],)) for r in result))
 
 
+@_guard.entry()
 def hessian(
     f: Callable[..., Any],
     *args: Any,
@@ -578,6 +583,7 @@ def _hessian_rows(t: Target, x: Tensor, opts: Options) -> Tensor:
     return full.reshape(x.shape[0], *t.out_shape, *t.in_shape, *t.in_shape)
 
 
+@_guard.entry()
 def laplacian(
     f: Callable[..., Any],
     *args: Any,
@@ -706,6 +712,7 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
     return evaluate(f, x, opts, body, (("laplacian", opts.chunk_size), direct), walked)
 
 
+@_guard.entry()
 def divergence(
     f: Callable[..., Any],
     *args: Any,

@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from . import _guard
 from . import _args, _checks, _profile, _transform
 from ._args import Argnums, InDims
 from ._checks import Options, Wrt
@@ -36,6 +37,7 @@ def _options(f: Any, x: Any, **kw: Any) -> Options:
 
 
 @accepts_params_dict
+@_guard.entry()
 def plan(
     f: Callable[..., Any],
     *args: Any,
@@ -108,6 +110,7 @@ def _plan(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any, chu
 
 
 @accepts_params_dict
+@_guard.entry()
 def jacobian(
     f: Callable[..., Any],
     *args: Any,

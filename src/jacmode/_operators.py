@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from . import _guard
 from . import _args, _checks
 from ._args import Argnums, InDims
 from ._checks import Options
@@ -182,6 +183,7 @@ def _per_sample(t: Target, opts: Options, compute: Callable[[Tensor, Optional[Te
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
 
+@_guard.entry(_args.trailing_inputs("terms", lambda v: _is_terms(v)))
 def operator(
     f: Callable[..., Any],
     *args: Any,
@@ -284,6 +286,7 @@ def _operator(f: Fn, x: Tensor, terms: Any, directions: Any, structure: Any, chu
     return evaluate(f, x, opts, body)
 
 
+@_guard.entry(_args.trailing_inputs("terms", lambda v: _is_terms(v)))
 def operator_plan(
     f: Callable[..., Any],
     *args: Any,
@@ -445,6 +448,7 @@ def weighted_laplacian(f: Fn, x: Tensor, opts: Options, weight: Any, samples: An
     return _estimate(f, x, opts, vectors, 2, 1.0, return_std)
 
 
+@_guard.entry()
 def biharmonic(
     f: Callable[..., Any],
     *args: Any,

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from . import _guard
 from . import _args, _checks, _data, _losses, _profile
 from ._checks import Options, Wrt
 from ._coupling import PRODUCT_WAYS_OUT, probe
@@ -226,6 +227,7 @@ def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.devic
 
 
 @accepts_params_dict
+@_guard.entry(_guard.first_input)
 def per_sample_grads(
     f: nn.Module, x: Tensor, loss: Callable[..., Tensor], *, y: Optional[Tensor] = None,
     wrt: Wrt = "params", flatten: bool = True, chunk_size: Optional[int] = None, max_memory: Memory = None,
@@ -474,6 +476,7 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
 
 
 @accepts_params_dict
+@_guard.entry(_guard.first_input)
 def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params",
              method: str = "auto", trace: bool = False, chunk_size: Optional[int] = None,
              max_memory: Memory = None, kwargs: Optional[dict[str, Any]] = None,
@@ -502,6 +505,7 @@ def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt 
 
 
 @accepts_params_dict
+@_guard.entry(_guard.first_input)
 def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "params", method: str = "auto",
         trace: bool = False, chunk_size: Optional[int] = None, max_memory: Memory = None,
         progress: Optional[bool] = None, kwargs: Optional[dict[str, Any]] = None, in_dims: Any = 0) -> Tensor:
@@ -576,6 +580,7 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
 
 
 @accepts_params_dict
+@_guard.entry(_guard.first_input)
 def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = "mse", *,
         y: Optional[Tensor] = None, wrt: Wrt = "params", diagonal: bool = False,
         chunk_size: Optional[int] = None, max_memory: Memory = None, progress: Optional[bool] = None,

@@ -47,6 +47,7 @@ from torch.nn.modules.dropout import _DropoutNd
 from . import _functional
 from ._args import Flat
 from ._cache import WeakCache, _resolved
+from ._guard import current
 from ._state import Survey, modules_of
 from ._transforms import _PEEK, in_transform
 
@@ -90,6 +91,7 @@ class Profile:
     holds: tuple[Any, ...] = ()
     runs: dict[Any, Any] = field(default_factory=dict)
     live: bool = True  # False once dropped from the cache (forget, a newer profile, clear_cache)
+    generation: Optional[int] = None  # of f's state when it was kept (_guard.py): it serves that one only
     check: Any = None  # :func:`recheck`'s test of its key, a :class:`Check` (False: none can be made)
 
 
@@ -248,21 +250,24 @@ def checked_key(x: Tensor) -> tuple[Any, ...]:
 
 
 def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
-    """The profile of ``f`` for key ``k``, or None."""
-    if isinstance(f, Flat):
-        hit = _PROFILES.get(f, k)
-    else:  # _PROFILES.get without its two calls (every repeated call looks up)
-        try:
-            entries = _PROFILES._data.data.get(weakref.ref(f))  # type: ignore[attr-defined]
-        except TypeError:  # not weak-referenceable: never profiled
-            return None
-        hit = None if entries is None else entries.get(k)
+    """The profile of ``f`` for key ``k`` under the generation of f's state in scope, or None."""
+    f, k = _resolved(f, k)
+    if k[0] is None:  # no generation: nothing is reused (_guard.py)
+        return None
+    try:
+        entries = _PROFILES._data.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+    except TypeError:  # not weak-referenceable: never profiled
+        return None
+    hit = None if entries is None else entries.get(k)
     return hit if isinstance(hit, Profile) else None
 
 
 def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module]) -> None:
     """Store ``profile`` for later calls of ``f`` with key ``k`` (at most ``PER_FUNCTION`` per f)."""
     f, k = _resolved(f, k)  # a flat function of several arguments: under the user's f (_cache.py)
+    if k[0] is None:  # no generation in scope: nothing is kept (_guard.py)
+        return
+    profile.generation = k[0]
     bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
     params = [p for m in modules for p in m._parameters.values() if p is not None and id(p) not in bound]
     profile.holds = (*(m for m in modules if m is not f), *params)  # never f: it is the weak key
@@ -328,7 +333,7 @@ def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
     except TypeError:  # not weak-referenceable
         return None
     found = None if last is None else last.get(token)
-    if found is None or not found.live:
+    if found is None or not found.live or found.generation != current(f) or found.generation is None:
         return None
     return found if found.check.test(f, *args) else None
 
@@ -387,7 +392,7 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
     modules = modules_of(f)
     key, seen = walked(token, args, {}, modules)
     entries = _PROFILES._data.get(f)
-    if entries is None or entries.get(key) is not found:  # the key as of now is not found's
+    if entries is None or entries.get(_resolved(f, key)[1]) is not found:  # the key as of now is not found's
         return None
     from ._capture.bound import Source
 

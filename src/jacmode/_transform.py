@@ -31,6 +31,7 @@ from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 
 from torch import Tensor, nn
 
+from . import _guard
 from ._errors import JacmodeWarning, user_stacklevel
 
 Run = Callable[["Transformed", Any, Tensor, dict[str, Any]], Any]  # (transform, f, x, data) -> result
@@ -263,7 +264,10 @@ class Transformed:
         return compiled_run
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.call(self._f, args, kwargs)
+        f, spec = self._f, self._spec
+        fkwargs = {k: v for k, v in kwargs.items() if k not in spec.data} if kwargs else kwargs
+        return _guard.scoped_call(f, args[:1] if spec.positional else args, fkwargs,
+                                  lambda: self.call(f, args, kwargs))
 
     def _generated(self) -> ContextManager[None]:
         backend = getattr(self, "_backend", None)

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from . import _guard
 from . import _checks, _losses
 from ._coupling import probe
 from ._autodiff import vector as _eng
@@ -260,6 +261,7 @@ def _params_flat(sel: Params, args: tuple[Any, ...], kwargs: dict[str, Any], has
 
 
 # ---- jvp --------------------------------------------------------------------------------------
+@_guard.entry(_guard.primals)
 def jvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "inputs", has_aux: bool = False,
         kwargs: Optional[dict[str, Any]] = None, create_graph: bool = False) -> tuple[Any, ...]:
     """Jacobian-vector product J v without the Jacobian, as ``torch.func.jvp``.
@@ -343,6 +345,7 @@ def _check_grad_mode(what: str) -> None:
 
 
 # ---- vjp --------------------------------------------------------------------------------------
+@_guard.entry()
 def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool = False,
         per_sample: Optional[bool] = None, kwargs: Optional[dict[str, Any]] = None, in_dims: Any = 0,
         flatten: bool = True, create_graph: bool = False, chunk_size: Optional[int] = None) -> tuple[Any, ...]:
@@ -472,6 +475,7 @@ def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], 
 ROUTES = ("auto", "forward", "reverse")
 
 
+@_guard.entry(_guard.primals)
 def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "inputs", loss: Any = None,
         y: Optional[Tensor] = None, kwargs: Optional[dict[str, Any]] = None, batched: bool = True,
         structure: str = "auto", mode: str = "auto", create_graph: bool = False,
@@ -747,6 +751,7 @@ class Linearized:
         return self._sel.join(self._rec.vjp(tree_flatten(u)[0]))
 
 
+@_guard.entry()
 def linearize(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", kwargs: Optional[dict[str, Any]] = None,
               per_sample: Optional[bool] = None, in_dims: Any = 0, flatten: bool = True,
               create_graph: bool = False) -> Linearized:

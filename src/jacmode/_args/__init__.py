@@ -62,6 +62,7 @@ from .describe import (  # noqa: F401
     describe_call,
 )
 from .front import (  # noqa: F401
+    trailing_inputs,  # noqa: F401
     front,
     flat_jacobian,
     finish,

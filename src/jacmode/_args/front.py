@@ -104,6 +104,18 @@ def legacy_trailing(f: Any, args: tuple[Any, ...], given: bool, looks: Callable[
     return args[:1], args[1]
 
 
+def trailing_inputs(option: str, looks: Callable[[Any], bool]) -> Callable[..., tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The arguments f is called with, for an entry point whose one-argument form takes ``option``
+    positionally after x (:func:`legacy_trailing`): for its scope (``_guard.entry``)."""
+
+    def inputs(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if options.get(option) is not None or len(args) != 2:
+            return args, options.get("kwargs") or {}
+        return (args[:1] if _positional(f)[1] is True or looks(args[1]) else args), options.get("kwargs") or {}
+
+    return inputs
+
+
 def coordinate_args(coords: Sequence[Any], names: tuple[str, ...], name: str) -> Optional[tuple[int, ...]]:
     """The positional arguments named by coordinates (``"t"``, ``("x", 1)``, ``(0, 1)`` pairs), sorted;
     None when no coordinate names an argument. Plain int coordinates next to names are an error

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import _guard
 from .. import _checks
 from .._errors import JacmodeWarning
 from .._planning.memory import DEFAULT_FRACTION, available_bytes, fmt_bytes
@@ -46,6 +47,7 @@ _COLORINGS: "weakref.WeakKeyDictionary[SparsityPattern, dict[tuple, Coloring]]" 
 _VERIFIED: "weakref.WeakSet[Coloring]" = weakref.WeakSet()
 
 
+@_guard.entry()
 def sparsity(f: Fn, x: Tensor, *, hessian: bool = False) -> SparsityPattern:
     """The sparsity pattern of the Jacobian of ``f`` at ``x`` (or of the Hessian of a scalar ``f``).
 
@@ -244,6 +246,7 @@ def _check_given(x: Tensor, pattern: Optional[SparsityPattern], coloring_: Optio
                 + f". Detect it for this call: jm.sparsity(f, x{', hessian=True' if hessian else ''}).")
 
 
+@_guard.entry()
 def sparse_jacobian(
     f: Fn,
     x: Tensor,
@@ -305,6 +308,7 @@ def sparse_jacobian(
         return run(f, x, c, layout, opts.chunk_size, opts.max_memory, opts.create_graph)
 
 
+@_guard.entry()
 def sparse_hessian(
     f: Fn,
     x: Tensor,

@@ -1,0 +1,259 @@
+"""The one guard: whether the function a call runs is the one an earlier call found out about.
+
+NOTE: [Guards from what was read]
+Everything jacmode reuses across calls of ``f`` (captured programs, profiles, generated code, the
+verdict that samples are independent, probe coverage, output structure and size, plans) was found
+out by running or tracing ``f``, and stays true only while everything that run *read* is
+unchanged: attributes, globals, closure cells, container elements, function objects, class
+attributes, module structure, buffers (``None`` included), flags. A list of the kinds of state
+that might change is never complete, so jacmode does not keep one. TorchDynamo does the work
+instead: it traces ``f(*args, **kwargs)`` at the bytecode level, and its guard manager holds one
+check per value the trace read (C++, a few microseconds per call). This module traces f once per
+state with a backend that runs nothing (:func:`_made`), keeps Dynamo's guard manager, and names
+each state that passes it a *generation*, a small integer. Every cache of jacmode keys its entries
+by the generation of the call in scope (``_cache.WeakCache``, ``_profile``), so a fact found under
+one state can only be found again under a state that passes the same guards.
+
+Dynamo guards tensors by their metadata (shape, dtype, device, strides, ``requires_grad``), not
+their values or identity, because its graph reads them per call; jacmode's engines read f's
+tensors per call too (``_capture/bound.py``, the probes), and parameters are in the profile's
+key by identity. A value Dynamo does not guard but turns into a graph input that is not a tensor
+of f (a numpy scalar, an unspecialised number) makes the state *unguarded*, as does a function
+Dynamo cannot trace whole (a graph break: ``.item()``, value-dependent branches, unsupported
+calls): then nothing is reused and every call is a first call, exact and slower.
+
+Costs: the guard of a function is made on the *second* call in scope with it (a function called
+once never pays for Dynamo: its import, about a second, and a trace, 0.05-0.4 s); the third call
+is the first to reuse. A function whose state changes more than ``MAX_STATES`` times (a float
+annealed every step, a new batch size every call) stops being guarded: its calls take the first
+call's path from then on. ``jm.clear_cache()`` forgets every guard.
+
+Scopes: a public entry point enters a scope for its ``f`` and the arguments f is called with
+(:func:`entry`); the generation is computed once, at entry, under the caller's own grad mode and
+settings. Nested entry points on the same f share the outer scope; a cache consulted for any
+other function finds no generation and is bypassed. Scopes are per thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+import weakref
+from typing import Any, Callable, Optional, TypeVar
+
+import torch
+from torch import Tensor
+
+MAX_STATES = 16  # guards made per function before its calls stop reusing anything
+
+_local = threading.local()
+_LOCK = threading.Lock()
+_NUMBERS = itertools.count(1)
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class _Record:
+    """What is known of one function's states: its guards, newest first, and how many were made."""
+
+    __slots__ = ("states", "made", "failed", "reason")
+
+    def __init__(self) -> None:
+        self.states: list[tuple[Any, int]] = []  # (Dynamo's guard manager, generation)
+        self.made = 0
+        self.failed = 0
+        self.reason = ""  # why the function is not guarded, once it is not
+
+
+_RECORDS: "weakref.WeakKeyDictionary[Any, _Record]" = weakref.WeakKeyDictionary()
+
+
+def _stack() -> list[tuple[Any, Optional[int]]]:
+    try:
+        return _local.stack  # type: ignore[no-any-return]
+    except AttributeError:
+        _local.stack = []
+        return _local.stack  # type: ignore[no-any-return]
+
+
+def current(ident: Any) -> Optional[int]:
+    """The generation of ``ident`` in the calling thread's scope, or None (nothing may be reused)."""
+    try:
+        stack = _local.stack
+    except AttributeError:
+        return None
+    for f, gen in reversed(stack):
+        if f is ident:
+            return gen
+    return None
+
+
+def why_not(f: Any) -> str:
+    """Why calls of ``f`` reuse nothing (empty when they may)."""
+    try:
+        rec = _RECORDS.get(f)
+    except TypeError:
+        return f"{type(f).__name__} objects cannot be weakly referenced"
+    return "" if rec is None else rec.reason
+
+
+def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
+    """The generation of the state ``f(*args, **kwargs)`` reads (see the note), or None."""
+    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+        return None  # inside torch.compile or a torch.func transform: the tensors are not the caller's
+    try:
+        rec = _RECORDS.get(f)
+    except TypeError:  # not weakly referenceable
+        return None
+    if rec is None:  # the first call: nothing to reuse yet, and no guard made for a function called once
+        try:
+            _RECORDS[f] = _Record()
+        except TypeError:
+            pass
+        return None
+    if rec.reason:
+        return None
+    frame = {"f": f, "args": args, "kwargs": kwargs}
+    for manager, gen in rec.states:
+        try:
+            if manager.check(frame):
+                return gen
+        except Exception:  # noqa: BLE001 -- a guard that cannot evaluate does not pass
+            continue
+    with _LOCK:
+        if rec.made >= MAX_STATES:
+            rec.reason = f"its state changed more than {MAX_STATES} times (each change is traced and guarded anew)"
+            return None
+        rec.made += 1
+    made = _made(f, args, kwargs)
+    if isinstance(made, str):
+        rec.failed += 1
+        if rec.failed >= 2:
+            rec.reason = made
+        return None
+    gen = next(_NUMBERS)
+    with _LOCK:
+        rec.states.insert(0, (made, gen))
+    return gen
+
+
+class _Traced(Exception):
+    """Raised by the backend's compiled function: the trace is all that was wanted."""
+
+
+_SENTINEL_SOURCE = "def sentinel(f, args, kwargs):\n    return f(*args, **kwargs)\n"
+
+
+def _made(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Dynamo's guard manager for ``f(*args, **kwargs)`` in the present state, or why there is none.
+
+    A new code object per trace (Dynamo caches per code object: one entry each, no recompile
+    limits); the backend checks that every graph input is a tensor that f reads (else a value the
+    guards do not cover) and returns a function that raises :class:`_Traced`, so that nothing of
+    f runs and none of its side effects are replayed.
+    """
+    try:
+        import torch._dynamo  # noqa: F401 -- about a second, once per process
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    except Exception as err:  # noqa: BLE001 -- a torch without Dynamo: nothing is guarded
+        return f"TorchDynamo is not available ({type(err).__name__})"
+    namespace: dict[str, Any] = {"__builtins__": __builtins__}
+    exec(compile(_SENTINEL_SOURCE, f"<jacmode guard {next(_NUMBERS)}>", "exec"), namespace)
+    sentinel = namespace["sentinel"]
+    refused: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        for node in gm.graph.nodes:  # every input a tensor f reads where the source names it
+            arg = node.meta.get("grapharg") if node.op == "placeholder" else None
+            if arg is None:
+                continue
+            name = getattr(arg.source, "name", "")
+            name = name() if callable(name) else name
+            if not isinstance(arg.example, Tensor) or getattr(arg, "pass_arg_as_tensor", False) or "(" in str(name):
+                refused.append(f"f reads a value TorchDynamo passes as a graph input ({name})")
+
+        def run(*_: Any) -> Any:
+            raise _Traced()
+
+        return run
+
+    compiled = torch.compile(sentinel, backend=backend, fullgraph=True, dynamic=False)
+    try:
+        compiled(f, args, kwargs)
+    except _Traced:
+        pass
+    except Exception as err:  # noqa: BLE001 -- a graph break, an unsupported call: unguarded
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        return f"TorchDynamo cannot trace it whole ({type(err).__name__}: {first[:200]})"
+    if refused:
+        return refused[0]
+    entries = _debug_get_cache_entry_list(sentinel.__code__)
+    if len(entries) != 1:
+        return "TorchDynamo kept no guards for it"
+    return entries[0].guard_manager
+
+
+def _inputs(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """f's arguments in an entry point ``op(f, *args, kwargs=..., **options)``: torch.func's convention."""
+    return args, options.get("kwargs") or {}
+
+
+def first_input(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """f's arguments in an entry point ``op(f, x, ...)`` that calls ``f(x, **kwargs)`` (the products)."""
+    return args[:1], options.get("kwargs") or {}
+
+
+def primals(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """f's arguments in ``op(f, primals, tangents)`` (``jvp``, ``hvp``): the primals, a tuple or one tensor."""
+    p = args[0] if args else options["primals"]
+    return (tuple(p) if isinstance(p, (tuple, list)) else (p,)), options.get("kwargs") or {}
+
+
+Inputs = Callable[[Any, tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]]
+
+
+def entry(inputs: Inputs = _inputs) -> Callable[[F], F]:
+    """Make an entry point ``op(f, *args, **options)`` enter a scope for f (see the note).
+
+    Args:
+        inputs: ``(f, args, options) -> (f's positional arguments, f's keyword arguments)``; by
+            default the entry point's positional arguments after f, and its ``kwargs`` option.
+    """
+
+    def wrap(op: F) -> F:
+        @functools.wraps(op)
+        def scoped(f: Any, *args: Any, **options: Any) -> Any:
+            stack = _stack()
+            if stack and stack[-1][0] is f:
+                return op(f, *args, **options)
+            try:
+                fargs, fkwargs = inputs(f, args, options)
+            except Exception:  # noqa: BLE001 -- arguments the entry point will refuse: no scope needed
+                return op(f, *args, **options)
+            stack.append((f, generation(f, fargs, fkwargs)))
+            try:
+                return op(f, *args, **options)
+            finally:
+                stack.pop()
+
+        return scoped  # type: ignore[return-value]
+
+    return wrap
+
+
+def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
+    """``run()`` in a scope for ``f`` called as ``f(*fargs, **fkwargs)`` (a transform's call)."""
+    stack = _stack()
+    if stack and stack[-1][0] is f:
+        return run()
+    stack.append((f, generation(f, fargs, fkwargs)))
+    try:
+        return run()
+    finally:
+        stack.pop()
+
+
+def clear() -> None:
+    """Forget every guard (``jm.clear_cache``)."""
+    _RECORDS.clear()
+
