@@ -50,6 +50,7 @@ from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _checks
+from . import _guard
 from ._transforms import in_transform, outside, plain
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -402,6 +403,7 @@ def _wrapper_for(f: Any, prep: _Prepared, tensor_output: bool, modules: list[nn.
     wrapper = table.get(key)
     if wrapper is None or wrapper.leaves:  # (in use by an enclosing call: another one)
         wrapper = _Applied(f, prep.leaves, prep.spec, prep.diff, prep.batched, modules, tensor_output, sample_dims)
+        _guard.derived(wrapper, f)
         table.setdefault(key, wrapper)
     wrapper.leaves = list(prep.leaves)
     return wrapper
@@ -597,9 +599,9 @@ def _batched_call(fn: Callable[..., Any], leaves: list[Any], spec: Any, batched:
 
 def _spelling(f: Any, prep: _Prepared) -> Any:
     """How ``f`` takes the batch (see the note): None (batched), vmap's in_dims, or LOOP; cached per structure."""
-    key = _structure(prep)
+    key = (_guard.current(f), *_structure(prep))
     try:
-        table = _SPELLINGS.setdefault(f, {})
+        table = _SPELLINGS.setdefault(f, {}) if key[0] is not None else {}  # kept under a generation only
     except TypeError:  # not weakly referenceable: read every call
         table = {}
     if key not in table:

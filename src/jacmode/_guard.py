@@ -76,6 +76,18 @@ def _stack() -> list[tuple[Any, Optional[int]]]:
         return _local.stack  # type: ignore[no-any-return]
 
 
+_OWNERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def derived(obj: Any, owner: Any) -> None:
+    """``obj`` (a wrapper jacmode made of ``owner``: a module of sample rows, a functional call as a
+    module) computes what ``owner`` computes: its cached facts follow the generation of ``owner``."""
+    try:
+        _OWNERS[obj] = owner
+    except TypeError:
+        pass
+
+
 def current(ident: Any) -> Optional[int]:
     """The generation of ``ident`` in the calling thread's scope, or None (nothing may be reused)."""
     try:
@@ -85,7 +97,11 @@ def current(ident: Any) -> Optional[int]:
     for f, gen in reversed(stack):
         if f is ident:
             return gen
-    return None
+    try:
+        owner = _OWNERS.get(ident)
+    except TypeError:
+        return None
+    return None if owner is None else current(owner)
 
 
 def why_not(f: Any) -> str:

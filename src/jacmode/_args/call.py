@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from .. import _guard
 from .flat import Flat, Leaf, Rider, _fmt
 
 
@@ -73,20 +74,23 @@ class Call:
                 tuple(others))
 
     def _out_key(self) -> tuple:
-        return (self.signature(), tuple(leaf.shape for leaf in self.diff))
+        return (_guard.current(self.f), self.signature(), tuple(leaf.shape for leaf in self.diff))
 
     def _remember(self) -> None:
         """Keep the output structure for later calls of the same structure (whose engine may run a
         captured program only, never f itself)."""
         try:
-            _OUTPUTS.setdefault(self.f, {})[self._out_key()] = (self.out_spec, self.out_shapes)
+            key = self._out_key()
+            if key[0] is not None:  # only under a generation of f's state (_guard.py)
+                _OUTPUTS.setdefault(self.f, {})[key] = (self.out_spec, self.out_shapes)
         except TypeError:  # f not weakly referenceable, or an unhashable key: not kept
             pass
 
     def recall(self) -> None:
         """The output structure of an earlier call of the same structure, if known."""
         try:
-            known = _OUTPUTS.get(self.f, {}).get(self._out_key())
+            key = self._out_key()
+            known = None if key[0] is None else _OUTPUTS.get(self.f, {}).get(key)
         except TypeError:
             known = None
         if known is not None and self.out_spec is None:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import _guard
 from .call import Call
 from .describe import describe_call
 from .flat import Rider
@@ -94,6 +95,7 @@ def module_of_rows(call: Call) -> torch.nn.Module:
         _SUBCLASSES[base] = cls
     h: torch.nn.Module = base.__new__(cls)  # type: ignore[call-overload]
     object.__setattr__(h, "__dict__", model.__dict__)
+    _guard.derived(h, model)
     try:
         _HANDLES.setdefault(model, {})[key] = h
     except TypeError:  # an unhashable key: a module for this call only
