@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from typing import Any, Callable, Optional, Sequence
 
@@ -13,6 +14,10 @@ from torch import Tensor, nn
 # Tests compare numbers, not speed: one intra-op thread keeps them fast and steady on a busy
 # 2-core machine (and makes float reductions deterministic).
 torch.set_num_threads(1)
+
+# TorchDynamo (jacmode's guards trace f with it) writes structured traces at DEBUG to the logger
+# "torch.__trace"; pytest's log capture would format every record of every trace.
+logging.getLogger("torch.__trace").propagate = False
 
 # The differential harness (tests/differential) keeps its tally here for the summary line.
 DIFFERENTIAL: pytest.StashKey[Any] = pytest.StashKey()

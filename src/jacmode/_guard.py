@@ -53,19 +53,33 @@ _NUMBERS = itertools.count(1)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _Record:
-    """What is known of one function's states: its guards, newest first, and how many were made."""
+class _Seen:
+    """One function's calls: how many guards they made, the last state they passed, and why they
+    reuse nothing (once they do not)."""
 
-    __slots__ = ("states", "made", "failed", "reason")
+    __slots__ = ("made", "failed", "reason", "last")
 
     def __init__(self) -> None:
-        self.states: list[tuple[Any, int]] = []  # (Dynamo's guard manager, generation)
         self.made = 0
         self.failed = 0
-        self.reason = ""  # why the function is not guarded, once it is not
+        self.reason = ""
+        self.last: Optional[tuple[Any, int]] = None  # (Dynamo's guard manager, generation)
 
 
-_RECORDS: "weakref.WeakKeyDictionary[Any, _Record]" = weakref.WeakKeyDictionary()
+# The states found so far per kind of function (a module's class, a Python function's code), newest
+# first. A guard made for one instance passes for another exactly when everything its forward reads
+# is the same, so the instances of a class share their states (and a test suite or an ensemble
+# traces a class once); the caches stay per instance, since they are keyed by the function too.
+_STATES: "weakref.WeakKeyDictionary[Any, list[tuple[Any, int]]]" = weakref.WeakKeyDictionary()
+_SEEN: "weakref.WeakKeyDictionary[Any, _Seen]" = weakref.WeakKeyDictionary()
+MAX_KIND_STATES = 32
+
+
+def _kind(f: Any) -> Any:
+    if isinstance(f, torch.nn.Module):
+        return type(f)
+    code = getattr(f, "__code__", None)
+    return type(f) if code is None else code
 
 
 def _stack() -> list[tuple[Any, Optional[int]]]:
@@ -107,10 +121,10 @@ def current(ident: Any) -> Optional[int]:
 def why_not(f: Any) -> str:
     """Why calls of ``f`` reuse nothing (empty when they may)."""
     try:
-        rec = _RECORDS.get(f)
+        seen = _SEEN.get(f)
     except TypeError:
         return f"{type(f).__name__} objects cannot be weakly referenced"
-    return "" if rec is None else rec.reason
+    return "" if seen is None else seen.reason
 
 
 def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
@@ -118,39 +132,53 @@ def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optiona
     if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         return None  # inside torch.compile or a torch.func transform: the tensors are not the caller's
     try:
-        rec = _RECORDS.get(f)
+        seen = _SEEN.get(f)
     except TypeError:  # not weakly referenceable
         return None
-    if rec is None:  # the first call: nothing to reuse yet, and no guard made for a function called once
+    if seen is None:  # the first call: nothing to reuse yet, and no guard made for a function called once
         try:
-            _RECORDS[f] = _Record()
+            _SEEN[f] = _Seen()
         except TypeError:
             pass
         return None
-    if rec.reason:
+    if seen.reason:
         return None
     frame = {"f": f, "args": args, "kwargs": kwargs}
-    for manager, gen in rec.states:
-        try:
-            if manager.check(frame):
-                return gen
-        except Exception:  # noqa: BLE001 -- a guard that cannot evaluate does not pass
-            continue
+    last = seen.last
+    if last is not None and _passes(last[0], frame):
+        return last[1]
+    try:
+        states = _STATES.setdefault(_kind(f), [])
+    except TypeError:
+        states = []
+    for state in list(states):
+        if state is not last and _passes(state[0], frame):
+            seen.last = state
+            return state[1]
     with _LOCK:
-        if rec.made >= MAX_STATES:
-            rec.reason = f"its state changed more than {MAX_STATES} times (each change is traced and guarded anew)"
+        if seen.made >= MAX_STATES:
+            seen.reason = f"its state changed more than {MAX_STATES} times (each change is traced and guarded anew)"
             return None
-        rec.made += 1
+        seen.made += 1
     made = _made(f, args, kwargs)
     if isinstance(made, str):
-        rec.failed += 1
-        if rec.failed >= 2:
-            rec.reason = made
+        seen.failed += 1
+        if seen.failed >= 2:
+            seen.reason = made
         return None
-    gen = next(_NUMBERS)
+    state = (made, next(_NUMBERS))
     with _LOCK:
-        rec.states.insert(0, (made, gen))
-    return gen
+        states.insert(0, state)
+        del states[MAX_KIND_STATES:]
+    seen.last = state
+    return state[1]
+
+
+def _passes(manager: Any, frame: dict[str, Any]) -> bool:
+    try:
+        return bool(manager.check(frame))
+    except Exception:  # noqa: BLE001 -- a guard that cannot evaluate does not pass
+        return False
 
 
 class _Traced(Exception):
@@ -271,5 +299,6 @@ def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Ca
 
 def clear() -> None:
     """Forget every guard (``jm.clear_cache``)."""
-    _RECORDS.clear()
+    _SEEN.clear()
+    _STATES.clear()
 
