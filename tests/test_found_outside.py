@@ -95,3 +95,125 @@ def test_biharmonic_estimate_shapes_and_draws_over_batches_and_dimensions(
         rows.append(torch.stack([d4(torch.zeros((), dtype=DT), v[j, i]) for j in range(k)]) / 3.0)
     want = torch.stack([r.mean() for r in rows])[:, None]
     torch.testing.assert_close(est, want, rtol=1e-8, atol=1e-8)
+
+
+# ---- the independence check on a model that casts float token ids ------------------------------
+
+
+class Tok(nn.Module):
+    """Float token ids cast inside forward: noise on the ids would move them off the table."""
+
+    def __init__(self, couple: str = "") -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.fc = nn.Linear(4, 3)
+        self.couple = couple
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.emb(x.long()).mean(1)
+        if self.couple == "mean":  # the ids of every sample reach every output, through values only
+            h = h - h.mean(0)
+        elif self.couple == "cumsum":
+            h = h.cumsum(0)
+        elif self.couple == "flip":
+            h = h.flip(0)
+        return self.fc(h)
+
+
+def _tok(couple: str = "", seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return Tok(couple).double()
+
+
+def _ids(b: int, seed: int = 0) -> Tensor:
+    return torch.randint(0, 10, (b, 6), generator=torch.Generator().manual_seed(seed)).double()
+
+
+def _state(m: nn.Module) -> dict[str, Any]:
+    return {k: v.clone() for k, v in m.state_dict().items()} | {"training": m.training}
+
+
+def _same_state(m: nn.Module, before: dict[str, Any]) -> bool:
+    return m.training == before["training"] and all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+
+
+@pytest.mark.parametrize("b", [5, 20])  # every sample probed; 8 of 20 probed
+def test_per_sample_grads_of_float_ids_cast_in_forward(b: int) -> None:
+    m, x = _tok(), _ids(b)
+    y = torch.randint(0, 3, (b,), generator=torch.Generator().manual_seed(1))
+    before = _state(m)
+    per_sample = jm.per_sample_grads(m, x, lambda out, t: F.cross_entropy(out, t, reduction="none"), y=y,
+                                     flatten=False)
+    batch_mean = jm.per_sample_grads(m, x, nn.CrossEntropyLoss(), y=y)  # rows of torch's mean loss: 1/B each
+    names = [n for n, _ in m.named_parameters()]
+    for i in range(b):  # the oracle: one sample at a time, plain autograd
+        g = torch.autograd.grad(F.cross_entropy(m(x[i : i + 1]), y[i : i + 1]), list(m.parameters()))
+        for n, r in zip(names, g):
+            torch.testing.assert_close(per_sample[n][i], r, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(batch_mean[i], torch.cat([r.reshape(-1) for r in g]) / b, rtol=1e-10, atol=1e-12)
+    assert _same_state(m, before)
+
+
+@pytest.mark.parametrize("b", [5, 20])
+def test_parameter_jacobian_of_float_ids_cast_in_forward(b: int) -> None:
+    m, x = _tok(seed=2), _ids(b, seed=3)
+    before = _state(m)
+    J = jm.jacobian(m, x, wrt="params")
+    params = list(m.parameters())
+    want = torch.stack([
+        torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)])
+                     for o in m(x[i : i + 1])[0]])
+        for i in range(b)
+    ])
+    torch.testing.assert_close(J, want, rtol=1e-10, atol=1e-12)
+    assert _same_state(m, before)
+
+
+@pytest.mark.parametrize("couple", ["mean", "cumsum", "flip"])
+@pytest.mark.parametrize("b", [5, 20])
+def test_coupled_float_ids_are_still_refused(couple: str, b: int) -> None:
+    m, x = _tok(couple), _ids(b)
+    y = torch.randint(0, 3, (b,), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(jm.CoupledBatchError, match="other samples of the batch changed the output"):
+        jm.per_sample_grads(m, x, nn.CrossEntropyLoss(), y=y)
+    jm.clear_cache()
+    with pytest.raises(jm.CoupledBatchError, match="coupled"):
+        jm.jacobian(m, x, wrt="params")
+
+
+def test_float_ids_as_a_second_argument_follow_their_samples() -> None:
+    class Scaled(nn.Module):
+        def __init__(self, couple: bool) -> None:
+            super().__init__()
+            self.emb, self.fc, self.couple = nn.Embedding(10, 4), nn.Linear(4, 3), couple
+
+        def forward(self, w: Tensor, ids: Tensor) -> Tensor:
+            h = self.emb(ids.long()).mean(1) * w
+            return self.fc(h - h.mean(0) if self.couple else h)
+
+    torch.manual_seed(0)
+    m = Scaled(False).double()
+    w, ids = torch.randn(12, 1, dtype=DT), _ids(12)
+    J = jm.jacobian(m, w, ids)  # d out / d w, the ids ride along with their samples
+    want = torch.stack([jacfwd(lambda v, i=i: m(v[None], ids[i : i + 1])[0])(w[i]) for i in range(12)])
+    torch.testing.assert_close(J, want, rtol=1e-10, atol=1e-12)
+    m.couple = True
+    jm.clear_cache()
+    with pytest.raises(jm.CoupledBatchError, match="coupled"):
+        jm.jacobian(m, w, ids)
+
+
+def test_float_ids_the_check_cannot_tell_or_that_need_distinct_samples() -> None:
+    m = _tok()
+    with pytest.raises(ValueError, match="too few distinct samples.*cannot tell whether the samples are independent"):
+        jm.jacobian(m, torch.full((4, 6), 3.0, dtype=DT), wrt="params")  # every sample the same
+
+    class Distinct(Tok):
+        def forward(self, x: Tensor) -> Tensor:
+            if torch.unique(x, dim=0).shape[0] < x.shape[0]:
+                raise RuntimeError("repeated sample")
+            return super().forward(x)
+
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="RuntimeError: repeated sample.*not a function of each sample alone"):
+        jm.jacobian(Distinct().double(), _ids(5), wrt="params")
