@@ -217,3 +217,116 @@ def test_float_ids_the_check_cannot_tell_or_that_need_distinct_samples() -> None
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="RuntimeError: repeated sample.*not a function of each sample alone"):
         jm.jacobian(Distinct().double(), _ids(5), wrt="params")
+
+
+# ---- jacobian(f, x) of an f that returns a tuple, list or dict ----------------------------------
+
+
+def _pytree_f(x: Tensor) -> Any:
+    return (torch.sin(x) * x[:, :1], {"sq": x**2, "sum": [x.sum(1, keepdim=True).tanh()]})
+
+
+def _per_sample(f: Any) -> Any:
+    """f of one sample (no batch dimension), for ``vmap(jacrev(...))``."""
+    return lambda v: torch.utils._pytree.tree_map(lambda t: t[0], f(v[None]))
+
+
+def _assert_tree_close(got: Any, want: Any) -> None:
+    g, g_spec = torch.utils._pytree.tree_flatten(got)
+    w, w_spec = torch.utils._pytree.tree_flatten(want)
+    assert g_spec == w_spec, (g_spec, w_spec)
+    for a, b in zip(g, w):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
+@pytest.mark.parametrize("batched", [True, False])
+def test_one_argument_jacobian_of_a_pytree_output_is_torch_funcs(mode: str, batched: bool) -> None:
+    x = torch.randn(4, 3, dtype=DT)
+    want = torch.func.vmap(torch.func.jacrev(_per_sample(_pytree_f)))(x) if batched else \
+        torch.func.jacrev(_pytree_f)(x)
+    _assert_tree_close(jm.jacobian(_pytree_f, x, mode=mode, batched=batched), want)
+    _assert_tree_close(jm.jacobian(_pytree_f, x, argnums=0, mode=mode, batched=batched), want)
+    _assert_tree_close(jm.jacobian(_pytree_f, x, mode=mode, batched=batched), want)  # the second call
+    _assert_tree_close(jm.jacfn(_pytree_f, mode=mode, batched=batched)(x), want)
+    as_tuple = torch.utils._pytree.tree_map(lambda t: (t,), want)  # a tuple argnums: one Jacobian per argnum
+    _assert_tree_close(jm.jacobian(_pytree_f, x, argnums=(0,), mode=mode, batched=batched), as_tuple)
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(b=st.integers(1, 5), d=st.integers(1, 4), kind=st.sampled_from(["tuple", "list", "dict"]),
+       mode=st.sampled_from(["auto", "forward", "reverse"]))
+def test_pytree_outputs_over_batches_dimensions_and_containers(b: int, d: int, kind: str, mode: str) -> None:
+    torch.manual_seed(b * 10 + d)
+    net = nn.Sequential(nn.Linear(d, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+
+    def f(x: Tensor) -> Any:
+        y = net(x)
+        leaves = [y, torch.exp(x) * y[:, :1]]
+        return tuple(leaves) if kind == "tuple" else leaves if kind == "list" else dict(zip("ab", leaves))
+
+    x = torch.randn(b, d, dtype=DT)
+    _assert_tree_close(jm.jacobian(f, x, mode=mode), torch.func.vmap(torch.func.jacrev(_per_sample(f)))(x))
+
+
+def test_pytree_output_with_has_aux() -> None:
+    x = torch.randn(5, 3, dtype=DT)
+
+    def f(x: Tensor) -> Any:
+        return _pytree_f(x), {"norm": x.norm(dim=1)}
+
+    J, aux = jm.jacobian(f, x, has_aux=True)
+    want, want_aux = torch.func.vmap(torch.func.jacrev(_per_sample(lambda v: f(v)[0])))(x), f(x)[1]
+    _assert_tree_close(J, want)
+    _assert_tree_close(aux, want_aux)
+
+
+class DictNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> dict[str, Tensor]:
+        y = self.lin(x)
+        return {"logits": y, "energy": (y**2).sum(1)}
+
+
+def test_pytree_output_of_a_module_for_inputs_and_parameters() -> None:
+    torch.manual_seed(0)
+    m, x = DictNet().double(), torch.randn(4, 3, dtype=DT)
+    before = _state(m)
+    params = dict(m.named_parameters())
+    per_sample = torch.func.vmap(torch.func.jacrev(lambda v: torch.utils._pytree.tree_map(
+        lambda t: t[0], torch.func.functional_call(m, params, (v[None],)))))(x)
+    _assert_tree_close(jm.jacobian(m, x), per_sample)
+    # parameters: (B, Y, P) with Y running over the output leaves in pytree order, as with argnums=(0,)
+    J = jm.jacobian(m, x, wrt="params")
+    rows = []
+    for i in range(4):
+        out = m(x[i : i + 1])
+        ys = torch.cat([t[0].reshape(-1) for t in torch.utils._pytree.tree_leaves(out)])
+        rows.append(torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(y, list(m.parameters()),
+                                                                                        retain_graph=True)])
+                                 for y in ys]))
+    torch.testing.assert_close(J, torch.stack(rows), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(J, jm.jacobian(m, x, wrt="params", argnums=(0,)), rtol=0, atol=0)
+    blocks = jm.jacobian(m, x, wrt="params", flatten=False)
+    assert set(blocks) == {"logits", "energy"} and blocks["energy"]["lin.weight"].shape == (4, 2, 3)
+    assert jm.plan(m, x).mode in ("forward", "reverse")
+    assert _same_state(m, before)
+
+
+def test_pytree_output_errors() -> None:
+    x = torch.randn(4, 3, dtype=DT)
+    with pytest.raises(ValueError, match="out: not supported .* an f that returns a tuple, list or dict.*drop out="):
+        jm.jacobian(_pytree_f, x, out=torch.empty(4, 3, 3, dtype=DT))
+    with pytest.raises(ValueError, match=r"structure: 'diagonal' needs .* got 1 differentiated tensor\(s\) and 3 "
+                                         r"output tensor\(s\)\. Use structure='auto'"):
+        jm.jacobian(_pytree_f, x, structure="diagonal")
+    lstm = nn.LSTM(3, 4, batch_first=True).double()  # (output, (h, c)): h and c hold the batch in dim 1
+    with pytest.raises(ValueError, match=r"every output must have the batch dimension 2 first.*got an output of "
+                                         r"shape \(1, 2, 4\).*lambda x: model\(x\)\[0\].*batched=False"):
+        jm.jacobian(lstm, torch.randn(2, 5, 3, dtype=DT))
+    with pytest.raises(TypeError, match=r"f: expected f\(x\) to return one torch.Tensor, got tuple.*select one"):
+        jm.laplacian(_pytree_f, x)  # the operators take one output
