@@ -119,8 +119,9 @@ class Call:
                 if t.dim() == 0 or t.shape[0] != b:
                     raise ValueError(
                         f"f: every output must have the batch dimension {b} first when batched=True, got an output "
-                        f"of shape {tuple(t.shape)}. Return per-sample outputs only (select them, e.g. `lambda x: model(x)[0]` "
-                        "for nn.LSTM's (output, (h, c)) with batch_first=True), or pass batched=False.")
+                        f"of shape {tuple(t.shape)}. Return per-sample outputs only (select them, e.g. "
+                        "`lambda x: model(x)[0]` for nn.LSTM's (output, (h, c)) with batch_first=True), or pass "
+                        "batched=False.")
             return torch.cat([t.reshape(b, -1) for t in leaves], dim=1)
         return torch.cat([t.reshape(-1) for t in leaves])
 
