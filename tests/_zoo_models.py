@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import jacmode as jm
 
@@ -352,7 +353,7 @@ def _every(labels: Any, outcome: Any) -> dict[str, Any]:
     return {label: outcome for label in LABELS if label in labels or labels == "all"}
 
 
-_PICK_ONE = (TypeError, r"return one torch\.Tensor.*select one output")
+_NOT_PER_SAMPLE = (ValueError, r"every output must have the batch dimension 2 first.*lambda x: model\(x\)\[0\]")
 _BN_TRAIN = (jm.CoupledBatchError, r"BatchNorm layer\(s\) '1' are in training mode.*structure='coupled'")
 _INT_INPUT = (TypeError, r"x: differentiating with respect to the inputs needs a real floating dtype.*wrt='params'")
 # explicit modes that cannot run the model raise; mode="auto" falls back (docs/modes.md, "Fallbacks")
@@ -400,10 +401,11 @@ ZOO: list[Case] = [
     Case("ReLU(inplace=True), in-place residual", _inplace),
     Case("`.item()` control flow", _item, expect=_every(["params/reverse"], _NO_ITEM),
          note="a Python branch on `.item()`: fine under jvp and vjp; auto loops over samples"),
-    Case("Returns a dict", _dict_out, expect=_every("all", _PICK_ONE),
-         note="the error names the fix: `lambda x: model(x)['logits']`"),
-    Case("Returns a tuple (raw `nn.LSTM`)", _tuple_out, expect=_every("all", _PICK_ONE),
-         note="the error names the fix: `lambda x: model(x)[0]`"),
+    Case("Returns a dict", _dict_out, note="the matching dict of Jacobians, as `vmap(jacrev(model))` gives"),
+    Case("Returns a tuple (raw `nn.LSTM`)", _tuple_out,
+         expect=_every([lb for lb in LABELS if "unbatched" not in lb], _NOT_PER_SAMPLE),
+         note="h and c hold the batch in dim 1, so per-sample Jacobians of every output are not defined: the "
+              "error names the fix, `lambda x: model(x)[0]`; `batched=False` gives the matching tuple"),
 ]
 
 
@@ -448,10 +450,10 @@ def diagonal_blocks(full: Tensor, batch: int, out_dims: int) -> Tensor:
     return flat[idx, :, idx].reshape(batch, *out_shape, *in_shape)
 
 
-_REFERENCES: dict[tuple, Tensor] = {}
+_REFERENCES: dict[tuple, Any] = {}
 
 
-def reference(case: Case, label: str, model: nn.Module, x: Tensor) -> Tensor:
+def reference(case: Case, label: str, model: nn.Module, x: Tensor) -> Any:
     """The float64 autograd.grad loop for a cell, run on a copy of the model (it may be training).
 
     ``model`` and ``x`` must come from ``instantiate(case)`` (possibly moved to a device): the
@@ -464,9 +466,26 @@ def reference(case: Case, label: str, model: nn.Module, x: Tensor) -> Tensor:
     return _REFERENCES[key]
 
 
-def _reference(case: Case, label: str, model: nn.Module, x: Tensor) -> Tensor:
+class _Pick(nn.Module):
+    """Output leaf ``i`` of a model that returns a tuple, list or dict: its references, leaf by leaf."""
+
+    def __init__(self, model: nn.Module, i: int) -> None:
+        super().__init__()
+        self.model, self.i = model, i
+
+    def forward(self, x: Tensor) -> Tensor:
+        return tree_flatten(self.model(x))[0][self.i]
+
+
+def _reference(case: Case, label: str, model: nn.Module, x: Tensor) -> Any:
     from conftest import ref_input_jacobian, ref_param_jacobian
 
+    with torch.no_grad():
+        out = copy.deepcopy(model)(x)
+    if not isinstance(out, Tensor):  # the pytree of the leaves' references; for parameters Y runs over the leaves
+        leaves, spec = tree_flatten(out)
+        parts = [_reference(case, label, _Pick(model, i), x) for i in range(len(leaves))]
+        return tree_unflatten(parts, spec) if dict(CALLS)[label]["wrt"] == "inputs" else torch.cat(parts, dim=-2)
     opts = dict(CALLS)[label]
     batched = opts.get("batched", True)
     coupled = case.structure == "coupled"
@@ -486,14 +505,27 @@ TOL = dict(rtol=1e-7, atol=1e-9)  # float64 throughout the zoo
 def check_result(case: Case, label: str, model: nn.Module, x: Tensor, result: Any) -> None:
     """Assert that ``result`` equals the float64 reference, in shape, dtype, device and value."""
     want = reference(case, label, model, x)
-    if isinstance(result, dict):  # flatten=False: name -> (B, *out, *param.shape)
+    if not isinstance(want, Tensor):  # a model that returns a pytree, wrt inputs: the matching pytree
+        got, got_spec = tree_flatten(result)
+        wanted, want_spec = tree_flatten(want)
+        assert got_spec == want_spec
+        for g, w in zip(got, wanted):
+            assert g.dtype == w.dtype and g.device == x.device
+            torch.testing.assert_close(g, w, **TOL)
+        return
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if isinstance(result, dict):  # flatten=False: name -> (B, *out, *param.shape), per output leaf of a pytree
         with torch.no_grad():
-            out_shape = tuple(copy.deepcopy(model)(x).shape[1:])
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        assert list(result) == [n for n, _ in named]
-        for (name, p), block in zip(named, want.split([p.numel() for _, p in named], dim=-1)):
-            assert result[name].shape == (x.shape[0], *out_shape, *p.shape), name
-            torch.testing.assert_close(result[name].reshape(block.shape), block, **TOL)
+            out = copy.deepcopy(model)(x)
+        outs, out_spec = tree_flatten(out)
+        blocks, spec = tree_flatten(result, is_leaf=lambda v: isinstance(v, dict) and list(v) == [n for n, _ in named])
+        assert spec == out_spec
+        rows = want.split([math.prod(o.shape[1:]) for o in outs], dim=1)
+        for block, o, r in zip(blocks, outs, rows):
+            assert list(block) == [n for n, _ in named]
+            for (name, p), w in zip(named, r.split([p.numel() for _, p in named], dim=-1)):
+                assert block[name].shape == (x.shape[0], *o.shape[1:], *p.shape), name
+                torch.testing.assert_close(block[name].reshape(w.shape), w, **TOL)
         return
     assert result.dtype == want.dtype and result.device == x.device
     torch.testing.assert_close(result, want, **TOL)

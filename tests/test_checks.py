@@ -83,8 +83,11 @@ def test_flag_wrong_type(net: nn.Module) -> None:
 
 
 def test_f_returns_non_tensor() -> None:
+    # jacobian returns the matching pytree (tests/test_found_outside.py); the operators take one output
     with pytest.raises(TypeError, match=r"f: expected f\(x\) to return one torch.Tensor, got tuple.*select one"):
-        jm.jacobian(lambda x: (x, x), torch.rand(2, 1))
+        jm.hessian(lambda x: (x, x), torch.rand(2, 1))
+    with pytest.raises(TypeError, match=r"f: expected f\(x\) to return one torch.Tensor, got str\.$"):
+        jm.jacobian(lambda x: "x", torch.rand(2, 1))
 
 
 def test_f_returns_integer_tensor() -> None:

@@ -267,16 +267,28 @@ def check_max_memory(value: Any) -> Optional[int]:
     return int(value)
 
 
+class PytreeOutput(TypeError):
+    """f returned a tuple, list or dict where a body of one tensor output was running.
+
+    ``jm.jacobian(f, x)`` catches it and describes the call as torch.func's (``_args``), whose
+    result is the matching pytree; every other entry point raises it as the TypeError it is.
+    """
+
+
 def check_output(out: Any, *, batched: bool, n_in: int, where: str = "f(x)") -> Tensor:
-    """The function must return one tensor that keeps the batch dimension of its input."""
+    """The function must return one tensor that keeps the batch dimension of its input.
+
+    Raises:
+        PytreeOutput: f returned a tuple, list or dict (a TypeError).
+        TypeError: f returned anything else that is not a floating tensor.
+        ValueError: with ``batched``, the output lost the batch dimension.
+    """
     if not isinstance(out, Tensor):
-        hint = (
-            " It returned a tuple/list/dict: select one output, e.g. "
-            "`lambda x: model(x)[0]` or `lambda x: model(x)['logits']`."
-            if isinstance(out, (tuple, list, dict))
-            else ""
-        )
-        raise TypeError(f"f: expected {where} to return one torch.Tensor, got {type(out).__name__}.{hint}")
+        if isinstance(out, (tuple, list, dict)):
+            raise PytreeOutput(
+                f"f: expected {where} to return one torch.Tensor, got {type(out).__name__}. It returned a "
+                "tuple/list/dict: select one output, e.g. `lambda x: model(x)[0]` or `lambda x: model(x)['logits']`.")
+        raise TypeError(f"f: expected {where} to return one torch.Tensor, got {type(out).__name__}.")
     if not (out.is_floating_point()):
         raise TypeError(
             f"f: expected {where} to return a floating tensor (something to differentiate), got "

@@ -12,7 +12,13 @@ anti-causal, or through batch statistics (``z - z.mean(0)``). That is 2 ceil(log
 samples, 6 for k = 8. Floating inputs are changed by Gaussian noise at the scale of the probed
 samples, integer inputs (token ids) by other values seen in the batch (a changed sample that would be a
 permutation of its own ids, the same bag to EmbeddingBag's sum or mean, changes its first entry
-otherwise); both from a private generator.
+otherwise); both from a private generator. Where f raises on those changes though it ran on the
+probed samples (float token ids cast with ``.long()`` that noise moves off the embedding table, a
+range check), the value check is redone with the batch's own samples as the changes: each changed
+sample takes the input (and per-sample riders) of another sample of the batch whose input differs,
+so f sees only values the user passed. If some probed sample has no such other sample (every sample
+the same), jacmode cannot tell and says so (a ValueError) rather than guess; if f fails on a
+selection of its own samples it is not a function of each sample alone (a ValueError too).
 Values alone miss a dependency that only the derivative has (``z + m - m.detach()`` with
 ``m = z.mean(0)``, an ``autograd.Function`` whose backward mixes samples), so for floating inputs
 the first pass records an autograd graph and, for each part, a random cotangent on C alone must pull
@@ -266,15 +272,21 @@ def _run_probe(
         gen = torch.Generator(device=x.device).manual_seed(0)
         changed = torch.where(member.view(*member.shape, *[1] * (xs.dim() - 1)), _changes(xs, x, len(split), gen), xs)
         others = _changed_riders(fk, member, gen)  # per-sample riders change with their samples
-        for j, (a, c) in enumerate(split):
-            replay.reset()
-            with torch.no_grad():
-                moved = validate((f if others is None else _guarded(with_riders(fk, others[j]), batch, ways_out))(
-                    changed[j]), k)
-            drift = _moved(rows, moved, c, kept[j])
-            if drift is not None:
-                return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) changed "
-                               f"the output of sample {idx[drift]}")
+        try:
+            for j, (a, c) in enumerate(split):
+                replay.reset()
+                with torch.no_grad():
+                    moved = validate(_changed_pass(fk if others is None else with_riders(fk, others[j]), changed[j]), k)
+                drift = _moved(rows, moved, c, kept[j])
+                if drift is not None:
+                    return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) changed "
+                                   f"the output of sample {idx[drift]}")
+        except _ChangedFailed as failed:  # f refuses the changed values (float ids cast to long, a range check)
+            drift_of = _swapped_passes(whole, x, idx, rows, member, kept, gen, replay, validate, failed, ways_out)
+            if drift_of is not None:
+                a, drift = drift_of
+                return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) to that of "
+                               f"other samples of the batch changed the output of sample {idx[drift]}")
         if pull is not None:
             keep = (~member).view(*member.shape, *[1] * (rows.dim() - 1))
             cotangents = _randn((len(split), *rows.shape), gen, rows).where(keep, 0.0)
@@ -285,6 +297,108 @@ def _run_probe(
                     return shape, (f"the outputs of sample(s) {_names(idx, c)} have a nonzero derivative with "
                                    f"respect to the input of sample {idx[bad]}")
     return shape, True
+
+
+class _ChangedFailed(Exception):
+    """f raised on the changed inputs of the probe though it ran on the probed samples themselves."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _changed_pass(f: Callable[[Tensor], Tensor], z: Tensor) -> Any:
+    """f on changed inputs; an error there is :class:`_ChangedFailed` (f ran on the samples as given)."""
+    try:
+        return f(z)
+    except CoupledBatchError:
+        raise
+    except Exception as exc:  # noqa: BLE001 -- the values the probe made, not the user's: try the batch's own
+        raise _ChangedFailed(exc) from exc
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}" if str(exc) else type(exc).__name__
+
+
+def _swapped_rows(x: Tensor, idx: list[int], member: Tensor, gen: torch.Generator) -> Optional[Tensor]:
+    """The batch rows the probed samples take in each part (parts, k): a sample in A takes the row of
+    another sample of the batch whose input differs from its own, a sample in C keeps its row.
+
+    The candidates are at most ``4 * SAMPLES`` samples spread over the batch (rows with NaN or inf
+    left out). None when a probed sample has no candidate that differs from it: the batch's own
+    samples cannot change it, so this check cannot tell.
+    """
+    batch = x.shape[0]
+    with outside():
+        values = samples_first(x) if x.is_floating_point() else plain(x)
+        n = min(batch, 4 * SAMPLES)
+        cand = sorted({round(i * (batch - 1) / (n - 1)) for i in range(n)} | set(idx)) if n > 1 else [0]
+        flat = values[cand].reshape(len(cand), -1)
+        own = values[idx].reshape(len(idx), -1)
+        usable = torch.isfinite(flat).all(1) if flat.is_floating_point() else torch.ones(len(cand), dtype=torch.bool)
+        differ = (flat[None] != own[:, None]).any(-1) & usable.to(flat.device)[None]  # (k, candidates)
+        if not bool(differ.any(1).all()):
+            return None
+        pick = torch.multinomial(differ.double().cpu(), member.shape[0], replacement=True, generator=_cpu(gen))
+        rows = torch.as_tensor(cand)[pick].T  # (parts, k)
+        own_rows = torch.as_tensor(idx).expand_as(rows)
+        return torch.where(member.cpu(), rows, own_rows).to(x.device)
+
+
+def _cpu(gen: torch.Generator) -> torch.Generator:
+    """A CPU generator seeded from ``gen`` (multinomial draws on the CPU here, whatever the device)."""
+    if gen.device.type == "cpu":
+        return gen
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device).item())
+    return torch.Generator().manual_seed(seed)
+
+
+def _swapped_passes(
+    whole: Any, x: Tensor, idx: list[int], rows: Tensor, member: Tensor, kept: list[Tensor],
+    gen: torch.Generator, replay: RngReplay, validate: Callable[[Any, int], Tensor], failed: _ChangedFailed,
+    ways_out: str,
+) -> Optional[tuple[tuple[int, ...], int]]:
+    """The value check with the batch's own samples as the changes, after f refused the made-up ones.
+
+    Each part's changed samples take the inputs (and per-sample riders) of other samples of the
+    batch, so f sees only values the user passed. Returns (the changed positions, the first watched
+    position that moved), or None when no output moved.
+
+    Raises:
+        ValueError: when the batch has no other distinct sample for some probed sample (the check
+            cannot tell), or when f fails on a selection of the batch's own samples.
+    """
+    k = len(idx)
+    split = parts(k)
+    chosen = _swapped_rows(x, idx, member, gen)
+    if chosen is None:
+        raise ValueError(
+            f"f: raised {_describe(failed.error)} when jacmode's independence check changed the inputs of "
+            "some samples, and the batch has too few distinct samples to check with its own samples instead, "
+            "so jacmode cannot tell whether the samples are independent. Pass a batch whose samples differ; "
+            f"or make f accept inputs near the given ones. {ways_out}"
+        ) from failed.error
+    for j, (a, c) in enumerate(split):
+        sel = chosen[j]
+        replay.reset()
+        try:
+            with torch.no_grad():
+                out = take(whole, sel.tolist())(x[sel].detach().clone())
+        except CoupledBatchError:
+            raise
+        except Exception as exc:  # noqa: BLE001 -- real samples of the batch: f is not per-sample
+            raise ValueError(
+                f"f: raised {_describe(exc)} when jacmode's independence check ran it on {k} samples of the "
+                f"{x.shape[0]}, some of them repeated, so f is not a function of each sample alone: per-sample "
+                "results need f to run on any selection of its samples. Pass structure='coupled' for the "
+                "diagonal blocks of the whole-batch Jacobian, batched=False for the whole batch as one point, "
+                "or make f accept any selection of samples."
+            ) from exc
+        drift = _moved(rows, validate(out, k), c, kept[j])
+        if drift is not None:
+            return a, drift
+    return None
 
 
 def _changed_riders(fk: Any, member: Tensor, gen: torch.Generator) -> Optional[list[list[Tensor]]]:

@@ -84,6 +84,13 @@ def plan(
     # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux, batched=batched,
                        floating=wrt == "inputs")
+    if call.simple:
+        try:
+            return _plan(f, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph, flatten,
+                         True)
+        except _checks.PytreeOutput:  # f(x) is a tuple, list or dict: planned as jacobian runs it
+            call = _args.describe_call(f, tuple(args), kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux,
+                                       batched=batched, floating=wrt == "inputs", flat=True)
     if not call.simple and wrt != "inputs":
         call = _args.params_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched)
         with _args.rows_bound(call):
@@ -135,8 +142,9 @@ def jacobian(
     computed without the off-diagonal zeros (D tangents or Y cotangents in all, not B*D or B*Y).
 
     Args:
-        f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out); or any
-            ``f(*args)`` returning a tensor or a pytree of tensors (docs/torchfunc.md).
+        f: an ``nn.Module`` or a callable mapping x of shape (B, *in) to (B, *out), or to a tuple,
+            list or dict of such tensors; or any ``f(*args)`` returning a tensor or a pytree of
+            tensors (docs/torchfunc.md).
         *args: x, the input, shape (B, *in) (one point of any shape when ``batched=False``); or
             all of f's positional arguments, tensors or pytrees of tensors.
         argnums: which positional arguments are differentiated (an int or a tuple, torch.func's
@@ -182,6 +190,9 @@ def jacobian(
         structure="sparse": (Y, N) sparse CSR with Y = numel(f(x)), N = numel(x).
         wrt="params": (B, Y, P) with Y = prod(out) and P the selected parameters flattened and
         concatenated in ``named_parameters()`` order; unbatched (Y, P).
+        An f that returns a tuple, list or dict of tensors gets the matching pytree, as
+        ``vmap(jacrev(f))`` (each leaf (B, *out_leaf, *in); unbatched (*out_leaf, *x.shape)); for
+        parameters Y counts every output leaf, in pytree order (``flatten=False``: one dict per leaf).
 
     Raises:
         CoupledBatchError: samples are coupled (e.g. BatchNorm in training mode) and
@@ -226,6 +237,26 @@ def jacobian(
     if call.simple:
         return _jacobian(f, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
                          flatten, out)
+    return _several(call, f, args, kwargs, in_dims, has_aux, wrt, mode, batched, structure, chunk_size,
+                    max_memory, create_graph, flatten, out)
+
+
+def _pytree_output(f: Any, x: Tensor, options: dict[str, Any], out: Optional[Tensor]) -> Any:
+    """``jacobian(f, x)`` where f returns a tuple, list or dict of tensors: the call described as
+    torch.func's (``_args.describe_call``, as for ``argnums=0`` with several arguments), so the result
+    is the matching pytree, one (B, *out_leaf, *in) block per output leaf (unbatched
+    (*out_leaf, *x.shape)), as ``vmap(jacrev(f))`` gives; parameters as for several arguments."""
+    o = {**_DEFAULTS, **options}
+    call = _args.describe_call(f, (x,), None, batched=o["batched"], floating=o["wrt"] == "inputs", flat=True)
+    return _several(call, f, (x,), None, 0, False, o["wrt"], o["mode"], o["batched"], o["structure"],
+                    o["chunk_size"], o["max_memory"], o["create_graph"], o["flatten"], out)
+
+
+def _several(call: _args.Call, f: Any, args: tuple[Any, ...], kwargs: Any, in_dims: Any, has_aux: bool,
+             wrt: Any, mode: Any, batched: Any, structure: Any, chunk_size: Any, max_memory: Any,
+             create_graph: Any, flatten: Any, out: Any) -> Any:
+    """The tail of :func:`jacobian` for a described call (several arguments, pytrees, kwargs, has_aux):
+    the engines on its flat function, the result in torch.func's layout."""
     if wrt != "inputs":  # every argument passed through, the engines see the model of sample indices
         call = _args.params_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched)
         with _args.rows_bound(call):
@@ -234,7 +265,8 @@ def jacobian(
         return _args.finish(call, _args.params_layout(call, result, flatten or out is not None))
     _several_supported(call, wrt, structure)
     if out is not None:
-        raise ValueError("out: not supported for a call of several arguments (the result is a pytree); drop out=.")
+        raise ValueError("out: not supported for a call of several arguments or an f that returns a tuple, list or "
+                         "dict (the result is a pytree); drop out=.")
     flat = _jacobian(call.fn, call.x, wrt, mode, batched, structure, chunk_size, max_memory, create_graph,
                      flatten, None)
     # ---- tail: torch.func's layout ----
@@ -251,9 +283,10 @@ def _several_supported(call: _args.Call, wrt: Any, structure: Any) -> None:
             "structure: 'sparse' takes one tensor argument; for several arguments pass a function of one "
             "tensor (concatenate the arguments and split them inside f).")
     if structure == "diagonal" and (len(call.diff) != 1 or not call.single_output()):
+        outputs = call.out_spec.num_leaves if call.out_spec is not None else "?"
         raise ValueError(
             "structure: 'diagonal' needs one differentiated tensor and one output tensor of its shape; got "
-            f"{len(call.diff)} differentiated tensor(s). Use structure='auto'.")
+            f"{len(call.diff)} differentiated tensor(s) and {outputs} output tensor(s). Use structure='auto'.")
 
 
 def _jacobian(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any, chunk_size: Any,
@@ -313,6 +346,18 @@ def _prepare(options: dict[str, Any]) -> _State:
 
 
 def _run(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
+    """The jacobian of one tensor input (the eager call's and the transform's body): :func:`_run_one`,
+    or, for an f that returns a tuple, list or dict of tensors, the matching pytree of Jacobians."""
+    try:
+        return _run_one(t, f, x, data)
+    except _checks.PytreeOutput:
+        if isinstance(f, _args.Flat):  # a described call's flat function returns one tensor: not its output
+            raise
+    return _pytree_output(f, x, t.options, data.get("out") if data else None)
+
+
+def _run_one(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
+    """The jacobian of f at one tensor x, f returning one tensor (see the note in ``_transform.py``)."""
     state: _State = t.state
     inside = in_transform()
     opts = state.inner if inside else state.opts

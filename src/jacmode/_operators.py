@@ -407,8 +407,10 @@ def _estimate(f: Fn, x: Tensor, opts: Options, vectors: Tensor, order: int, fact
             v = vectors[:, sl]
             if order == 2 and not return_std:
                 return _directions_of(t, v, 2, z, scale, False, v.new_full((k, 1), factor / k))
-            each = _directions_of(t, v, order, z, scale, True)
-            mean, err = _mean_and_error(each * factor)
+            each = _directions_of(t, v, order, z, scale, True) * factor
+            if not return_std:  # (b, Y), as _per_sample expects
+                return each.mean(0)
+            mean, err = _mean_and_error(each)
             return torch.stack([mean, err])
 
         if return_std:

@@ -123,7 +123,9 @@ class Call:
                 if t.dim() == 0 or t.shape[0] != b:
                     raise ValueError(
                         f"f: every output must have the batch dimension {b} first when batched=True, got an output "
-                        f"of shape {tuple(t.shape)}. Return per-sample outputs, or pass batched=False.")
+                        f"of shape {tuple(t.shape)}. Return per-sample outputs only (select them, e.g. "
+                        "`lambda x: model(x)[0]` for nn.LSTM's (output, (h, c)) with batch_first=True), or pass "
+                        "batched=False.")
             return torch.cat([t.reshape(b, -1) for t in leaves], dim=1)
         return torch.cat([t.reshape(-1) for t in leaves])
 
@@ -138,7 +140,7 @@ class Call:
     def _ensure(self) -> None:
         """Learn the output structure by one evaluation when no engine evaluated f (rarely needed)."""
         if self.out_spec is None:
-            from ._state import preserved_state  # noqa: PLC0415 -- _state imports this module
+            from .._state import preserved_state  # noqa: PLC0415 -- _state imports this module
 
             with torch.no_grad(), preserved_state(self.f):
                 Flat(self)(self.x.detach())

@@ -123,6 +123,7 @@ def describe_call(
     has_aux: bool = False,
     batched: bool = True,
     floating: bool = True,
+    flat: bool = False,
 ) -> Call:
     """Describe ``f(*args, **kwargs)`` as a flat problem (see the note).
 
@@ -137,6 +138,8 @@ def describe_call(
         has_aux: f returns (output, aux); aux is not differentiated.
         batched: dim 0 of every differentiated tensor holds the B samples.
         floating: differentiated tensors must be floating point (False: the caller checks).
+        flat: a flat function (:class:`Flat`) even for a call of one tensor, which is otherwise
+            ``simple`` (f itself): for an f that returns a tuple, list or dict of tensors.
 
     Returns:
         The :class:`Call`; ``call.fn`` and ``call.x`` are what the engines take.
@@ -222,7 +225,7 @@ def describe_call(
         riders[j] = Rider(value=t, batched=dim == 0)
     call = Call(f=f, batched=batched, argnums=nums, int_argnums=as_int, has_aux=has_aux, args_spec=spec,
                 leaves=leaves, diff=diff, diff_specs=diff_specs, riders=riders, batch=b, names=names)
-    simple = (len(args) == 1 and not kwargs and len(diff) == 1 and not has_aux and as_int
+    simple = (not flat and len(args) == 1 and not kwargs and len(diff) == 1 and not has_aux and as_int
               and diff_specs[nums[0]].num_leaves == 1 and diff_specs[nums[0]].type is None)
     call.simple = simple
     call.recall()
