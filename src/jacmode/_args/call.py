@@ -14,10 +14,12 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
+from .._cache import register
 from .flat import Flat, Leaf, Rider, _fmt
 
 
-_OUTPUTS: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[Any, list[tuple[int, ...]]]]]" = weakref.WeakKeyDictionary()
+_OUTPUTS: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[Any, list[tuple[int, ...]]]]]" = register(
+    weakref.WeakKeyDictionary(), "output structures of calls with several arguments")
 
 
 @dataclass
