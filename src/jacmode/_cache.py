@@ -180,9 +180,13 @@ class WeakCache:
             pass
 
     def items(self) -> Iterator[tuple[Any, tuple, Any]]:
-        for ident, entries in list(self._data.items()):
-            for key, value in list(entries.items()):
-                yield ident, key, value
+        # a snapshot taken by single C calls: a clear_cache or put in another thread cannot change
+        # the table under it (WeakKeyDictionary.items would raise "changed size during iteration")
+        for ref, entries in list(self._data.data.items()):  # type: ignore[attr-defined]
+            ident = ref()
+            if ident is not None:
+                for key, value in list(entries.items()):
+                    yield ident, key, value
 
     def clear(self) -> None:
         self._data.clear()
