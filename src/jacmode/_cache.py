@@ -1,24 +1,168 @@
-"""The caches of jacmode, keyed weakly by the user's function, and ``clear_cache``.
+"""The caches of jacmode: one registry that ``clear_cache`` empties, and the weak per-function cache.
 
-Every cache maps a function (weakly: entries go when the function does) to a dict keyed by the
-generation of the function's state in the call's scope (``_guard.py``: a fact is found again only
-under a state that passes the guards of the one it was found under) and by what the cached fact
-depends on (see :func:`problem_key`). A call with no generation (a first call, a function that
-cannot be guarded or weakly referenced) neither reads nor writes any cache.
+NOTE: [The registry of caches]
+Every table that remembers something found by a call (a fact about a function, a colouring,
+generated code, a warning given) calls :func:`register` where it is defined, and
+:func:`clear_cache` empties every registered one, so that the next call behaves as the first call
+of a fresh process. A module-level table that is *not* a cache (a rule table fixed at import, the
+state of calls in flight, pure arithmetic memoised by small integers) is named in
+:data:`NOT_CACHES` with the reason; ``tests/test_clear_cache.py`` fails for any module-level dict,
+set, list, weak table or ``lru_cache`` of the package that is in neither, so a new cache cannot be
+missed.
+
+Threads: no lock is held against running calls. A call looks a cache up with one ``get`` or
+``setdefault`` and keeps what it found; emptying a table in another thread only makes that call's
+stores land in a table nobody reads again. What a running call cannot lose (the tensors bound
+for it, the kernels' guard) is call state, not a cache, and is never cleared.
+
+:class:`WeakCache` maps a function (weakly: entries go when the function does) to a dict keyed by
+the generation of the function's state in the call's scope (``_guard.py``: a fact is found again
+only under a state that passes the guards of the one it was found under) and by what the cached
+fact depends on (see :func:`problem_key`). A call with no generation (a first call, a function
+that cannot be guarded or weakly referenced) neither reads nor writes any cache.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
-from typing import Any, ContextManager, Iterator, Optional
+from typing import Any, ContextManager, Iterator, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from ._args import Flat, signature
-from ._guard import clear as _forget_guards, current
+T = TypeVar("T")
 
-_ALL: list["WeakCache"] = []
+# name -> the registered object (the registry itself is not a cache: see NOT_CACHES)
+_REGISTERED: list[tuple[str, Any]] = []
+_CLEARING = threading.Lock()  # one clear_cache at a time (two would only repeat the work)
+
+
+def register(obj: T, name: str) -> T:
+    """Make ``obj`` one of the caches that :func:`clear_cache` empties; returns ``obj``.
+
+    ``obj``: a dict, set, list, ``weakref`` table, :class:`WeakCache` (which registers itself) or a
+    ``functools.lru_cache`` function. Call it where the cache is defined.
+
+    Args:
+        obj: the cache.
+        name: what it holds, for errors and tests.
+
+    Returns:
+        ``obj`` itself.
+
+    Example:
+        >>> from jacmode import _cache
+        >>> seen = _cache.register({}, "example: things seen")
+        >>> seen["x"] = 1
+        >>> _cache.clear_cache()
+        >>> seen
+        {}
+        >>> _cache.unregister(seen)
+    """
+    if not (callable(getattr(obj, "cache_clear", None)) or callable(getattr(obj, "clear", None))):
+        raise TypeError(f"register: {name!r} is a {type(obj).__name__}, which clear_cache cannot empty.")
+    _REGISTERED.append((name, obj))
+    return obj
+
+
+def unregister(obj: Any) -> None:
+    """Forget a cache registered with :func:`register` (one made for a test, a doctest)."""
+    _REGISTERED[:] = [(n, o) for n, o in _REGISTERED if o is not obj]
+
+
+def registered() -> list[tuple[str, Any]]:
+    """(name, cache) of every registered cache, in the order of registration."""
+    return list(_REGISTERED)
+
+
+def _empty(obj: Any) -> None:
+    """Empty one registered cache (a weak table pops item by item: each pop is atomic, and its
+    pending removals stay consistent)."""
+    if hasattr(obj, "cache_clear"):
+        obj.cache_clear()
+    else:
+        obj.clear()
+
+
+_RULES = "a rule table, filled at import and never changed by a call"
+_CONSTANT = "a constant table of names or numbers, fixed at import"
+_MATH = "pure arithmetic memoised by small integer keys: the same answer in every process, no user object held"
+_IN_FLIGHT = "the state of calls in flight, emptied by the calls themselves: clearing it would break them"
+_NO_ARGS = "an empty dict passed where a call has no keyword arguments, never written"
+
+# Module-level tables of the package that are not caches: where defined -> why clear_cache leaves
+# them (tests/test_clear_cache.py: every other module-level table must be registered).
+NOT_CACHES: dict[str, str] = {
+    "jacmode._cache._REGISTERED": "the registry of caches itself",
+    "jacmode._cache.NOT_CACHES": "this list",
+    "jacmode.__main__._MOVED": _CONSTANT,
+    "jacmode._args.params._ROWS_OF": _IN_FLIGHT + " (the arguments a module of sample rows reads, rows_bound)",
+    "jacmode._functional._BOUND": _IN_FLIGHT + " (the tensors bound into a model for the call, bind)",
+    "jacmode._state._KERNELS": _IN_FLIGHT + " (how many calls hold the attention kernels' guard, the flags to restore)",
+    "jacmode._state._MKLDNN": _IN_FLIGHT + " (how many calls hold the mkldnn guard, the flag to restore)",
+    "jacmode._state._SDP_FLAGS": "torch's scaled-dot-product flags (getters and setters), read at import",
+    "jacmode._transform._SPECS": "the entry points' specs: registered at import (and derived from the signature alone)",
+    "jacmode._transform._TOKENS": "interned option sets -> the token in profile keys, which live Transformed objects "
+                                  "hold: numbered by its length, so clearing it would give a new option set a token "
+                                  "in use (plain values only, a few per entry point)",
+    "jacmode._transform._DATA": _CONSTANT,
+    "jacmode._jacobian._DEFAULTS": "jacobian's option defaults (for the token), fixed",
+    "jacmode._jacobian._NO_DATA": _NO_ARGS,
+    "jacmode._probes.probes._NO_KWARGS": _NO_ARGS,
+    "jacmode._products._NO_KWARGS": _NO_ARGS,
+    "jacmode._operands._TARGET_TOKEN": "the derivative operators' fixed tokens (structure, create_graph) -> int",
+    "jacmode._autodiff.traceable.REASONS": _CONSTANT,
+    "jacmode._autodiff.traceable._EAGER": "one compiler-disabled function per reason, made at import",
+    "jacmode._checks._UNITS": _CONSTANT,
+    "jacmode._coupling._TOLERANCE": _CONSTANT,
+    "jacmode._coupling.parts": _MATH,
+    "jacmode._capture.taylor._terms": _MATH + " (Faa di Bruno's terms of a multi-index)",
+    "jacmode._capture.taylor._sub_keys": _MATH,
+    "jacmode._capture.taylor._leibniz": _MATH,
+    "jacmode._rules.elementwise._ratio": _MATH + " (polynomials of the rule table's coefficients)",
+    "jacmode._capture.bindings._RENAMED": _CONSTANT,
+    "jacmode._capture.bound._LIBRARIES": _CONSTANT,
+    "jacmode._capture.bound._META": _CONSTANT,
+    "jacmode._capture.bound._RANDOM": _CONSTANT,
+    "jacmode._capture.capture._IN_PLACE": _CONSTANT,
+    "jacmode._capture.codegen._ELEMENTWISE": _CONSTANT,
+    "jacmode._capture.codegen._IN_PLACE": _CONSTANT,
+    "jacmode._capture.codegen._VIEWS": _CONSTANT,
+    "jacmode._capture.rewrites._FACTORIES": _CONSTANT,
+    "jacmode._capture.rewrites._TANH_P": _CONSTANT,
+    "jacmode._capture.rewrites._TANH_Q": _CONSTANT,
+    "jacmode._capture.rewrites._TANH_ONE": _CONSTANT,
+    "jacmode._probes.generated._VIEW_OPS": _CONSTANT,
+    "jacmode._structure._SEEDS": "layout builders per strategy, fixed",
+    "jacmode._planning.calibrated.COST": "the calibrated cost model, read at import",
+    "jacmode._planning.calibrated.MEMORY": "the calibrated memory model, read at import",
+    "jacmode._planning.calibrated.NTK_COST": "the calibrated NTK cost model, read at import",
+    "jacmode._sparse.api._PARTITION": _CONSTANT,
+    "jacmode._sparse.detect._R_OPS": _CONSTANT,
+    "jacmode._sparse.detect._DUNDER": _CONSTANT,
+    "jacmode._sparse.detect._INPLACE_CONSTANT": _CONSTANT,
+    **{f"jacmode._sparse.rules.{n}": _RULES for n in (
+        "LINEAR", "PIECEWISE_LINEAR", "PRODUCTS", "QUOTIENTS", "NONLINEAR", "ELEMENTWISE", "SUMS", "REDUCTIONS",
+        "ALONG", "_DIM_AT", "STRUCTURAL", "RULES", "ZERO_DERIVATIVE", "CONSTANT", "BRANCHES", "VALUE_READS", "RANDOM")},
+    **{f"jacmode._rules.{n}": _RULES for n in (
+        "table.TABLE", "table._META", "arithmetic.TABLE", "arithmetic._SPELLINGS", "batchnorm.TABLE", "conv.RULES",
+        "conv.TABLE", "decompositions.DECOMPOSITIONS", "elementwise.FUNCTIONS", "elementwise.SELU",
+        "elementwise.RULES", "embedding.RULES", "linear.TABLE", "linear.RULES", "losses.TABLE", "modules.RULES",
+        "norm.TABLE", "norm.RULES", "pooling._AVG", "pooling._MAX", "pooling._MAX_DIMS", "pooling.TABLE",
+        "shape.TABLE", "softmax.TABLE")},
+}
+
+
+# imported after the registry: the modules of _args register their caches when imported, which
+# may happen from here (this module imported first) or before (then _args imports this module)
+from ._args import Flat, signature  # noqa: E402
+from . import _guard  # noqa: E402
+from ._guard import current  # noqa: E402
+
+register(_guard._SEEN, "guards: each function's calls")
+register(_guard._STATES, "guards: the states of each kind of function")
+register(_guard._OWNERS, "guards: wrappers jacmode made of a function")
 
 
 class WeakCache:
@@ -27,7 +171,7 @@ class WeakCache:
     def __init__(self, name: str) -> None:
         self.name = name
         self._data: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
-        _ALL.append(self)
+        register(self, name)
 
     def get(self, ident: Any, key: tuple) -> Optional[Any]:
         ident, key = _resolved(ident, key)
@@ -48,9 +192,13 @@ class WeakCache:
             pass
 
     def items(self) -> Iterator[tuple[Any, tuple, Any]]:
-        for ident, entries in list(self._data.items()):
-            for key, value in list(entries.items()):
-                yield ident, key, value
+        # a snapshot taken by single C calls: a clear_cache or put in another thread cannot change
+        # the table under it (WeakKeyDictionary.items would raise "changed size during iteration")
+        for ref, entries in list(self._data.data.items()):  # type: ignore[attr-defined]
+            ident = ref()
+            if ident is not None:
+                for key, value in list(entries.items()):
+                    yield ident, key, value
 
     def clear(self) -> None:
         self._data.clear()
@@ -103,15 +251,36 @@ def _global_hooks() -> tuple[Any, ...]:
 
 
 def clear_cache() -> None:
-    """Forget everything jacmode cached: profiles, coupling verdicts, footprints, fallbacks, autotuned modes.
+    """Forget everything jacmode cached: the next call of any entry point is a first call again.
+
+    Every cache registered with :func:`register` is emptied: the profiles of repeated calls and
+    the code generated on them, the eager calls' transforms, captured programs and their checks,
+    coupling verdicts, probe coverage, footprints, capabilities and fallbacks (the fallback
+    warnings already given and the functions marked as having no forward mode too), autotuned
+    modes, sparsity patterns, colourings and their seeds, the output structures and signatures
+    of functions called with several arguments, the wrappers of functions of parameters, the
+    modules of sample rows, checked options and the free-memory reading. Objects held only by
+    those (programs, profiles and what they keep) go with them. Left alone: the tables that
+    are not caches (:data:`NOT_CACHES`: rule tables, the state of calls in flight) and
+    ``torch.compile``'s own caches (``torch._dynamo.reset()`` empties those).
+
+    Safe while other threads run jacmode calls: a call in flight keeps what it already looked up
+    and finishes as it began (see the note [The registry of caches]).
 
     Example:
-        >>> import jacmode as jm
+        >>> import torch, jacmode as jm
+        >>> from jacmode import _profile
+        >>> net = torch.nn.Linear(3, 2)
+        >>> _ = jm.jacobian(net, torch.randn(4, 3))
+        >>> _profile.count(net)
+        1
         >>> jm.clear_cache()
+        >>> _profile.count(net)
+        0
     """
-    for cache in _ALL:  # the profiles (_profile.py) too
-        cache.clear()
-    _forget_guards()
+    with _CLEARING:
+        for _, cache in list(_REGISTERED):  # a copy: a module imported meanwhile may register
+            _empty(cache)
 
 
 def rng_kept(device: torch.device) -> ContextManager[None]:

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ._cache import register
 from ._losses import SUPPORTED, is_torch_loss
 from ._transforms import in_transform
 
@@ -103,7 +104,8 @@ def _several_tensors(x: Any, *, wrt: str, name: str) -> str:
     )
 
 
-_VALID: dict[tuple[Any, ...], Options] = {}  # check_options' results for plain values (Options is frozen)
+# check_options' results for plain values (Options is frozen)
+_VALID: dict[tuple[Any, ...], Options] = register({}, "checked options")
 
 
 def check_options(

@@ -50,7 +50,7 @@ import torch
 from torch import Tensor, nn
 
 from ._args import Flat, batched_riders, take, with_riders
-from ._cache import WeakCache, _flags, rng_kept
+from ._cache import WeakCache, _flags, register, rng_kept
 from ._errors import CoupledBatchError
 from ._state import RngReplay, used_modules
 from ._transforms import in_transform, outside, plain, samples_first
@@ -147,6 +147,7 @@ def parts(k: int, device: torch.device = torch.device("cpu")) -> tuple[tuple[tup
     return tuple(out)
 
 
+@functools.partial(register, name="coupling masks (tensors on the inputs' devices)")
 @functools.lru_cache(maxsize=64)
 def _masks(k: int, device: torch.device) -> tuple[Tensor, list[Tensor]]:
     """(membership in A (parts, k), the positions C of each part as an index tensor), on ``device``."""

@@ -16,7 +16,7 @@ from torch import Tensor
 from . import _guard
 from . import _args, _checks, _operators
 from ._args import Argnums, InDims
-from ._cache import WeakCache
+from ._cache import WeakCache, register
 from ._checks import Options
 from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
 from . import _operands
@@ -203,7 +203,8 @@ def _is_dims(v: Any) -> bool:
     return _is_int(v) or (isinstance(v, (tuple, list)) and all(_is_int(d) or isinstance(d, str) for d in v))
 
 
-_TARGETS: dict[tuple[Any, ...], tuple[tuple[int, ...], ...]] = {}  # (dims of int tuples, D) -> check_dims of each
+# (dims of int tuples, D) -> check_dims of each
+_TARGETS: dict[tuple[Any, ...], tuple[tuple[int, ...], ...]] = register({}, "checked partials' dims")
 
 
 def _int_tuples(dims: Sequence[Any]) -> bool:

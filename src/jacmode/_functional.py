@@ -51,6 +51,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from . import _checks
 from . import _guard
+from ._cache import register
 from ._transforms import in_transform, outside, plain
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -373,7 +374,8 @@ def _target(f: Any, prep: _Prepared, tensor_output: bool
 
 # fn (weakly) -> {structure of the call: its wrapper}: a repeated call finds the same module, so the
 # caches keyed by it (coupling verdict, footprint, probe coverage, repeated calls) hit
-_WRAPPERS: "weakref.WeakKeyDictionary[Any, dict[tuple, _Applied]]" = weakref.WeakKeyDictionary()
+_WRAPPERS: "weakref.WeakKeyDictionary[Any, dict[tuple, _Applied]]" = register(weakref.WeakKeyDictionary(),
+                                                                             "wrappers of functions of parameters")
 
 
 def _meta(v: Any) -> Any:
@@ -576,7 +578,8 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
 LOOP = "loop"  # per-sample fn without a vmap batching rule: a loop over the samples
 
 # fn (weakly) -> {structure of the call: its spelling (None: batched, vmap's in_dims, or LOOP)}
-_SPELLINGS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
+_SPELLINGS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = register(weakref.WeakKeyDictionary(),
+                                                                       "how functions take the batch")
 
 
 def _batched_call(fn: Callable[..., Any], leaves: list[Any], spec: Any, batched: list[int], sample_dims: Any) -> Any:

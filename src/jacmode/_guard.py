@@ -295,10 +295,3 @@ def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Ca
         return run()
     finally:
         stack.pop()
-
-
-def clear() -> None:
-    """Forget every guard (``jm.clear_cache``)."""
-    _SEEN.clear()
-    _STATES.clear()
-

@@ -49,6 +49,7 @@ from ._capture import capture as _capture
 from ._capture import codegen as _codegen
 from ._autodiff import nested as _nested
 from ._capture import taylor as _taylor
+from ._cache import register
 from ._capture.capture import Program
 from ._problem import captured, connected, describe, riders_independent
 from ._rules import decompositions
@@ -59,7 +60,7 @@ from ._structure import one_hot
 Fn = Callable[[Tensor], Tensor]
 DEFAULT_PASS_BYTES = 256 * 2**20
 SUM_PASS_BYTES = 16 * 2**20  # see the note on chunks
-_NO_FORWARD_AD: "weakref.WeakSet[Any]" = weakref.WeakSet()  # functions that need reverse mode
+_NO_FORWARD_AD: "weakref.WeakSet[Any]" = register(weakref.WeakSet(), "functions without forward mode")  # reverse only
 _GENERIC_ONLY = frozenset({"rows"})  # engine functions that Taylor mode does not have (forward over reverse)
 
 

@@ -38,6 +38,7 @@ from ._probes import layerio, probes
 from ._probes import ntk as _ntk
 from ._probes import products as _engine
 from ._autodiff.fallback import classify
+from ._cache import register
 from ._probes.layerwise import columns
 from ._functional import accepts_params_dict, bound_values, per_sample_grads_transformed
 from ._planning import ntk as _ntk_plan
@@ -94,7 +95,8 @@ class Bound(nn.Module):
 
 # model -> {call signature: Bound}: one Bound per call form, so the caches keyed by the module
 # (coupling verdict, probe coverage and its completeness check) hit on the next call
-_BOUNDS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, Bound]]" = weakref.WeakKeyDictionary()
+_BOUNDS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, Bound]]" = register(weakref.WeakKeyDictionary(),
+                                                                             "models bound to their rows")
 
 
 def several(x: Any) -> bool:

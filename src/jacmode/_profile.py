@@ -46,7 +46,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from . import _functional
 from ._args import Flat
-from ._cache import WeakCache, _resolved
+from ._cache import WeakCache, _resolved, register
 from ._guard import current
 from ._state import Survey, modules_of
 from ._transforms import _PEEK, in_transform
@@ -310,7 +310,8 @@ def count(f: Any) -> int:
 # ---- the repeated call: the last hit's key tested in place (see recheck) ----
 
 # f (weakly) -> {token: the profile its last call of that token found and served straight away}
-_LAST: "weakref.WeakKeyDictionary[Any, dict[int, Profile]]" = weakref.WeakKeyDictionary()
+_LAST: "weakref.WeakKeyDictionary[Any, dict[int, Profile]]" = register(weakref.WeakKeyDictionary(),
+                                                                     "profiles of the last repeated calls")
 
 
 def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:

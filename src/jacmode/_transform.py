@@ -32,6 +32,7 @@ from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 from torch import Tensor, nn
 
 from . import _guard
+from ._cache import register as register_cache
 from ._errors import JacmodeWarning, user_stacklevel
 
 Run = Callable[["Transformed", Any, Tensor, dict[str, Any]], Any]  # (transform, f, x, data) -> result
@@ -375,7 +376,8 @@ def jacfn(f: Any, *, compile: Union[bool, str] = False, **options: Any) -> Trans
     return transform(jacobian, f, compile=compile, **options)
 
 
-_EAGER: "weakref.WeakKeyDictionary[Any, dict[Hashable, Transformed]]" = weakref.WeakKeyDictionary()
+_EAGER: "weakref.WeakKeyDictionary[Any, dict[Hashable, Transformed]]" = register_cache(
+    weakref.WeakKeyDictionary(), "eager calls' transforms")
 _EAGER_PER_FUNCTION = 32
 
 
@@ -432,8 +434,3 @@ def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...],
         return hit.get((_SPECS[op].name, values, tuple(map(type, values)) if types is None else types))
     except TypeError:  # f cannot be weakly referenced, or an unhashable option (a list of names)
         return None
-
-
-def clear() -> None:
-    """Forget the eager calls' transforms (``jm.clear_cache``)."""
-    _EAGER.clear()

@@ -15,10 +15,12 @@ from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from .. import _guard
+from .._cache import register
 from .flat import Flat, Leaf, Rider, _fmt
 
 
-_OUTPUTS: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[Any, list[tuple[int, ...]]]]]" = weakref.WeakKeyDictionary()
+_OUTPUTS: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[Any, list[tuple[int, ...]]]]]" = register(
+    weakref.WeakKeyDictionary(), "output structures of calls with several arguments")
 
 
 @dataclass

@@ -14,11 +14,13 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten
 
+from .._cache import register
 from .call import Call
 from .flat import Argnums, Flat, InDims, Leaf, Rider, _fmt
 
 
-_SIGNATURES: "weakref.WeakKeyDictionary[Any, tuple[tuple[str, ...], Optional[bool]]]" = weakref.WeakKeyDictionary()
+_SIGNATURES: "weakref.WeakKeyDictionary[Any, tuple[tuple[str, ...], Optional[bool]]]" = register(
+    weakref.WeakKeyDictionary(), "positional parameters of functions")
 
 
 def _positional(f: Any) -> tuple[tuple[str, ...], Optional[bool]]:

@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _guard
+from .._cache import register
 from .call import Call
 from .describe import describe_call
 from .flat import Rider
@@ -21,7 +22,8 @@ from .flat import Rider
 
 # ---- parameters of a module called with several arguments ------------------------------------------
 _ROWS_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Call]" = weakref.WeakKeyDictionary()
-_SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = weakref.WeakKeyDictionary()
+_SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = register(weakref.WeakKeyDictionary(),
+                                                              "module classes of sample rows")
 
 
 def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
@@ -71,7 +73,8 @@ def params_call(f: Any, args: tuple[Any, ...], kwargs: Any, *, in_dims: Any, has
     return call
 
 
-_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, torch.nn.Module]]" = weakref.WeakKeyDictionary()
+_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, torch.nn.Module]]" = register(
+    weakref.WeakKeyDictionary(), "modules of sample rows")
 
 
 def module_of_rows(call: Call) -> torch.nn.Module:

@@ -35,14 +35,14 @@ from torch import Tensor
 from torch.func import functional_call, jvp, vjp, vmap
 
 from .._args import take
-from .._cache import WeakCache, rng_kept
+from .._cache import WeakCache, register, rng_kept
 from .._errors import JacmodeWarning, user_stacklevel
 from .._problem import Problem
 from .._rules.embedding import forward_gap
 from .reverse import recording
 
 _CAPS = WeakCache("capabilities")
-_WARNED_OPS: set[str] = set()
+_WARNED_OPS: set[str] = register(set(), "operations warned about (no vmap batching rule)")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(__file__)
 

@@ -27,12 +27,13 @@ from typing import Callable
 
 import torch
 
+from .._cache import register
 from .calibrated import MEMORY
 
 DEFAULT_FRACTION = 0.5
 
 
-_RECENT: dict[torch.device, tuple[float, int]] = {}  # device -> (time.monotonic(), free bytes)
+_RECENT: dict[torch.device, tuple[float, int]] = register({}, "free memory read")  # device -> (time, free bytes)
 RECENT_S = 0.5
 
 

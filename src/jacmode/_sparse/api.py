@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .. import _guard
 from .. import _checks
+from .._cache import register
 from .._errors import JacmodeWarning
 from .._planning.memory import DEFAULT_FRACTION, available_bytes, fmt_bytes
 from .._planning.plan import Plan
@@ -43,8 +44,9 @@ SPARSE_WHY = ("its pattern detection runs f on index sets and reads values, and 
 DENSE_INSTEAD = ("inside a transform, use the dense jm.jacobian(f, x, batched=False) (or jm.hessian), which "
                  "follows the transform.")
 
-_COLORINGS: "weakref.WeakKeyDictionary[SparsityPattern, dict[tuple, Coloring]]" = weakref.WeakKeyDictionary()
-_VERIFIED: "weakref.WeakSet[Coloring]" = weakref.WeakSet()
+_COLORINGS: "weakref.WeakKeyDictionary[SparsityPattern, dict[tuple, Coloring]]" = register(
+    weakref.WeakKeyDictionary(), "sparse colourings")
+_VERIFIED: "weakref.WeakSet[Coloring]" = register(weakref.WeakSet(), "sparse colourings checked")
 
 
 @_guard.entry()
@@ -412,7 +414,7 @@ def plan(f: Fn, x: Tensor, mode: str, chunk_size: Optional[int], max_memory: Opt
                 coloring=c)
 
 
-_DECLINED: "weakref.WeakKeyDictionary[Any, set]" = weakref.WeakKeyDictionary()
+_DECLINED: "weakref.WeakKeyDictionary[Any, set]" = register(weakref.WeakKeyDictionary(), "sparse auto declined")
 
 
 def auto(f: Fn, x: Tensor, opts: Any) -> Optional[Coloring]:

@@ -27,11 +27,12 @@ from torch.func import grad, jvp, vjp
 
 from .._autodiff.forward import pushforward
 from .._autodiff.reverse import pullback, recording
+from .._cache import register
 from .coloring import Coloring
 from .pattern import SparsityPattern
 
 Fn = Callable[[Tensor], Tensor]
-_SOURCES: "weakref.WeakKeyDictionary[Coloring, np.ndarray]" = weakref.WeakKeyDictionary()
+_SOURCES: "weakref.WeakKeyDictionary[Coloring, np.ndarray]" = register(weakref.WeakKeyDictionary(), "sparse sources")
 
 
 def sources(c: Coloring) -> np.ndarray:
@@ -68,7 +69,8 @@ def _star_sources(c: Coloring, rows: np.ndarray, cols: np.ndarray) -> np.ndarray
     return np.where(direct, col_of[cols] * n + rows, col_of[rows] * n + cols)
 
 
-_SEEDS: "weakref.WeakKeyDictionary[Coloring, dict[tuple, Tensor]]" = weakref.WeakKeyDictionary()
+_SEEDS: "weakref.WeakKeyDictionary[Coloring, dict[tuple, Tensor]]" = register(weakref.WeakKeyDictionary(),
+                                                                           "sparse seeds")
 SEED_CACHE_BYTES = 64 * 2**20
 
 
@@ -141,7 +143,8 @@ def values(f: Fn, x: Tensor, c: Coloring, chunk: int, out_shape: tuple[int, ...]
     return stacked.reshape(-1)[_sources_on(c, x.device)]
 
 
-_SRC_T: "weakref.WeakKeyDictionary[Coloring, dict[str, Tensor]]" = weakref.WeakKeyDictionary()
+_SRC_T: "weakref.WeakKeyDictionary[Coloring, dict[str, Tensor]]" = register(weakref.WeakKeyDictionary(),
+                                                                         "sparse sources as tensors")
 
 
 def _sources_on(c: Coloring, device: torch.device) -> Tensor:
