@@ -29,8 +29,10 @@ Every call is classified as
 
 - ``match``: jacmode's result equals the oracle to ``runner.TOL`` of its dtype and order;
 - ``clear_error``: one of jacmode's own clear errors (``runner.clear_error``) where an error is
-  owed (a fresh call raises one too, or the samples are coupled); ``clear_error_fresh_ok`` when a
-  fresh call gives a result instead (counted, listed, not a failure: a refusal, not a wrong number);
+  owed (a fresh call raises one too, or the samples are coupled); ``stale_error`` when a
+  fresh call on the same state gives a result instead (e.g. a coupling verdict kept after the
+  coupling was undone): counted and listed in its own column, not a failure (a refusal with a
+  clear message, not a wrong number);
 - ``silently_wrong``: a result that differs from the oracle, or a result where an error is owed;
 - ``raw_error``: any other exception;
 - ``state``: the call left the model changed (parameters, .grad, buffers, flags, hooks).
@@ -693,7 +695,7 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in [
     Entry("hessian", jm.hessian, lambda d: {}, "input", 2),
     Entry("laplacian", jm.laplacian, lambda d: {}, "input", 2),
     Entry("partials", jm.partials, lambda d: {"dims": _dims(d)}, "input", 2),
-    Entry("derivative", jm.derivative, lambda d: {}, "input", 1, lambda d, o: d == 1),
+    Entry("derivative", jm.derivative, lambda d: {"order": 1}, "input", 1, lambda d, o: d == 1),
     Entry("derivative2", jm.derivative, lambda d: {"order": 2}, "input", 2, lambda d, o: d == 1),
     Entry("divergence", jm.divergence, lambda d: {}, "input", 1, lambda d, o: d == o),
     Entry("jacobian_params", jm.jacobian, lambda d: {"wrt": "params"}, "module"),
@@ -903,7 +905,7 @@ def fixed_cases(n: int, seed: int = 20240) -> list[Case]:
     k = 0
     while len(out) < n:
         ch = changes[k % len(changes)]
-        start = k // len(changes) * 5 + k
+        start = k // len(changes) * 5 + k % len(changes)  # 5 is prime to the 16 entry points
         for j in range(len(entries)):
             try:
                 out.append(draw(rng, 1000 + k, ch, entries[(start + j) % len(entries)]))
@@ -935,7 +937,10 @@ def build(case: Case) -> World:
     en = ENTRIES[case.entry]
     if case.convention == "transform":
         f = w.net if en.kind == "module" else w.f
-        w.notes["transform"] = jm.transform(en.op, f, **en.opts(case.d_in))
+        try:
+            w.notes["transform"] = jm.transform(en.op, f, **en.opts(case.d_in))
+        except Exception as err:  # noqa: BLE001 -- every call then raises it, and is judged
+            w.notes["transform_error"] = err
     elif case.convention == "lambda":
         held = w.f
         w.notes["held"] = lambda z: held(z)
@@ -972,6 +977,8 @@ def make_x(case: Case, w: World, i: int) -> Tensor:
 def call(case: Case, w: World, x: Tensor) -> Any:
     en = ENTRIES[case.entry]
     if case.convention == "transform":
+        if "transform_error" in w.notes:
+            raise w.notes["transform_error"]
         return w.notes["transform"](x)
     f = w.net if en.kind == "module" else w.f
     if case.convention == "lambda":
@@ -989,7 +996,7 @@ def coupled_now(w: World) -> bool:
 @dataclasses.dataclass
 class CallRecord:
     index: int
-    status: str = ""  # match, clear_error, clear_error_fresh_ok, silently_wrong, raw_error, state
+    status: str = ""  # match, clear_error, stale_error, silently_wrong, raw_error, state
     detail: str = ""
     err: float = float("nan")  # max |jacmode - oracle| where both are numbers
     got: Any = None
@@ -1116,7 +1123,7 @@ def judge(case: Case, w: World, rec: CallRecord) -> None:
         if owed or fresh_error:
             rec.status, rec.detail = "clear_error", _short(rec.error)
         else:
-            rec.status = "clear_error_fresh_ok"
+            rec.status = "stale_error"
             rec.detail = f"{_short(rec.error)}; a fresh call gives a result"
         return
     # jacmode returned a result
@@ -1205,7 +1212,7 @@ class StateTally:
             self.calls[rec.status] = self.calls.get(rec.status, 0) + 1
             if rec.status in FAILING:
                 self.failing.append((case, rec))
-            elif rec.status == "clear_error_fresh_ok":
+            elif rec.status == "stale_error":
                 self.refusals.append((case, rec))
 
     def settle_sample(self, per_group: int = 2, limit: int = 40) -> None:
@@ -1230,14 +1237,18 @@ class StateTally:
                 "change x entry x convention": len({(c.change, c.entry, c.convention) for c in self.cases}),
                 "changes": len({c.change for c in self.cases}), "entries": len({c.entry for c in self.cases})}
 
-    def groups(self) -> list[tuple[str, str, str, int, int, int, str]]:
-        """(class, change, entry, silently wrong, raw, state, calls) per failing change x entry."""
+    def groups(self) -> list[tuple[str, str, str, int, int, int, int, float, str]]:
+        """(class, change, entry, silently wrong, raw, state, stale errors, max error, call indices) per
+        change x entry with a failing or stale call."""
         g: dict[tuple[str, str, str], list[Any]] = {}
-        for case, rec in self.failing:
-            row = g.setdefault((CHANGES[case.change].klass, case.change, case.entry), [0, 0, 0, set()])
-            row[{"silently_wrong": 0, "raw_error": 1, "state": 2}[rec.status]] += 1
-            row[3].add(rec.index)
-        return [(k, ch, en, a, b, c, ",".join(map(str, sorted(idx)))) for (k, ch, en), (a, b, c, idx) in sorted(g.items())]
+        for case, rec in self.failing + self.refusals:
+            row = g.setdefault((CHANGES[case.change].klass, case.change, case.entry), [0, 0, 0, 0, 0.0, set()])
+            row[{"silently_wrong": 0, "raw_error": 1, "state": 2, "stale_error": 3}[rec.status]] += 1
+            if not math.isnan(rec.err) and rec.status == "silently_wrong":
+                row[4] = max(row[4], rec.err)
+            row[5].add(rec.index)
+        return [(k, ch, en, a, b, c, d, e, ",".join(map(str, sorted(idx))))
+                for (k, ch, en), (a, b, c, d, e, idx) in sorted(g.items())]
 
     def summary(self) -> list[str]:
         d = self.distinct()
@@ -1246,19 +1257,22 @@ class StateTally:
                  f"{sum(self.calls.values())} calls",
                  "calls: " + ", ".join(f"{k} {v}" for k, v in sorted(self.calls.items()))]
         if self.refusals:
-            lines.append(f"clear errors where a fresh call gives a result (not failures): {len(self.refusals)}, e.g. "
-                         f"{self.refusals[0][0].describe()}: {self.refusals[0][1].detail[:160]}")
+            lines.append(f"stale errors (a clear error where a fresh call on the same state gives a result; listed, "
+                         f"not failures): {len(self.refusals)}")
         if self.settled:
             lines.append("finite differences on a sample of the numeric disagreements: "
                          + ", ".join(f"{k} {v}" for k, v in sorted(self.settled.items())))
-        if self.failing:
+        if self.failing or self.refusals:
             lines.append("")
-            lines.append(f"{'class':<16} {'change':<24} {'entry':<18} {'wrong':>5} {'raw':>4} {'state':>5}  calls")
-            for k, ch, en, a, b, c, idx in self.groups():
-                lines.append(f"{k:<16} {ch:<24} {en:<18} {a:>5} {b:>4} {c:>5}  {idx}")
+            lines.append(f"{'class':<16} {'change':<22} {'entry':<17} {'wrong':>5} {'raw':>4} {'state':>5} {'stale':>5}"
+                         f" {'max err':>8}  call indices")
+            for k, ch, en, a, b, c, d, e, idx in self.groups():
+                lines.append(f"{k:<16} {ch:<22} {en:<17} {a:>5} {b:>4} {c:>5} {d:>5} {e:>8.3g}  {idx}")
+            lines.append("(wrong: silently wrong; raw: raw errors; state: model left changed; stale: stale clear errors;"
+                         " max err over the numeric disagreements, 0 where the wrong results are results owing an error)")
             lines.append("")
-            lines.append("failing calls (first 60):")
-            for case, rec in self.failing[:60]:
+            lines.append("failing and stale calls (first 60):")
+            for case, rec in (self.failing + self.refusals)[:60]:
                 err = "" if math.isnan(rec.err) else f" max err {rec.err:.3g}"
                 fd = f" [FD: {rec.fd}]" if rec.fd else ""
                 lines.append(f"  {CHANGES[case.change].klass} | {case.describe()} | call {rec.index}: "
