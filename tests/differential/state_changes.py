@@ -855,11 +855,23 @@ class Case:
     d_in: int
     d_out: int
     dtype: torch.dtype = torch.float32
+    mix: Optional[str] = None  # a second entry point, made on the odd calls (a verdict carried across entries)
 
     def describe(self) -> str:
         back = f", back before {self.back}" if self.back is not None else ""
-        return (f"{self.change} x {self.entry} ({self.convention}), {self.calls} calls, change before call {self.at}"
-                f"{back}; B={self.batch}, in={self.d_in}, out={self.d_out}, {str(self.dtype)[6:]}, seed {self.seed}")
+        mix = f" alternating with {self.mix}" if self.mix else ""
+        return (f"{self.change} x {self.entry}{mix} ({self.convention}), {self.calls} calls, change before call "
+                f"{self.at}{back}; B={self.batch}, in={self.d_in}, out={self.d_out}, {str(self.dtype)[6:]}, "
+                f"seed {self.seed}")
+
+
+def entry_at(case: Case, i: int) -> Entry:
+    """The entry point of call i."""
+    return ENTRIES[case.mix if case.mix is not None and i % 2 == 1 else case.entry]
+
+
+MIXES = {"input": ("jacobian_params", "per_sample_grads", "ntk_trace", "ggn"),
+         "module": ("jacobian", "jacobian_reverse", "hessian", "laplacian")}
 
 
 def valid(case: Case) -> bool:
@@ -869,6 +881,9 @@ def valid(case: Case) -> bool:
     if ch.input_only and case.convention in ("lambda", "lambda_fresh"):
         return False  # f is already the user's lambda
     if case.batch < ch.min_batch:
+        return False
+    if case.mix is not None and (ch.input_only or case.convention not in ("eager", "transform")
+                                 or not ENTRIES[case.mix].fits(case.d_in, case.d_out)):
         return False
     return en.fits(case.d_in, case.d_out)
 
@@ -888,11 +903,12 @@ def draw(rng: random.Random, seed: int, change: Optional[str] = None, entry: Opt
         back = rng.choice(range(at + 1, calls)) if at + 1 < calls and rng.random() < 0.3 else None
         batch = rng.choice([1, 2, 3, 3]) if ch.min_batch == 1 else rng.choice([2, 3])
         dtype = torch.float64 if rng.random() < 0.15 and ch.name != "dtype_float64" else torch.float32
-        case = Case(seed, ch.name, en.name, convention, calls, at, back, batch, d_in, d_out, dtype)
+        mix = rng.choice(MIXES[en.kind]) if rng.random() < 0.2 else None
+        case = Case(seed, ch.name, en.name, convention, calls, at, back, batch, d_in, d_out, dtype, mix)
         if valid(case):
             return case
         change_fixed, entry_fixed = change is not None, entry is not None
-        if change_fixed and entry_fixed and not valid(dataclasses.replace(case, convention="eager")):
+        if change_fixed and entry_fixed and not valid(dataclasses.replace(case, convention="eager", mix=None)):
             raise ValueError(f"no valid case of {change} x {entry}")
 
 
@@ -934,13 +950,13 @@ def build(case: Case) -> World:
         ch.lambda_f(w)
     first = next(net.parameters())
     first.grad = torch.full_like(first, 0.25)  # a .grad the calls must leave alone
-    en = ENTRIES[case.entry]
     if case.convention == "transform":
-        f = w.net if en.kind == "module" else w.f
-        try:
-            w.notes["transform"] = jm.transform(en.op, f, **en.opts(case.d_in))
-        except Exception as err:  # noqa: BLE001 -- every call then raises it, and is judged
-            w.notes["transform_error"] = err
+        for en in {entry_at(case, 0).name: entry_at(case, 0), entry_at(case, 1).name: entry_at(case, 1)}.values():
+            f = w.net if en.kind == "module" else w.f
+            try:
+                w.notes[("transform", en.name)] = jm.transform(en.op, f, **en.opts(case.d_in))
+            except Exception as err:  # noqa: BLE001 -- every call then raises it, and is judged
+                w.notes[("transform", en.name)] = err
     elif case.convention == "lambda":
         held = w.f
         w.notes["held"] = lambda z: held(z)
@@ -974,12 +990,14 @@ def make_x(case: Case, w: World, i: int) -> Tensor:
     return torch.randn(w.batch, w.d_in, generator=gen, dtype=torch.float64).to(w.dtype)
 
 
-def call(case: Case, w: World, x: Tensor) -> Any:
-    en = ENTRIES[case.entry]
+def call(case: Case, w: World, x: Tensor, i: int) -> Any:
+    """Call i of the case's entry point (or of its mix) under the case's convention."""
+    en = entry_at(case, i)
     if case.convention == "transform":
-        if "transform_error" in w.notes:
-            raise w.notes["transform_error"]
-        return w.notes["transform"](x)
+        t = w.notes[("transform", en.name)]
+        if isinstance(t, Exception):
+            raise t
+        return t(x)
     f = w.net if en.kind == "module" else w.f
     if case.convention == "lambda":
         f = w.notes["held"]
@@ -996,6 +1014,7 @@ def coupled_now(w: World) -> bool:
 @dataclasses.dataclass
 class CallRecord:
     index: int
+    entry: Entry
     status: str = ""  # match, clear_error, stale_error, silently_wrong, raw_error, state
     detail: str = ""
     err: float = float("nan")  # max |jacmode - oracle| where both are numbers
@@ -1023,17 +1042,17 @@ def run_case(case: Case) -> list[CallRecord]:
             w = build(case)
             for i in range(case.calls):
                 advance(case, w, i)
-                rec = CallRecord(i)
+                rec = CallRecord(i, entry_at(case, i))
                 x = make_x(case, w, i)
                 if not coupled_now(w):
                     try:
                         net64 = copy.deepcopy(w.target()).double()
-                        rec.want = oracle(ENTRIES[case.entry], w.oracle_f(net64), net64, x.double())
+                        rec.want = oracle(rec.entry, w.oracle_f(net64), net64, x.double())
                     except Exception as err:  # noqa: BLE001 -- the fresh call decides
                         rec.oracle_error = err
                 before, target = V.state_of(w.net), w.target()
                 try:
-                    rec.got = _detach(call(case, w, x))
+                    rec.got = _detach(call(case, w, x, i))
                 except Exception as err:  # noqa: BLE001 -- judged below
                     rec.error = err
                 rec.changed = V.state_changed(before, w.net)
@@ -1058,7 +1077,7 @@ def fresh_outcome(case: Case, i: int) -> tuple[str, Any]:
             advance(case, w, j)
         x = make_x(case, w, i)
         try:
-            return "value", _detach(call(case, w, x))
+            return "value", _detach(call(case, w, x, i))
         except Exception as err:  # noqa: BLE001
             return "error", err
         finally:
@@ -1102,7 +1121,7 @@ def _where(err: BaseException) -> str:
 
 def judge(case: Case, w: World, rec: CallRecord) -> None:
     """Classify one call (see the module's note)."""
-    en = ENTRIES[case.entry]
+    en = rec.entry
     if rec.changed:
         rec.status, rec.detail = "state", rec.changed
         return
@@ -1166,7 +1185,7 @@ def settle(case: Case, rec: CallRecord) -> str:
             advance(case, w, j)
         x = make_x(case, w, rec.index).double()
         net64 = copy.deepcopy(w.target()).double()
-        en = ENTRIES[case.entry]
+        en = rec.entry
         try:
             fd = finite_differences(en, w.oracle_f(net64), net64, x)
         finally:
@@ -1221,7 +1240,7 @@ class StateTally:
         for case, rec in self.failing:
             if rec.status != "silently_wrong" or not rec.detail.startswith("max |jacmode"):
                 continue  # numeric disagreements only (not results where an error is owed)
-            key = (case.change, case.entry)
+            key = (case.change, rec.entry.name)
             if seen.get(key, 0) >= per_group or sum(seen.values()) >= limit:
                 continue
             seen[key] = seen.get(key, 0) + 1
@@ -1242,7 +1261,8 @@ class StateTally:
         change x entry with a failing or stale call."""
         g: dict[tuple[str, str, str], list[Any]] = {}
         for case, rec in self.failing + self.refusals:
-            row = g.setdefault((CHANGES[case.change].klass, case.change, case.entry), [0, 0, 0, 0, 0.0, set()])
+            en = rec.entry.name + ("*" if case.mix else "")
+            row = g.setdefault((CHANGES[case.change].klass, case.change, en), [0, 0, 0, 0, 0.0, set()])
             row[{"silently_wrong": 0, "raw_error": 1, "state": 2, "stale_error": 3}[rec.status]] += 1
             if not math.isnan(rec.err) and rec.status == "silently_wrong":
                 row[4] = max(row[4], rec.err)
@@ -1269,7 +1289,8 @@ class StateTally:
             for k, ch, en, a, b, c, d, e, idx in self.groups():
                 lines.append(f"{k:<16} {ch:<22} {en:<17} {a:>5} {b:>4} {c:>5} {d:>5} {e:>8.3g}  {idx}")
             lines.append("(wrong: silently wrong; raw: raw errors; state: model left changed; stale: stale clear errors;"
-                         " max err over the numeric disagreements, 0 where the wrong results are results owing an error)")
+                         " max err over the numeric disagreements, 0 where the wrong results are results owing an error;"
+                         " entry* = in a case alternating two entry points)")
             lines.append("")
             lines.append("failing and stale calls (first 60):")
             for case, rec in (self.failing + self.refusals)[:60]:
@@ -1282,7 +1303,7 @@ class StateTally:
     def dump(self, path: str) -> None:
         import json
 
-        rows = [{"class": CHANGES[c.change].klass, "change": c.change, "entry": c.entry, "convention": c.convention,
+        rows = [{"class": CHANGES[c.change].klass, "change": c.change, "entry": r.entry.name, "mix": c.mix, "convention": c.convention,
                  "case": c.describe(), "call": r.index, "status": r.status, "err": r.err, "detail": r.detail,
                  "fd": r.fd} for c, r in self.failing]
         with open(path, "w") as fh:
