@@ -142,6 +142,29 @@ class NumpyScalar(Base):
         return self.l2(torch.tanh(self.l1(x) * self.scale))
 
 
+class NumpyFloat64(Base):
+    """np.float64 is a subclass of Python's float (np.float32 is not)."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out)
+        self.scale = np.float64(1.0)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.l2(torch.tanh(self.l1(x)) * self.scale)
+
+
+class IntSlice(Base):
+    """An int attribute that splits the hidden features between two activations."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__(d_in, d_out)
+        self.k = H
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.l1(x))
+        return self.l2(torch.cat([h[:, : self.k], torch.sin(h[:, self.k :])], 1))
+
+
 class FloatAttr(Base):
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__(d_in, d_out)
@@ -619,7 +642,9 @@ def _changes() -> dict[str, Change]:
     add("config_scale", one, ConfigAttr, _set("scale", -0.7, lambda w: w.net.cfg))
     add("config_str", one, ConfigAttr, _set("act", "sigmoid", lambda w: w.net.cfg))
     add("numpy_scalar", one, NumpyScalar, _set("scale", np.float32(2.0)))
+    add("numpy_float64", one, NumpyFloat64, _set("scale", np.float64(2.5)))
     add("float_attr", one, FloatAttr, _set("scale", 3.0))
+    add("int_slice", one, IntSlice, _set("k", 2))
     add("int_power", one, IntPower, _set("power", 3))
     add("int_depth", one, IntDepth, _set("depth", 2))
     add("class_attr", one, ClassAttr, (lambda w, g: setattr(ClassAttr, "scale", 2.0),
@@ -766,7 +791,7 @@ def oracle(entry: Entry, f64: Callable[[Tensor], Any], net64: nn.Module, x: Tens
 
 def finite_differences(entry: Entry, f64: Callable[[Tensor], Tensor], net64: nn.Module, x: Tensor) -> Any:
     """The same quantity as ``oracle`` by float64 central differences (no autograd at all)."""
-    n, (b_, d) = entry.name, x.shape[:2]
+    n, b_ = entry.name, x.shape[0]
     with torch.no_grad():
         if entry.kind == "input":
             return _fd_input(entry, f64, x)
@@ -805,8 +830,7 @@ def finite_differences(entry: Entry, f64: Callable[[Tensor], Tensor], net64: nn.
 
 
 def _fd_input(entry: Entry, f64: Callable[[Tensor], Tensor], x: Tensor) -> Any:
-    b_, d = x.shape
-    B = torch.arange(b_)
+    d = x.shape[1]
 
     def e(i: int, h: float) -> Tensor:
         v = torch.zeros_like(x)
@@ -827,7 +851,6 @@ def _fd_input(entry: Entry, f64: Callable[[Tensor], Tensor], x: Tensor) -> Any:
         for k in range(d):
             hess[..., i, k] = (f64(x + e(i, h) + e(k, h)) - f64(x + e(i, h) - e(k, h)) - f64(x - e(i, h) + e(k, h))
                                + f64(x - e(i, h) - e(k, h))) / (4 * h * h)
-    del B
     if entry.name == "hessian":
         return hess
     if entry.name == "laplacian":
