@@ -1258,19 +1258,24 @@ class StateTally:
                 self.refusals.append((case, rec))
 
     def settle_sample(self, per_group: int = 2, limit: int = 40) -> None:
-        """Finite differences for up to ``per_group`` numeric disagreements per change x entry."""
+        """Finite differences for numeric disagreements: first one per change, then up to ``per_group``
+        per change x entry point, ``limit`` in all."""
+        numeric = [(c, r) for c, r in self.failing if r.status == "silently_wrong" and r.detail.startswith("max |jacmode")]
+        first = {}
+        for c, r in numeric:
+            first.setdefault(c.change, (c, r))
         seen: dict[tuple[str, str], int] = {}
-        for case, rec in self.failing:
-            if rec.status != "silently_wrong" or not rec.detail.startswith("max |jacmode"):
-                continue  # numeric disagreements only (not results where an error is owed)
+        done = 0
+        for case, rec in [*first.values(), *numeric]:
             key = (case.change, rec.entry.name)
-            if seen.get(key, 0) >= per_group or sum(seen.values()) >= limit:
+            if rec.fd is not None or seen.get(key, 0) >= per_group or done >= limit:
                 continue
             seen[key] = seen.get(key, 0) + 1
+            done += 1
             try:
                 verdict = settle(case, rec)
             except Exception as err:  # noqa: BLE001 -- reported, not judged
-                verdict = f"finite differences failed ({type(err).__name__})"
+                verdict = rec.fd = f"finite differences failed ({type(err).__name__})"
             self.settled[verdict] = self.settled.get(verdict, 0) + 1
 
     def distinct(self) -> dict[str, int]:
