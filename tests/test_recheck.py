@@ -21,7 +21,7 @@ from torch.func import functional_call, grad, jacfwd, jacrev, vmap
 from torch.nn.modules import module as _module
 
 import jacmode as jm
-from jacmode import _profile
+from jacmode import _guard, _profile
 from jacmode._products import _PSG_TOKEN
 
 DIMS = [(0,), (1, 1)]
@@ -115,7 +115,9 @@ def _check(name: str, f: nn.Module, x: Tensor) -> None:
 def _rechecks(f: Any, x: Tensor) -> list[Any]:
     """The profiles :func:`_profile.recheck` finds for f at x, per token remembered."""
     psg = (x, _target(x), _loss.__code__, ("params", None, None, True, str, type(None), type(None), bool))
-    return [_profile.recheck(f, token, *(psg if token == _PSG_TOKEN else (x,))) for token in _profile._LAST.get(f, {})]
+    # in the scope of a call f(x), as an entry point enters it (the generation of f's state: _guard.py)
+    return _guard.scoped_call(f, (x,), {}, lambda: [_profile.recheck(f, token, *(psg if token == _PSG_TOKEN else (x,)))
+                                                    for token in _profile._LAST.get(f, {})])
 
 
 def _warm(name: str, f: nn.Module, x: Tensor) -> None:
@@ -200,8 +202,9 @@ def test_a_forgotten_profile_is_not_rechecked() -> None:
     _warm("laplacian", f, x)
     [(token, found)] = _profile._LAST[f].items()
     [key] = [k for k, p in _profile._PROFILES._data[f].items() if p is found]
-    _profile.forget(f, key)
-    assert not found.live and _profile.recheck(f, token, x) is None
+    # key[0] is the generation of f's state under which it was kept: forget it in that state's scope
+    _guard.scoped_call(f, (x,), {}, lambda: _profile.forget(f, key[1:]))
+    assert not found.live and _guard.scoped_call(f, (x,), {}, lambda: _profile.recheck(f, token, x)) is None
     _check("laplacian", f, x)
 
 
