@@ -58,10 +58,20 @@ def clone_tree(root: nn.Module, memo: Optional[dict[int, nn.Module]] = None) -> 
     for key, value in state.items():
         if type(value) in (dict, OrderedDict, set) and key != "_modules":
             state[key] = type(value)(value)  # parameters, buffers, hooks, non-persistent names
+    state[_ORIGINAL] = original(root)
     state["_modules"] = type(root._modules)(
         (k, None if m is None else clone_tree(m, memo)) for k, m in root._modules.items())
     clone.__dict__.update(state)
     return clone
+
+
+_ORIGINAL = "_jacmode_clone_of"  # a clone's attribute: the user's module it copies
+
+
+def original(module: nn.Module) -> nn.Module:
+    """The user's module that ``module`` is a structural clone of (itself if it is none), for what
+    jacmode keys by the module object (``_args/params.py``'s call in progress)."""
+    return module.__dict__.get(_ORIGINAL, module)
 
 
 def jvp(*args: Any, **kwargs: Any) -> Any:
