@@ -47,10 +47,16 @@ class Boom(nn.Module):
 
     def __init__(self, at: int) -> None:
         super().__init__()
-        self.at, self.seen = at, 0
+        # counted in a list: jacmode runs some passes on a structural clone of the module, which
+        # shares its list (an int attribute would count in the clone's own attributes)
+        self.at, self.count = at, [0]
+
+    @property
+    def seen(self) -> int:
+        return self.count[0]
 
     def forward(self, x: Tensor) -> Tensor:
-        self.seen += 1
+        self.count[0] += 1
         if self.seen == self.at:
             raise RuntimeError("boom: the user's forward failed")
         return x

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, cast
@@ -49,6 +50,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 
+from ._threads import clone_tree
 from . import _checks
 from . import _guard
 from ._cache import register
@@ -58,6 +60,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # id(module) -> stack of the dicts bound to it by jacmode (innermost last)
 _BOUND: dict[int, list[dict[str, Tensor]]] = {}
+# Bound calls take turns across threads: the dict's tensors sit in the user's module while one
+# runs, so two at once would read each other's (re-entrant: a bound call inside one). A plain
+# forward of the model in another thread meanwhile sees them too: docs/structure.md, "Threads".
+_BINDING = threading.RLock()
 
 
 def bound_values(model: Any) -> Optional[dict[str, Tensor]]:
@@ -80,7 +86,7 @@ def bind(model: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str, Tens
             t = t.view_as(t)  # its own object: its own columns, as jacrev over the dict gives
         seen.add(id(t))
         held[name] = t
-    with _reparametrize_module(model, dict(held), tie_weights=True):
+    with _BINDING, _reparametrize_module(model, dict(held), tie_weights=True):
         _BOUND.setdefault(id(model), []).append(held)
         try:
             yield held
@@ -178,7 +184,7 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
             loss = _losses.per_sample(cast(nn.Module, loss), po, py)
 
     def one(p: dict[str, Tensor], xb: Tensor, yb: Optional[Tensor]) -> Tensor:
-        out = functional_call(f, p, (xb.unsqueeze(0),))
+        out = functional_call(clone_tree(f), p, (xb.unsqueeze(0),))
         value = loss(out) if yb is None else loss(out, yb.unsqueeze(0))
         return _checks.check_losses(value, 1).reshape(())
 
@@ -531,7 +537,9 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
             others += [v for v in vars(m).values() if isinstance(v, Tensor) and v.grad_fn is not None]
         seen.append((module, a, kw, out, slots, others))
 
-    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in roots]
+    me = threading.get_ident()  # the hooks record this thread's call of f, not another thread's forward
+    handles = [m.register_forward_hook(lambda *a, **k: hook(*a, **k) if threading.get_ident() == me else None,
+                                       with_kwargs=True) for m in roots]
     try:
         with preserved_state(f), torch.enable_grad(), rng_kept(leaves[batched[0]].device):
             out = f(*tree_unflatten(fresh, spec))  # (random draws of this check leave the user's stream alone)

@@ -24,8 +24,9 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
-from torch.func import hessian, vmap
+from torch.func import vmap
 
+from ._threads import hessian  # one thread at a time: see [Threads] in _threads.py
 ELEMENTWISE = (nn.MSELoss, nn.L1Loss, nn.HuberLoss, nn.SmoothL1Loss, nn.BCELoss, nn.BCEWithLogitsLoss)
 CLASSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 SUPPORTED = ELEMENTWISE + CLASSES

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ._threads import clone_tree
 from . import _checks
 from ._args import Flat, inputs, rows_of
 from ._cache import WeakCache, problem_key
@@ -297,10 +298,10 @@ def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
         return {n: t.view(s) for n, t, s in zip(names, z.split(sizes), shapes)}
 
     if batched:
-        fn = lambda z: functional_call(model, unflatten(z), (x,)).reshape(batch, n_out)  # noqa: E731
+        fn = lambda z: functional_call(clone_tree(model), unflatten(z), (x,)).reshape(batch, n_out)  # noqa: E731
     else:
-        fn = lambda z: functional_call(model, unflatten(z), (x,)).reshape(n_out)  # noqa: E731
-    sample_fn = lambda z, xb: functional_call(model, unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
+        fn = lambda z: functional_call(clone_tree(model), unflatten(z), (x,)).reshape(n_out)  # noqa: E731
+    sample_fn = lambda z, xb: functional_call(clone_tree(model), unflatten(z), (xb.unsqueeze(0),)).reshape(n_out)  # noqa: E731
 
     def subset_fn(wanted: list[str]) -> tuple[Tensor, Callable[[Tensor, Tensor], Tensor]]:
         """(flat values of the parameters ``wanted``, (z_w, x_b) -> (Y,)) for the generic engine."""
@@ -310,7 +311,7 @@ def _params_problem(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
 
         def one(zk: Tensor, xb: Tensor) -> Tensor:
             values = {n: t.view(s) for (n, _), t, s in zip(chosen, zk.split(kz), ks)}
-            return functional_call(model, values, (xb.unsqueeze(0),)).reshape(n_out)
+            return functional_call(clone_tree(model), values, (xb.unsqueeze(0),)).reshape(n_out)
 
         return zk, one
 

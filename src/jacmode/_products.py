@@ -40,6 +40,7 @@ from ._probes import products as _engine
 from ._autodiff.fallback import classify
 from ._cache import register
 from ._probes.layerwise import columns
+from ._threads import original
 from ._functional import accepts_params_dict, bound_values, per_sample_grads_transformed
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
@@ -90,6 +91,12 @@ class Bound(nn.Module):
         pos, kw = tree_unflatten(leaves, call.args_spec)
         model = self.__dict__["_jm_model"]()
         assert model is not None  # the caller holds it
+        if original(self) is not self:  # a structural clone (_threads.py): the model through its dictionaries
+            seen = object.__new__(type(model))
+            seen.__dict__.update(model.__dict__)
+            for slot in ("_parameters", "_buffers", "_modules"):
+                seen.__dict__[slot] = self.__dict__[slot]
+            model = seen
         return model(*pos, **kw)
 
 

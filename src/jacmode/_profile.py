@@ -177,7 +177,6 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
                 if guard and ident not in params:
                     params[ident] = p
                     flags.append(flag)
-                    grads.append(p.grad if p.is_leaf else None)  # non-leaf: a dict's tensor bound in
                 row.append(("bound" if ident in bound else ident, flag, p.dtype, p.shape, p.device))
             add(tuple(row))
         if buf:
@@ -358,12 +357,12 @@ class Check:
 def survey(found: Profile, f: nn.Module) -> tuple[list[nn.Module], Survey]:
     """f's modules (``modules_of(f)``) and the guard's :class:`~jacmode._state.Survey` of them, for
     a profile that :func:`recheck` returned for f: the flags, slots and parameters its key fixes, as
-    its check found them; the buffers and ``.grad`` references (which the key does not hold) read now."""
+    its check found them; the buffers (which the key does not hold) read now."""
     c: Check = found.check
     slots = [(f, name, p) for name, p in c.own] + c.slots if c.own else c.slots
     buffered = [f, *c.buffered] if c.root_buffers else c.buffered
     buffers = [(m, name, b) for m in buffered for name, b in m._buffers.items() if b is not None]
-    grads = [p.grad if p.is_leaf else None for p in c.params]
+    grads: list[Any] = []  # the guard reads no .grad (see [What the guard writes back] in _state.py)
     return [f, *c.rest], Survey(c.training, slots, c.params, buffers, c.flags, grads)
 
 

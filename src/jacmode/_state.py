@@ -13,9 +13,11 @@ may raise halfway. ``preserved_state`` therefore
   exit;
 * records the parameter objects of every module (``torch.func.functional_call`` leaves a
   transformed tensor behind in a module registered twice), the training flags, ``requires_grad``
-  flags, ``.grad`` references and the version
-  counters of all buffers, restores the flags and gradients on exit, and restores any buffer that
-  a custom layer modified in place from a copy taken lazily only for modules in training mode.
+  flags and the version
+  counters of all buffers, restores the flags on exit, puts back a parameter or buffer
+  only where a transformed tensor was left in its place (see [What the guard writes back]: what
+  another thread wrote meanwhile stays), and restores any buffer that a custom layer modified in
+  place from a copy taken lazily only for modules in training mode.
 
 It also changes one process-wide setting for the duration of the call (``_kernels_in``):
 it switches off the inference fast path of ``nn.MultiheadAttention`` / ``nn.TransformerEncoder``
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
@@ -257,8 +260,9 @@ class Survey:
                  flags: Optional[tuple[bool, ...]] = None, grads: Optional[list[Any]] = None) -> None:
         self.training, self.slots, self.params, self.buffers = training, slots, params, buffers
         self.flags = tuple([p.requires_grad for p in params]) if flags is None else flags
-        # non-leaf: a dict's tensor bound in (_functional.py)
-        self.grads = [p.grad if p.is_leaf else None for p in params] if grads is None else grads
+        # not read here: jacmode never writes .grad, and reading it races with a backward pass that
+        # another thread runs on the model (see [What the guard writes back])
+        self.grads = [] if grads is None else grads
 
 
 def survey(modules: list[nn.Module]) -> Survey:
@@ -328,17 +332,17 @@ class _Preserved:
                 if m.training is not flag:  # nn.Module.__setattr__ is slow: only where a flag moved
                     m.training = flag
             for m, name, p in self.slots:  # functional_call fails to restore a module registered twice
-                if m._parameters.get(name) is not p:
+                now = m._parameters.get(name)
+                if now is not p and _left_behind(now, p):
                     m._parameters[name] = p
-            for p, flag, g in zip(self.params, self.flags, self.grads):
+            for p, flag in zip(self.params, self.flags):
                 if p.requires_grad is not flag:
                     p.requires_grad_(flag)
-                if p.is_leaf and p.grad is not g:
-                    p.grad = g
             if self.buffers:
                 with torch.no_grad():
                     for (m, name, b), copy, version in zip(self.buffers, self.copies, self.versions):
-                        if m._buffers.get(name) is not b:
+                        now = m._buffers.get(name)  # training mode: as its values, see the note below
+                        if now is not b and (_left_behind(now, b) or (copy is not None and not _transformed(b))):
                             m._buffers[name] = b
                         if b._version != version and copy is not None:
                             b.copy_(copy)
@@ -348,6 +352,35 @@ class _Preserved:
 
 
 _BATCHNORM = nn.modules.batchnorm._BatchNorm
+
+
+def _transformed(t: Any) -> bool:
+    """A tensor of a transform or a trace (torch.func's wrapped tensors, fake tensors), which no
+    model holds on its own; see :func:`_left_behind`."""
+    if not isinstance(t, torch.Tensor):
+        return False
+    fake = sys.modules.get("torch._subclasses.fake_tensor")  # not imported: no fake tensor exists
+    return torch._C._functorch.is_functorch_wrapped_tensor(t) or (fake is not None and isinstance(t, fake.FakeTensor))
+
+
+def _left_behind(now: Any, saw: Any) -> bool:
+    """Whether the guard puts ``saw`` (the slot's tensor on entry) back in place of ``now``.
+
+    NOTE: [What the guard writes back]
+    Another thread may change the model while a call runs: its backward writes ``.grad``, a
+    training step swaps a tensor, another jacmode call runs. The guard therefore writes a slot back
+    only where the call left something behind that no model holds on its own: a transformed or
+    fake tensor (``functional_call`` under a transform fails to restore a module registered twice)
+    in place of a plain one. Anything else in the slot is someone's deliberate change and stays,
+    with one exception: the buffers of modules in training mode, which the call's own forward
+    passes update (``self.calls = self.calls + 1``, as in place) and whose slots and values the
+    guard restores as they were on entry; a training step in another thread that updates them
+    during the call has those updates undone (docs/structure.md, "Threads").
+    ``.grad`` is neither read nor written: jacmode never changes it (its engines take
+    ``autograd.grad``, never ``backward``), and touching it while another thread's backward pass
+    writes it is a data race inside torch.
+    """
+    return _transformed(now) and not _transformed(saw)
 
 
 class RngReplay:

@@ -31,6 +31,8 @@ from torch.func import functional_call
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from . import _guard
+from . import _threads
+from ._threads import clone_tree
 from . import _checks, _losses
 from ._coupling import probe
 from ._autodiff import vector as _eng
@@ -192,7 +194,7 @@ class Params:
         # an EmbeddingBag in primitives: torch defines neither its forward-mode formula nor its second
         # derivative, which J v (forward, or the transpose of a vjp) and H v need (_autodiff/bags.py)
         with primitive_bags(holds_bags(self.model)):
-            return functional_call(self.model, dict(zip(self.names, leaves)), args, kwargs)
+            return functional_call(clone_tree(self.model), dict(zip(self.names, leaves)), args, kwargs)
 
 
 def params_of(f: Any, wrt: Any, v: Any = None, flatten: bool = True) -> Params:
@@ -308,7 +310,7 @@ def jvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         tans = _like(_as_args(tangents, "tangents") if isinstance(primals, tuple) else (tangents,), spec, leaves,
                      "tangents", "primals")
         if in_transform():
-            return torch.func.jvp(lambda *a: f(*a, **kw), args, tuple(tree_unflatten(tans, spec)), has_aux=has_aux)
+            return _threads.jvp(lambda *a: f(*a, **kw), args, tuple(tree_unflatten(tans, spec)), has_aux=has_aux)
         with preserved_state(f):  # also a model behind a lambda: BatchNorm's running statistics stay
             outs, jv, aux = _eng.jvp_any(flat, leaves if create_graph else [t.detach() for t in leaves],
                                          tans if create_graph else [t.detach() for t in tans], create_graph)
@@ -318,7 +320,7 @@ def jvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         tans = sel.vector(tangents, "tangents")
         flat = _params_flat(sel, args, kw, has_aux)
         if in_transform():
-            return torch.func.jvp(lambda *p: sel.call(list(p), args, kw), tuple(sel.values), tuple(tans),
+            return _threads.jvp(lambda *p: sel.call(list(p), args, kw), tuple(sel.values), tuple(tans),
                                   has_aux=has_aux)
         with preserved_state(f):
             outs, jv, aux = _jvp_params(sel, flat, sel.primals(create_graph), tans, create_graph)
@@ -572,7 +574,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         if in_transform():
             def scalar_x(z: Tensor) -> Tensor:
                 return scalar([z])
-            return torch.func.jvp(torch.func.grad(scalar_x), (x,), (v,))[1]
+            return _threads.jvp(torch.func.grad(scalar_x), (x,), (v,))[1]
         route = "reverse" if mode == "auto" else mode  # measured 1.5-1.9x faster here (docs/products.md)
         with preserved_state(f):
             if not batched or chunk_size is None or chunk_size >= x.shape[0]:
@@ -597,7 +599,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         if in_transform():
             def scalar_tree(p: Any) -> Tensor:
                 return scalar_p(tree_flatten(p)[0])
-            return torch.func.jvp(torch.func.grad(scalar_tree), (primals,), (tangents,))[1]
+            return _threads.jvp(torch.func.grad(scalar_tree), (primals,), (tangents,))[1]
         return tree_unflatten(_eng.hvp(scalar_p, leaves, tans, "reverse" if mode == "auto" else mode, create_graph),
                               spec)
     sel = params_of(f, wrt, tangents)
@@ -614,7 +616,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
 
     with preserved_state(f):
         if in_transform():
-            hv = torch.func.jvp(torch.func.grad(lambda *p: scalar_m(list(p))), tuple(sel.values), tuple(vs))[1]
+            hv = _threads.jvp(torch.func.grad(lambda *p: scalar_m(list(p))), tuple(sel.values), tuple(vs))[1]
         else:
             hv = _eng.hvp(scalar_m, sel.primals(create_graph), vs, "reverse" if mode == "auto" else mode, create_graph)
     return sel.join(list(hv))
@@ -778,7 +780,7 @@ def linearize(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", kwargs:
         >>> net = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
         >>> x, v = torch.randn(5, 3), torch.randn(5, 3)
         >>> lin = jm.linearize(net, x)
-        >>> torch.allclose(lin(v), torch.func.jvp(net, (x,), (v,))[1], atol=1e-6)
+        >>> torch.allclose(lin(v), _threads.jvp(net, (x,), (v,))[1], atol=1e-6)
         True
         >>> (g,) = lin.vjp(v)                            # J^T v, one tensor per primal
         >>> g.shape

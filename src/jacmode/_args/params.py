@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _guard
 from .._cache import register
+from .._threads import original
 from .call import Call
 from .describe import describe_call
 from .flat import Rider
@@ -28,7 +29,7 @@ _SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = register(weakref.WeakKeyD
 
 def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
     """forward of :func:`module_of_rows`: the model's own forward on the arguments of samples ``rows``."""
-    call = _ROWS_OF.get(self)
+    call = _ROWS_OF.get(original(self))  # a structural clone (_threads.py) reads its original's call
     if call is None:
         raise RuntimeError("jacmode internal error: the module of sample indices of a model of several arguments "
                            "ran outside its call (report this)")

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from torch import Tensor
-from torch.func import jvp, vmap
+from torch.func import vmap
 
+from .._threads import jvp  # one thread at a time: see [Threads] in _threads.py
 Fn = Callable[[Tensor], Tensor]
 
 

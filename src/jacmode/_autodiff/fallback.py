@@ -32,8 +32,9 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import Tensor
-from torch.func import functional_call, jvp, vjp, vmap
+from torch.func import functional_call, vjp, vmap
 
+from .._threads import clone_tree, jvp  # jvp one thread at a time: see [Threads] in _threads.py
 from .._args import take
 from .._cache import WeakCache, register, rng_kept
 from .._errors import JacmodeWarning, user_stacklevel
@@ -109,7 +110,7 @@ def params_fn(f: Any, p: Problem, x: Tensor) -> Callable[[Tensor], Tensor]:
 
     def fn(z: Tensor) -> Tensor:
         named = {n: t.view(shape) for (n, shape), t in zip(p.params, z.split(sizes))}
-        out = functional_call(f, named, (x,))
+        out = functional_call(clone_tree(f), named, (x,))
         return out.reshape(x.shape[0], -1) if p.batched else out.reshape(-1)  # as p.fn
 
     return fn

@@ -26,22 +26,19 @@ turns, reverse mode is unaffected.
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor
-from torch.func import jvp, vmap
+from torch.func import vmap
 
 from .._state import RngReplay
+from .._threads import SERIAL, dual_level, jvp
 from .._transforms import in_transform
 from .._capture import taylor as _taylor
 from .._capture.capture import Program
 from .reverse import Place, Seeds, chunks
-
-_FORWARD_AD_LOCK = threading.RLock()  # see the note on threads above
-
 
 def pushforward(fn: Callable[[Tensor], Tensor], primal: Tensor, tangents: Tensor) -> Tensor:
     """Jacobian-vector products of ``fn`` at ``primal`` for a stack of tangents.
@@ -54,11 +51,11 @@ def pushforward(fn: Callable[[Tensor], Tensor], primal: Tensor, tangents: Tensor
     Returns:
         Shape (K, *fn(primal).shape).
     """
-    with _FORWARD_AD_LOCK:
+    with SERIAL:  # see the note on threads above
         single = (tangents.shape[0] == 1 and not torch.is_inference_mode_enabled() and not in_transform()
                   and not torch.is_grad_enabled())
         if single:  # see the note above
-            with fwAD.dual_level():
+            with dual_level():
                 out = fn(fwAD.make_dual(primal, tangents[0]))
                 tangent = fwAD.unpack_dual(out).tangent
             if tangent is None:  # the output does not depend on the input

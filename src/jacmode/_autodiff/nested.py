@@ -27,8 +27,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.func import jvp, vjp, vmap
+from torch.func import vjp, vmap
 
+from .._threads import jvp  # one thread at a time: see [Threads] in _threads.py
 Fn = Callable[[Tensor], Tensor]
 
 

@@ -33,6 +33,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .._threads import clone_tree, dual_level  # one thread at a time: see [Threads] in _threads.py
 from .._rules.base import NotCovered
 from .._probes import layerio, layerwise, probes
 from .._probes import products as _products
@@ -55,7 +56,7 @@ def jvp_forward(fn: Fn, primals: Sequence[Tensor], tangents: Sequence[Tensor],
                 create_graph: bool) -> tuple[list[Tensor], list[Tensor], Any]:
     """(outputs, J v, extra) by dual tensors; ``fn`` returns (output leaves, extra)."""
     ctx = torch.enable_grad() if create_graph else torch.no_grad()
-    with ctx, fwAD.dual_level():
+    with ctx, dual_level():
         duals = [fwAD.make_dual(p, t) for p, t in zip(primals, tangents)]
         outs, extra = fn(list(duals))
         pairs = [fwAD.unpack_dual(o) for o in outs]
@@ -135,7 +136,7 @@ def hvp(scalar: Callable[[list[Tensor]], Tensor], primals: Sequence[Tensor], tan
     """H v of ``scalar`` at ``primals``: route "forward" (forward over reverse) or "reverse"."""
     if route == "forward" and not create_graph:
         try:
-            with torch.enable_grad(), fwAD.dual_level():
+            with torch.enable_grad(), dual_level():
                 leaves = [p.detach().requires_grad_(True) for p in primals]
                 duals = [fwAD.make_dual(a, t) for a, t in zip(leaves, tangents)]
                 g = torch.autograd.grad(scalar(duals), leaves, allow_unused=True)
@@ -188,7 +189,7 @@ class PerSampleVjp:
             self.output = self.rec.output.detach()
         else:  # at the parameters given (functional ones are not the module's own)
             with torch.no_grad():
-                self.output = functional_call(model, {n: p.detach() for n, p in self.named}, (x,))
+                self.output = functional_call(clone_tree(model), {n: p.detach() for n, p in self.named}, (x,))
 
     def __call__(self, u: Tensor) -> Tensor:
         batch = u.shape[0]

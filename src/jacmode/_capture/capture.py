@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from .._args import Flat, traced_body
 from .._cache import WeakCache
+from .._threads import SERIAL, clone_tree
 from .._rules.base import Traced
 from .._state import _filled
 from .._rules.table import META, lookup
@@ -119,14 +120,22 @@ class _Refused(Exception):
 class _Tracer(fx.Tracer):
     """Traces through modules that are not submodules of the root (``nn.Flatten()(h)`` in forward),
     and through modules holding tensors that functional_call swapped in, which it keeps as
-    constants (see the note in ``bound.py``)."""
+    constants (see the note in ``bound.py``).
+
+    While it traces, torch.fx routes every ``nn.Module.__call__`` and ``__getattr__`` of the process
+    through it: those of other threads (a training step on the same model) get the plain call and
+    the plain attribute (see [Threads] in ``_threads.py``).
+    """
 
     def __init__(self, watch: Watch) -> None:
         super().__init__()
         self.watch = watch
         self.constants: dict[int, str] = {}  # swapped tensors, by id, kept on the root under these names
+        self.thread = threading.get_ident()  # the thread that traces
 
     def call_module(self, m: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != self.thread:  # another thread's call: the module's own __call__
+            return forward(*args, **kwargs)
         try:
             self.path_of_module(m)
         except NameError:
@@ -137,6 +146,8 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name) and not self.watch.holds_swapped(m)
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if threading.get_ident() != self.thread:  # another thread's attribute: the value itself
+            return attr_val
         if isinstance(attr_val, Tensor) and id(attr_val) in self.watch.swapped:
             return attr_val  # not the module's own parameter: create_arg makes it a constant
         return super().getattr(attr, attr_val, parameter_proxy_cache)
@@ -176,33 +187,51 @@ def _functions_refused() -> Iterator[None]:
 def _trace(root: nn.Module, watch: Watch) -> tuple[fx.Graph, dict[str, Any]]:
     """The graph of root.forward, with the modules put back as found: tracing runs forward with
     proxies, and ``self.calls += 1`` would store one. A forward that changes a buffer, or calls an
-    autograd.Function (whose derivatives are its own, not those of the ops in its forward), is refused."""
-    saved = [(m, dict(m.__dict__)) for m in root.modules()]
-    saved_dicts: list[tuple[Any, dict]] = [(d, dict(d)) for m, _ in saved for d in (m._buffers, m._parameters, m._modules)]
-    buffers = [(b, b.clone()) for b in root.buffers()]
-    tracer = _Tracer(watch)
-    constants: dict[str, Any] = {}
-    try:
-        with _functions_refused(), watch.active():
-            graph = tracer.trace(root)
-    finally:
-        known = saved[0][1].keys() | saved_dicts[0][1].keys() | saved_dicts[1][1].keys()
-        constants = {k: v for k, v in {**root.__dict__, **root._buffers, **root._parameters}.items() if k not in known}
-        for m, attrs in saved:
-            m.__dict__.clear()
-            m.__dict__.update(attrs)
-        for d, items in saved_dicts:
-            d.clear()
-            d.update(items)
-        changed = [b for b, old in buffers if not torch.equal(b, old)]
-        with torch.no_grad():
-            for b, old in buffers:
-                b.copy_(old)
+    autograd.Function (whose derivatives are its own, not those of the ops in its forward), is refused.
+
+    ``root`` is a clone (:func:`~jacmode._threads.clone_tree`) where f is a module; a plain function's
+    root holds the user's modules, which its code calls: those are put back entry by entry, never
+    emptied, since another thread may be running them (see [Threads] in ``_threads.py``). One trace
+    at a time (``_threads.SERIAL``): torch.fx patches process-wide state while it runs.
+    """
+    with SERIAL:
+        saved = [(m, dict(m.__dict__)) for m in root.modules()]
+        saved_dicts: list[tuple[Any, dict]] = [(d, dict(d)) for m, _ in saved
+                                               for d in (m._buffers, m._parameters, m._modules)]
+        buffers = [(b, b.clone()) for b in root.buffers()]
+        tracer = _Tracer(watch)
+        constants: dict[str, Any] = {}
+        try:
+            with _functions_refused(), watch.active():
+                graph = tracer.trace(root)
+        finally:
+            known = saved[0][1].keys() | saved_dicts[0][1].keys() | saved_dicts[1][1].keys()
+            constants = {k: v for k, v in {**root.__dict__, **root._buffers, **root._parameters}.items()
+                         if k not in known}
+            for d, items in [*((m.__dict__, attrs) for m, attrs in saved), *saved_dicts]:
+                _put_back(d, items)
+            changed = [(b, old) for b, old in buffers if not torch.equal(b, old)]
+            with torch.no_grad():
+                for b, old in changed:
+                    b.copy_(old)
     if changed:
         raise _Refused("forward updates a buffer")
     if watch.eager:
         raise _Refused(watch.eager)
     return graph, constants  # tensors the tracer stored on root (closure constants)
+
+
+def _put_back(d: dict[str, Any], items: dict[str, Any]) -> None:
+    """``d`` as ``items`` again, changing only the entries that differ (a reader in another thread
+    never finds it empty)."""
+    for k in [k for k in d if k not in items]:
+        del d[k]
+    for k, v in items.items():
+        if d.get(k, _MISSING) is not v:
+            d[k] = v
+
+
+_MISSING = object()
 
 
 _IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ipow, operator.setitem}
@@ -225,8 +254,8 @@ def _capture(f: Any) -> Union[Program, str]:
     watch, (found, closure_guards) = Watch(), sources(user)
     guards: list[Any] = list(closure_guards)
     own = {id(t): name for name, t in [*root.named_parameters(), *root.named_buffers()]}
-    try:
-        graph, constants = _trace(root, watch)
+    try:  # a module is traced on its clone, a function on the modules its code calls (see _trace)
+        graph, constants = _trace(clone_tree(root) if root is f else root, watch)
     except _Refused as err:
         return str(err)
     if flat:

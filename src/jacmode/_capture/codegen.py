@@ -16,8 +16,9 @@ Inputs of the generated code, read afresh on every call, exactly where the inter
 * the tensors of the program's reading steps (``get_attr``: parameters of traced-through modules,
   tensors bound to f's closure, globals or defaults, see [Bound tensors] in ``bound.py``);
 * the parameters and buffers of the leaf modules whose rules read them (``nn.Linear.weight``), and
-  of modules the program calls plainly (on values that do not depend on the input), swapped in
-  with torch's ``_reparametrize_module`` during the trace.
+  of modules the program calls plainly (on values that do not depend on the input), put into
+  structural clones of those modules for the trace (``_threads.clone_tree``: the user's modules
+  never hold a fake tensor, see [Threads] in ``_threads.py``).
 
 A reading step that yields anything but a tensor or a Python scalar (a container of tensors) keeps
 the call on the interpreter.
@@ -57,8 +58,8 @@ from typing import Any, Callable, Collection, Iterator, Optional, Union
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch.nn.utils.stateless import _reparametrize_module
 
+from .._threads import SERIAL, clone_tree
 from .._transforms import in_transform
 from . import bindings, rewrites
 from .bound import Source, _getter
@@ -370,20 +371,25 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], t
         steps = list(program.steps)
         for i, t in zip(tensor_steps, tensors[:n_steps]):
             steps[i] = Step(_constant(t), (), {}, False, steps[i].name)
-        copy = dataclasses.replace(program, steps=steps, checked={})
+        # the leaf modules' tensors (fake here) go into clones of those modules, which the copy of
+        # the program calls: the user's modules never hold them (see [Threads] in _threads.py)
+        clones: dict[int, nn.Module] = {}
         rest = iter(tensors[n_steps:])
-        with contextlib.ExitStack() as stack:
-            for m, slots in layout.modules:
-                swap = {}
-                for owner, kind, attr in slots:
-                    if (owner._parameters if kind == "p" else owner._buffers)[attr] is not None:
-                        prefix = next(n for n, mm in m.named_modules(remove_duplicate=False) if mm is owner)
-                        swap[f"{prefix}.{attr}" if prefix else attr] = next(rest)
-                stack.enter_context(_reparametrize_module(m, swap))
-            return interpret(copy, zz, in_shape, *args)
+        for m, slots in layout.modules:
+            clone_tree(m, clones)
+            for owner, kind, attr in slots:
+                if (owner._parameters if kind == "p" else owner._buffers)[attr] is not None:
+                    mine = clones[id(owner)]
+                    (mine._parameters if kind == "p" else mine._buffers)[attr] = next(rest)
+        for i, s in enumerate(steps):
+            if s.traced and s.args and isinstance(s.args[0], nn.Module) and id(s.args[0]) in clones:
+                steps[i] = dataclasses.replace(s, args=(clones[id(s.args[0])], *s.args[1:]))
+            elif isinstance(s.fn, nn.Module) and id(s.fn) in clones:
+                steps[i] = dataclasses.replace(s, fn=clones[id(s.fn)])
+        return interpret(dataclasses.replace(program, steps=steps, checked={}), zz, in_shape, *args)
 
-    try:
-        with torch.enable_grad():  # see the note: no in-place reuse decided from reference counts
+    try:  # one trace at a time in the process (see [Threads] in _threads.py)
+        with SERIAL, torch.enable_grad():  # see the note: no in-place reuse decided from reference counts
             gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
     except Exception as err:  # noqa: BLE001 -- a rule that branches on values, an op fake tensors lack
         return f"make_fx could not trace the program ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"

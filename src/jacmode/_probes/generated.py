@@ -13,7 +13,8 @@ later calls run directly, without grad.
 
 Inputs of the graph, read afresh on every call: x, ``out=`` when the call has one (the graph then
 writes into it; otherwise it allocates the result), and every parameter and buffer of the model,
-swapped in with torch's ``_reparametrize_module`` during the trace. The graph applies only while it
+put into a structural clone of the model for the trace (``_threads.clone_tree``: the user's modules
+never hold a fake tensor, see [Threads] in ``_threads.py``). The graph applies only while it
 describes the model exactly:
 
 * the model is a captured program (``capture.program_for``): its ``forward`` is straight-line code,
@@ -55,9 +56,9 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
-from torch.nn.utils.stateless import _reparametrize_module
 
 from .._capture import bindings, codegen, rewrites
+from .._threads import SERIAL, clone_tree
 from .._capture.bound import Source, emit_fresh
 from .._transforms import in_transform
 from . import layerwise
@@ -226,11 +227,20 @@ def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], 
     selected = {n for n, _ in named}
 
     def write(xx: Tensor, res: Tensor, tensors: tuple[Tensor, ...]) -> Tensor:
+        # the trace's fake tensors go into a clone of the model, whose modules the coverage is
+        # mapped to: the user's modules never hold them (see [Threads] in _threads.py)
+        clones: dict[int, nn.Module] = {}
+        mine = clone_tree(model, clones)
         swap = dict(zip(names, tensors))
-        held = Coverage(cov.covered, cov.uncovered, cov.rules,
+        for name, t in swap.items():
+            owner, _, attr = name.rpartition(".")
+            m = mine.get_submodule(owner)
+            (m._parameters if attr in m._parameters else m._buffers)[attr] = t
+        held = Coverage({n: (clones[id(m)], a) for n, (m, a) in cov.covered.items()}, cov.uncovered,
+                        {clones[id(m)]: r for m, r in cov.rules.items()},
                         {n: swap[n] for n in cov.tensors if n in swap and n in selected})
-        with _reparametrize_module(model, swap), torch.enable_grad():
-            layerwise.fill(model, xx, named, held, res, repeat=False)  # no fixed cost to save in a graph
+        with torch.enable_grad():
+            layerwise.fill(mine, xx, named, held, res, repeat=False)  # no fixed cost to save in a graph
         return res
 
     def into(xx: Tensor, res: Tensor, *tensors: Tensor) -> Tensor:
@@ -242,7 +252,8 @@ def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], 
     tensors = [t.detach() for _, t in slots]
     inputs = [x.detach(), *([] if out is None else [out]), *tensors]
     try:
-        gm = make_fx(fresh if out is None else into, tracing_mode="fake")(*inputs)
+        with SERIAL:  # one trace at a time in the process (see [Threads] in _threads.py)
+            gm = make_fx(fresh if out is None else into, tracing_mode="fake")(*inputs)
     except Exception as err:  # noqa: BLE001 -- a forward that branches on values, an op fake tensors lack
         return f"make_fx could not trace the probe engine ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
     if any(n.op == "get_attr" for n in gm.graph.nodes):

@@ -23,8 +23,9 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, jvp, vmap
+from torch.func import functional_call, vmap
 
+from .._threads import clone_tree, jvp  # jvp one thread at a time: see [Threads] in _threads.py
 from . import layerio, probes
 
 
@@ -71,7 +72,7 @@ def products(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], par
 
     def f2(flat: Tensor) -> Tensor:
         named = {n: t.view(p.shape) for n, t, p in zip(names, flat.split(sizes), params)}
-        return functional_call(model, named, (x2,)).reshape(x2.shape[0], n_out)
+        return functional_call(clone_tree(model), named, (x2,)).reshape(x2.shape[0], n_out)
 
     push = vmap(lambda row: jvp(f2, (z,), (row,))[1], randomness="different")
     result = _empty(x1, x2.shape[0], n_out, trace, z.dtype)

@@ -42,6 +42,7 @@ signature. Hooks do not fire inside ``torch.func`` transforms: run this engine o
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -217,6 +218,14 @@ class Recording:
 
 _NO_KWARGS: dict[str, Any] = {}
 
+# NOTE: [Hooks of one call]
+# The hooks :func:`record` puts on the user's modules are there for every thread that runs those
+# modules meanwhile (a training step on the same model, another jacmode call). Each hook therefore
+# acts only within the forward pass it was placed for: ``_RUNNING.token`` (per thread) is that
+# call's token while its ``model(x)`` runs; any other pass finds another token (or none), and the
+# hook returns without recording or changing the output.
+_RUNNING = threading.local()
+
 
 def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequence[nn.Module]] = None,
            clone: bool = True, outputs: bool = False) -> Recording:
@@ -235,8 +244,11 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
     cotangent) and take the probes where any call says so.
     """
     calls: list[Call] = []
+    token = object()  # this call's forward pass (see [Hooks of one call])
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+        if getattr(_RUNNING, "token", None) is not token:  # another thread's or another call's pass
+            return None
         first = out[0] if isinstance(out, tuple) and out else out
         if not isinstance(first, Tensor) or not first.is_floating_point():
             return None
@@ -261,12 +273,15 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
     # hook costs twice as much to register and more to run
     handles = [m.register_forward_hook(hook, with_kwargs=True) if cov.rules.get(m) is LOCAL else m.register_forward_hook(plain)
                for m in (modules if modules is not None else cov.modules)]
+    outer = getattr(_RUNNING, "token", None)
     try:
         with torch.enable_grad():
             xin = x.clone() if clone else x  # by default never the caller's x: the model may modify its input
             version = xin._version
+            _RUNNING.token = token
             output = model(xin)
     finally:
+        _RUNNING.token = outer
         for h in handles:
             h.remove()
     if not isinstance(output, Tensor):

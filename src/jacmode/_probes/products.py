@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 
+from .._threads import clone_tree
 from .. import _losses
 from .._checks import check_hessians
 from .._errors import JacmodeWarning
@@ -109,7 +110,7 @@ def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], l
                              result: Tensor, chunk: int) -> None:
     """Write the columns of ``named`` in the (B, P) ``result`` by ``vmap(grad)`` of the per-sample loss."""
     def one(p: dict[str, Tensor], xb: Tensor, yb: Optional[Tensor]) -> Tensor:
-        out = functional_call(model, p, (xb.unsqueeze(0),))
+        out = functional_call(clone_tree(model), p, (xb.unsqueeze(0),))
         value = loss(out) if yb is None else loss(out, yb.unsqueeze(0))
         return value.reshape(())
 

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
+from .._threads import clone_tree
 from .base import Blocks, Rule
 
 
@@ -41,7 +42,7 @@ class LocalVmapRule(Rule):
             kw = {**kw_shared, **{k: v.unsqueeze(0) for k, v in kw_b.items()}}
 
             def f(p: dict[str, Tensor]) -> Tensor:
-                out = functional_call(module, p, args_b, kw)
+                out = functional_call(clone_tree(module), p, args_b, kw)
                 return (out[0] if isinstance(out, tuple) else out).squeeze(0)
 
             pull = vjp(f, params)[1]

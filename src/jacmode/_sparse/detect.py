@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_flatten
 
 from .._cache import WeakCache
 from .._errors import JacmodeWarning
+from .. import _threads
 from .._state import preserved_state
 from . import rules, sets
 from .pattern import SparsityPattern
@@ -269,7 +270,7 @@ def _dense_fallback(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool, why
     xx = x.detach()
     with preserved_state(f):
         if hessian:
-            dense = torch.func.hessian(f)(xx).reshape(x.numel(), x.numel())
+            dense = _threads.hessian(f)(xx).reshape(x.numel(), x.numel())
             out_shape: tuple[int, ...] = ()
         else:
             jac = torch.func.jacfwd(f)(xx)

@@ -23,8 +23,9 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 from torch import Tensor
-from torch.func import grad, jvp, vjp
+from torch.func import grad, vjp
 
+from .._threads import jvp  # one thread at a time: see [Threads] in _threads.py
 from .._autodiff.forward import pushforward
 from .._autodiff.reverse import pullback, recording
 from .._cache import register

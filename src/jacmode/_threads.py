@@ -1,0 +1,108 @@
+"""What keeps threads apart: structural clones of a module tree, and one lock for what torch keeps per process.
+
+NOTE: [Threads]
+A user's model is shared: another thread may run it (a training step, another jacmode call)
+while a jacmode call runs. So jacmode never puts anything of its own into the live modules:
+
+* code generation traces with fake tensors (``make_fx``) on a structural clone of the modules
+  it reads (:func:`clone_tree`): new module objects whose parameter, buffer, submodule and hook
+  dicts are their own, holding the user's tensors, into which the trace puts its fake tensors;
+  the generic engines' ``functional_call`` over the parameters swaps into a clone too;
+* ``torch.fx``'s symbolic tracing patches ``nn.Module.__call__`` and ``__getattr__`` for the
+  whole process while it runs; the tracer (``_capture/capture.py``) lets every other thread's
+  calls through to the original behaviour, and a module is traced on a clone;
+* probe hooks (``_probes/probes.py``) act only within the forward pass of the call that placed
+  them, in its thread;
+* the state guard (``_state.py``) writes back only what a call leaves behind in the model.
+
+Some of torch's machinery is per process, not per thread: tracing (``torch.fx`` and ``make_fx``
+patch process-wide state and restore it on exit, which two traces at once would interleave) and
+forward-mode AD (the forward-AD levels of ``torch.autograd.forward_ad`` and the jvp nesting of
+``torch.func.jvp`` are process-wide, so two threads running jvps at once fail with "invalid forward
+AD level" or worse). :data:`SERIAL` is held by each of them: jacmode's traces and forward-mode
+passes (:func:`jvp`, :func:`jacfwd`, :func:`hessian`, :func:`dual_level`, used instead of torch's
+own) take turns across threads; reverse mode, the Taylor engine and generated code run in parallel.
+One lock for both, re-entrant, so that no two locks can be taken in opposite orders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections import OrderedDict
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import nn
+
+# one trace or forward-mode pass at a time in the process (see the note); re-entrant: a jvp in a jvp
+SERIAL = threading.RLock()
+
+
+def clone_tree(root: nn.Module, memo: Optional[dict[int, nn.Module]] = None) -> nn.Module:
+    """A structural clone of ``root``'s module tree: a new object of the same class per module,
+    sharing the user's tensors and other attributes, with its own ``_parameters``, ``_buffers``,
+    ``_modules`` and hook dicts (and sets), so that putting a tensor into a slot of the clone or
+    a hook on it leaves the user's module untouched. ``memo`` (original id -> clone) keeps a
+    module that appears twice one clone, and maps the user's modules to theirs for the caller.
+    """
+    memo = {} if memo is None else memo
+    found = memo.get(id(root))
+    if found is not None:
+        return found
+    clone = object.__new__(type(root))  # copy.copy without __reduce_ex__: the dict is set below
+    memo[id(root)] = clone
+    state = dict(root.__dict__)
+    for key, value in state.items():
+        if type(value) in (dict, OrderedDict, set) and key != "_modules":
+            state[key] = type(value)(value)  # parameters, buffers, hooks, non-persistent names
+    state[_ORIGINAL] = original(root)
+    state["_modules"] = type(root._modules)(
+        (k, None if m is None else clone_tree(m, memo)) for k, m in root._modules.items())
+    clone.__dict__.update(state)
+    return clone
+
+
+_ORIGINAL = "_jacmode_clone_of"  # a clone's attribute: the user's module it copies
+
+
+def original(module: nn.Module) -> nn.Module:
+    """The user's module that ``module`` is a structural clone of (itself if it is none), for what
+    jacmode keys by the module object (``_args/params.py``'s call in progress)."""
+    return module.__dict__.get(_ORIGINAL, module)
+
+
+def jvp(*args: Any, **kwargs: Any) -> Any:
+    """``torch.func.jvp``, one thread at a time (see the note)."""
+    with SERIAL:
+        return torch.func.jvp(*args, **kwargs)
+
+
+def _serialised(make: Callable[..., Callable[..., Any]]) -> Callable[..., Callable[..., Any]]:
+    """A transform whose result runs forward-mode AD, its result run under :data:`SERIAL`."""
+
+    @functools.wraps(make)
+    def transform(*args: Any, **kwargs: Any) -> Callable[..., Any]:
+        inner = make(*args, **kwargs)
+
+        @functools.wraps(inner)
+        def run(*a: Any, **k: Any) -> Any:
+            with SERIAL:
+                return inner(*a, **k)
+
+        return run
+
+    return transform
+
+
+jacfwd = _serialised(torch.func.jacfwd)
+hessian = _serialised(torch.func.hessian)  # jacfwd over jacrev
+
+
+@contextlib.contextmanager
+def dual_level() -> Iterator[None]:
+    """``torch.autograd.forward_ad.dual_level()``, one thread at a time (see the note)."""
+    with SERIAL, fwAD.dual_level():
+        yield

@@ -1,0 +1,188 @@
+"""Several threads on one model: jacmode calls in parallel, and a plain training step beside them.
+
+Each case runs in a child process with a timeout, so that a crash or a hang fails the test instead
+of taking pytest down. Every round starts from ``jm.clear_cache()`` behind a barrier, so that the
+threads capture, trace and generate code at the same time; a fifth thread runs
+``net(x).sum().backward()`` throughout, without jacmode. The child checks every result against a
+torch.func oracle computed before the threads start, and the model afterwards (the same Parameter
+objects, the same values, no fake or wrapped tensor left in it), and prints a JSON summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+_SRC = str(Path(__file__).resolve().parents[1] / "src")
+_TIMEOUT = 120  # seconds: a hang fails the test (a passing case takes a few seconds)
+
+_PRELUDE = """
+import json, sys, threading, traceback
+import torch
+from torch import nn
+from torch.func import functional_call, hessian, jacrev, vmap
+import jacmode as jm
+
+torch.set_num_threads(1)
+torch.manual_seed(0)
+ROUNDS, CALLS, WORKERS = {rounds}, {calls}, 4
+errors, mismatches, plain_errors = [], [], []
+stop = threading.Event()
+
+
+def plain(net, x):
+    # a training step without jacmode, on the same model, for as long as the workers run
+    while not stop.is_set():
+        try:
+            net.zero_grad(set_to_none=True)
+            net(x).sum().backward()
+        except Exception as err:  # noqa: BLE001
+            plain_errors.append(f"{{type(err).__name__}}: {{str(err)[:200]}}")
+
+
+def run(net, x, cases):
+    barrier = threading.Barrier(WORKERS)
+
+    def worker(k):
+        for _ in range(ROUNDS):
+            try:
+                if barrier.wait() == 0:
+                    jm.clear_cache()
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                return
+            for call in range(CALLS):
+                name, fn, want = cases[(k + call) % len(cases)]
+                try:
+                    got = fn()
+                except Exception as err:  # noqa: BLE001
+                    errors.append(f"{{name}}: {{type(err).__name__}}: {{str(err)[:300]}}")
+                    traceback.print_exc()
+                    continue
+                gots = got if isinstance(got, tuple) else (got,)
+                wants = want if isinstance(want, tuple) else (want,)
+                for g, w in zip(gots, wants):
+                    if type(g) is not torch.Tensor or g.shape != w.shape or not torch.allclose(
+                            g.double(), w.double(), rtol=1e-4, atol=1e-5):
+                        diff = (g.double() - w.double()).abs().max().item() if g.shape == w.shape else None
+                        mismatches.append(f"{{name}}: {{type(g).__name__}} max diff {{diff}}")
+
+    side = threading.Thread(target=plain, args=(net, x))
+    side.start()
+    workers = [threading.Thread(target=worker, args=(k,)) for k in range(WORKERS)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    stop.set()
+    side.join()
+
+
+def model_report(net, before):
+    bad = []
+    for name, p in net.named_parameters():
+        if p is not before[name][0]:
+            bad.append(f"{{name}} is another object")
+        if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
+            bad.append(f"{{name}} is a {{type(p).__name__}} / {{type(p.data).__name__}}")
+        elif not torch.equal(p.detach(), before[name][1]):
+            bad.append(f"{{name}} changed value")
+    for m in net.modules():
+        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+            bad.append(f"{{type(m).__name__}} keeps hooks")
+    return bad
+
+
+def finish(net, before):
+    print("RESULT " + json.dumps({{"errors": errors, "mismatches": mismatches, "plain_errors": plain_errors,
+                                  "model": model_report(net, before)}}))
+"""
+
+_TAYLOR = """
+net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+x = torch.randn(6, 3)
+before = {n: (p, p.detach().clone()) for n, p in net.named_parameters()}
+net64 = nn.Sequential(*[m for m in __import__("copy").deepcopy(net)]).double()
+x64 = x.double()
+one = lambda xb: net64(xb[None])[0]
+hess = vmap(hessian(one))(x64)                       # (B, Y, D, D)
+jac = vmap(jacrev(one))(x64)                         # (B, Y, D)
+lap = hess.diagonal(dim1=-2, dim2=-1).sum(-1)        # (B, Y)
+parts = (jac[..., 0], hess[..., 0, 0], hess[..., 1, 2])
+cases = [
+    ("laplacian", lambda: jm.laplacian(net, x), lap),
+    ("jacobian", lambda: jm.jacobian(net, x), jac),
+    ("partials", lambda: tuple(jm.partials(net, x, dims=[(0,), (0, 0), (1, 2)])), parts),
+]
+run(net, x, cases)
+finish(net, before)
+"""
+
+_PARAMS = """
+class MLP(nn.Module):
+    def __init__(self, d_in=12, hidden=8, d_out=4):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden)
+        self.act = nn.ReLU()
+        self.fc2 = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+net = MLP()
+x, y = torch.randn(5, 12), torch.randint(0, 4, (5,))
+before = {n: (p, p.detach().clone()) for n, p in net.named_parameters()}
+params = {n: p.detach().clone() for n, p in net.named_parameters()}
+one = lambda p, xb: functional_call(net, p, (xb[None],))[0]
+loss = lambda out, yy: nn.functional.cross_entropy(out, yy, reduction="none")
+one_loss = lambda p, xb, yb: loss(functional_call(net, p, (xb[None],)), yb[None])[0]
+jac = vmap(jacrev(one), in_dims=(None, 0))(params, x)
+jac = torch.cat([jac[n].reshape(x.shape[0], 4, -1) for n in params], 2)            # (B, Y, P)
+psg = vmap(torch.func.grad(one_loss), in_dims=(None, 0, 0))(params, x, y)
+psg = torch.cat([psg[n].reshape(x.shape[0], -1) for n in params], 1)                # (B, P)
+cases = [
+    ("jacobian wrt params", lambda: jm.jacobian(net, x, wrt="params"), jac),
+    ("per_sample_grads", lambda: jm.per_sample_grads(net, x, loss, y=y), psg),
+]
+run(net, x, cases)
+finish(net, before)
+"""
+
+
+def _child(body: str, rounds: int, calls: int) -> dict:
+    script = textwrap.dedent(_PRELUDE.format(rounds=rounds, calls=calls)) + textwrap.dedent(body)
+    env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=_TIMEOUT,
+                              env=env)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the threads did not finish within {_TIMEOUT} s (a hang)")
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
+    if done.returncode != 0 or not lines:
+        pytest.fail(f"the child process died (exit code {done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _check(found: dict) -> None:
+    counts = {k: len(v) for k, v in found.items()}
+    assert counts == {"errors": 0, "mismatches": 0, "plain_errors": 0, "model": 0}, json.dumps(
+        {k: v[:5] for k, v in found.items()}, indent=1)
+
+
+def test_taylor_operators_and_plain_backward_in_threads() -> None:
+    """laplacian, jacobian and partials from four threads at once, traces and generated code made
+    concurrently, beside a plain forward/backward: right results, the model untouched."""
+    _check(_child(_TAYLOR, rounds=3, calls=5))
+
+
+def test_parameter_jacobians_and_plain_backward_in_threads() -> None:
+    """jacobian(wrt="params") and per_sample_grads from four threads at once, beside a plain
+    forward/backward: the results of torch.func, the model untouched."""
+    _check(_child(_PARAMS, rounds=3, calls=5))
