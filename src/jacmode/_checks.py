@@ -535,7 +535,7 @@ def check_outside_transforms(name: str, why: str, instead: str) -> None:
 
     Not checked while Dynamo traces (``torch.compile``): there the interpreter stack always reads
     as a transform, and the compiled path (``_autodiff/traceable.py``) is plain torch.func."""
-    if in_transform() and not torch.compiler.is_compiling():
+    if in_transform() and not torch.compiler.is_dynamo_compiling():
         raise ValueError(
             f"f: jm.{name} cannot run inside a torch.func transform (grad, jacrev, jacfwd, jvp, vmap "
             f"around the call): {why}, so the transform could not differentiate or batch through it "

@@ -87,7 +87,7 @@ def derivative(
         >>> jm.derivative(u, torch.ones(5), t, argnums=1, order=2)   # u_tt = 6 x t
         tensor([0.0000, 1.5000, 3.0000, 4.5000, 6.0000])
     """
-    if torch.compiler.is_compiling():  # compile: the one-tensor form (no front: its caches do not trace)
+    if torch.compiler.is_dynamo_compiling():  # compile: the one-tensor form (no front: its caches do not trace)
         o = args[1] if order is None and len(args) == 2 else (1 if order is None else order)
         if not _traceable.simple(args, kwargs, argnums or 0, has_aux, trailing=1 if order is None else 0):
             return _traceable.eager("several arguments", lambda: derivative(
@@ -134,7 +134,7 @@ def _derivative(f: Fn, t: Tensor, order: int, structure: Any, chunk_size: Any, c
             f"t: expected one scalar per sample, shape (B,) or (B, 1), got {tuple(t.shape)}. "
             "For several input coordinates use jacmode.partial or jacmode.jacobian."
         )
-    if torch.compiler.is_compiling():  # compile: a traceable path
+    if torch.compiler.is_dynamo_compiling():  # compile: a traceable path
         return _traceable.derivative(lambda: _derivative(f, t, order, structure, chunk_size, create_graph),
                                      f, t, order, opts.structure, opts.create_graph)
     if t.dim() == 1 and t.shape[0] > 0 and _needs_column(f, t):
@@ -278,7 +278,7 @@ def partial(
         tensor([[2.],
                 [6.]])
     """
-    if torch.compiler.is_compiling():  # compile: the one-tensor form is partials of one entry (see there)
+    if torch.compiler.is_dynamo_compiling():  # compile: the one-tensor form is partials of one entry (see there)
         d = args[1] if dims is None and len(args) == 2 else dims
         if d is not None and not _named(d) and _traceable.simple(args, kwargs, argnums or 0, has_aux,
                                                                 trailing=1 if dims is None else 0):
@@ -374,7 +374,7 @@ def partials(
         tensor([[1., 4.],
                 [9., 2.]])
     """
-    if torch.compiler.is_compiling():  # compile: a traceable path for the one-tensor form (no front)
+    if torch.compiler.is_dynamo_compiling():  # compile: a traceable path for the one-tensor form (no front)
         ds = args[1] if dims is None and len(args) == 2 else dims
         if ds is None or any(_named(d) for d in ds) or not _traceable.simple(
                 args, kwargs, argnums or 0, has_aux, trailing=1 if dims is None else 0):
@@ -646,7 +646,7 @@ def laplacian(
         >>> jm.laplacian(u, x, torch.tensor([2.]), argnums=0)   # 6 (x0 + x1 + x2) t
         tensor([72.])
     """
-    if torch.compiler.is_compiling():  # compile: the one-tensor form (no front: its caches do not trace)
+    if torch.compiler.is_dynamo_compiling():  # compile: the one-tensor form (no front: its caches do not trace)
         if not _traceable.simple(args, kwargs, argnums, has_aux):
             return _traceable.eager("several arguments", lambda: laplacian(
                 f, *args, argnums=argnums, in_dims=in_dims, kwargs=kwargs, has_aux=has_aux, weight=weight,
@@ -681,7 +681,7 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
                walked: Optional[_operands.Walked] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
     """The body of :func:`laplacian` for a function of one tensor (``walked``: ``evaluate``'s)."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph, devices=False)  # checked below
-    compiling = torch.compiler.is_compiling()
+    compiling = torch.compiler.is_dynamo_compiling()
     if compiling or weight is not None or samples is not None or return_std:
         _checks.check_devices(f, x)  # evaluate checks them where it finds no profile
     if compiling:  # compile: a traceable path

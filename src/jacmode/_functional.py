@@ -50,6 +50,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.utils.stateless import _reparametrize_module
 
+from ._threads import transient_hooks
 from ._threads import clone_tree
 from . import _checks
 from . import _guard
@@ -538,16 +539,17 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
         seen.append((module, a, kw, out, slots, others))
 
     me = threading.get_ident()  # the hooks record this thread's call of f, not another thread's forward
-    handles = [m.register_forward_hook(lambda *a, **k: hook(*a, **k) if threading.get_ident() == me else None,
-                                       with_kwargs=True) for m in roots]
-    try:
-        with preserved_state(f), torch.enable_grad(), rng_kept(leaves[batched[0]].device):
-            out = f(*tree_unflatten(fresh, spec))  # (random draws of this check leave the user's stream alone)
-    except Exception:  # noqa: BLE001 -- fn fails here as it would anyway: the generic route says how
-        return None
-    finally:
-        for h in handles:
-            h.remove()
+    with transient_hooks():  # no guard is traced while these hooks are on the user's modules
+        handles = [m.register_forward_hook(lambda *a, **k: hook(*a, **k) if threading.get_ident() == me else None,
+                                           with_kwargs=True) for m in roots]
+        try:
+            with preserved_state(f), torch.enable_grad(), rng_kept(leaves[batched[0]].device):
+                out = f(*tree_unflatten(fresh, spec))  # (random draws of this check leave the user's stream alone)
+        except Exception:  # noqa: BLE001 -- fn fails here as it would anyway: the generic route says how
+            return None
+        finally:
+            for h in handles:
+                h.remove()
     if len(seen) != 1:
         return None
     model, a, kw, result, slots, others = seen[0]

@@ -45,6 +45,8 @@ from typing import Any, Callable, Optional, TypeVar
 import torch
 from torch import Tensor
 
+from ._threads import SERIAL, clone_tree, hooks_in_flight
+
 MAX_STATES = 16  # guards made per function before its calls stop reusing anything
 
 _local = threading.local()
@@ -129,7 +131,7 @@ def why_not(f: Any) -> str:
 
 def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
     """The generation of the state ``f(*args, **kwargs)`` reads (see the note), or None."""
-    if torch.compiler.is_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
+    if torch.compiler.is_dynamo_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
         return None  # inside torch.compile or a torch.func transform: the tensors are not the caller's
     try:
         seen = _SEEN.get(f)
@@ -155,12 +157,17 @@ def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optiona
         if state is not last and _passes(state[0], frame):
             seen.last = state
             return state[1]
-    with _LOCK:
-        if seen.made >= MAX_STATES:
-            seen.reason = f"its state changed more than {MAX_STATES} times (each change is traced and guarded anew)"
+    with SERIAL:  # one trace at a time in the process, never while a call has hooks on the user's modules
+        if hooks_in_flight():
             return None
-        seen.made += 1
-    made = _made(f, args, kwargs)
+        with _LOCK:
+            if seen.made >= MAX_STATES:
+                seen.reason = f"its state changed more than {MAX_STATES} times (each change is traced and guarded anew)"
+                return None
+            seen.made += 1
+        made = _made(_view(f), args, kwargs)
+        if not isinstance(made, str) and not _passes(made, frame):
+            made = "the guard made on a structural clone does not pass for f itself"
     if isinstance(made, str):
         seen.failed += 1
         if seen.failed >= 2:
@@ -179,6 +186,26 @@ def _passes(manager: Any, frame: dict[str, Any]) -> bool:
         return bool(manager.check(frame))
     except Exception:  # noqa: BLE001 -- a guard that cannot evaluate does not pass
         return False
+
+
+def _view(f: Any) -> Any:
+    """What the guard's trace reads in place of ``f``: for a module, a structural clone
+    (``_threads.clone_tree``) whose parameters and buffers are new tensors sharing the user's
+    storage, with no ``.grad``. TorchDynamo describes every tensor it meets, ``.grad`` included,
+    and reading a ``.grad`` that a backward pass in another thread is writing can crash the
+    process; the guard it makes is checked against f itself before it is kept."""
+    if not isinstance(f, torch.nn.Module):
+        return f
+    clone = clone_tree(f)
+    for m in clone.modules():
+        for table in (m._parameters, m._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    alias = t.detach()
+                    if isinstance(t, torch.nn.Parameter):
+                        alias = torch.nn.Parameter(alias, requires_grad=t.requires_grad)
+                    table[name] = alias
+    return clone
 
 
 class _Traced(Exception):

@@ -210,7 +210,7 @@ def jacobian(
         >>> jm.jacobian(net, t, wrt="params").shape   # (B, Y, P)
         torch.Size([1000, 4, 124])
     """
-    compiling = torch.compiler.is_compiling()
+    compiling = torch.compiler.is_dynamo_compiling()
     if (not compiling and len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int
             and argnums == 0 and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor)
             and callable(f)):  # jacobian(f, x): what the front would find (a simple call), without it
@@ -293,7 +293,7 @@ def _jacobian(f: Any, x: Any, wrt: Any, mode: Any, batched: Any, structure: Any,
               max_memory: Any, create_graph: Any, flatten: Any, out: Any) -> Result:
     """The body of :func:`jacobian` for a function of one tensor (the user's f, or ``_args.Flat``):
     the cached transform of f with these options (``_transform.py``), which runs :func:`_run`."""
-    if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path
+    if torch.compiler.is_dynamo_compiling():  # inside the user's torch.compile: a traceable path
         opts = _options(f, x, wrt=wrt, mode=mode, batched=batched, structure=structure,
                         chunk_size=chunk_size, max_memory=max_memory, create_graph=create_graph,
                         flatten=flatten)

@@ -300,7 +300,7 @@ def per_sample_grads(
                                                max_memory=max_memory)
     if in_transform():  # vmap over an ensemble's parameters, grad of a meta-objective: torch.func's idiom
         return per_sample_grads_transformed(f, x, loss, y, wrt, flatten)
-    if torch.compiler.is_compiling():  # inside the user's torch.compile: a traceable path (no profile)
+    if torch.compiler.is_dynamo_compiling():  # inside the user's torch.compile: a traceable path (no profile)
         from ._autodiff import traceable as _traceable
 
         selected = _selected(f, x, _checked(f, x, wrt, chunk_size, max_memory, flatten))

@@ -39,6 +39,26 @@ from torch import nn
 
 # one trace or forward-mode pass at a time in the process (see the note); re-entrant: a jvp in a jvp
 SERIAL = threading.RLock()
+_PLACED = [0]  # calls, in any thread, with hooks of their own on the user's modules right now
+
+
+@contextlib.contextmanager
+def transient_hooks() -> Iterator[None]:
+    """Within: this call may hang hooks of its own on the user's modules (the probes, a module
+    tracker). The guard of ``_guard.py`` makes no trace meanwhile: TorchDynamo would read those
+    hooks as part of the model, and a dict of hooks changed under its trace is not safe."""
+    with SERIAL:
+        _PLACED[0] += 1
+    try:
+        yield
+    finally:
+        with SERIAL:
+            _PLACED[0] -= 1
+
+
+def hooks_in_flight() -> bool:
+    """Whether some call has hooks of its own on the user's modules (see :func:`transient_hooks`)."""
+    return _PLACED[0] > 0
 
 
 def clone_tree(root: nn.Module, memo: Optional[dict[int, nn.Module]] = None) -> nn.Module:

@@ -1,7 +1,7 @@
 """The operators inside a user's ``torch.compile`` region: plain torch.func, nothing Dynamo cannot trace.
 
 NOTE: [jacmode inside torch.compile]
-Under ``torch.compiler.is_compiling()`` (Dynamo is tracing the user's function, with or without
+Under ``torch.compiler.is_dynamo_compiling()`` (Dynamo is tracing the user's function, with or without
 ``fullgraph=True``) the eager machinery of an entry point cannot run: its caches are weak
 dictionaries written per call, the attention-kernel switch of ``_state`` holds a
 ``threading.Lock``, the graph capture (torch.fx) and the coupling probe run f eagerly and branch

@@ -200,7 +200,7 @@ def _meta(t: Tensor) -> tuple:
 def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args: Any) -> Tensor:
     """``taylor.<name>(program, z, in_shape, *args)``, from generated code where it applies."""
     interpret: Callable[..., Tensor] = getattr(_taylor, name)
-    if (not ENABLED or torch.compiler.is_compiling() or in_transform() or torch.is_inference_mode_enabled()
+    if (not ENABLED or torch.compiler.is_dynamo_compiling() or in_transform() or torch.is_inference_mode_enabled()
             or z.layout != torch.strided or _modes_active()):
         return interpret(program, z, in_shape, *args)
     mode = _MODE.get()
@@ -270,7 +270,7 @@ class Ready:
         straight-line code with the values it compares with inlined (a repeated call of
         ``partials`` or ``laplacian`` makes this test every time); where a slot holds another
         tensor than the vouched one, :meth:`checked` decides."""
-        src = Source("run(z)", _cg=sys.modules[__name__], _compiling=torch.compiler.is_compiling,
+        src = Source("run(z)", _cg=sys.modules[__name__], _compiling=torch.compiler.is_dynamo_compiling,
                      _grad=torch.is_grad_enabled, _MODE=_MODE, _code=self.code, _checked=self.checked)
         emit, const = src.emit, src.const
         shape, stride, dtype, device, requires_grad = self.z_meta
@@ -293,7 +293,7 @@ class Ready:
 
     def checked(self, z: Tensor) -> Optional[Tensor]:
         """:meth:`__call__`, checked by the general code (any reading steps and tensors)."""
-        if not ENABLED or torch.compiler.is_compiling() or _modes_active() or torch.is_grad_enabled() is not self.grad:
+        if not ENABLED or torch.compiler.is_dynamo_compiling() or _modes_active() or torch.is_grad_enabled() is not self.grad:
             return None
         mode = _MODE.get()
         if (None if mode is None else mode["backend"]) != self.backend or _meta(z) != self.z_meta:
@@ -336,7 +336,7 @@ def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *ar
     before every call of the result for as long as they are the same objects (a profile's
     parameters, whose key holds them): where the program reads only such tensors, the result
     compares their identity and strides instead of all their metadata."""
-    if (not ENABLED or torch.compiler.is_compiling() or in_transform() or torch.is_inference_mode_enabled()
+    if (not ENABLED or torch.compiler.is_dynamo_compiling() or in_transform() or torch.is_inference_mode_enabled()
             or z.layout != torch.strided or _modes_active() or _MODE.get() is not None):
         return None
     layout = _layout(program)

@@ -2,8 +2,10 @@
 
 NOTE: [Footprint]
 The cost model and the memory planner need numbers per sample that the shapes alone do not
-give: the floating-point work of one forward pass (counted by ``torch.utils.flop_counter``:
-``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate), the bytes of every tensor the pass
+give: the floating-point work of one forward pass (counted with the formulas of
+``torch.utils.flop_counter``'s registry, in the dispatch mode below rather than through
+``FlopCounterMode``, whose module tracker hangs hooks on every module of the process: another
+thread's forward pass would run them): ``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate), the bytes of every tensor the pass
 produces (``act``: an upper bound of the tape that reverse mode keeps) and of the largest one
 (``peak``: what forward mode keeps alive at a time), and the number of aten calls (``ops``: the
 fixed per-pass overhead that dominates small problems). They are counted with a dispatch mode on
@@ -20,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import flop_registry
 
 from .._cache import WeakCache
 
@@ -39,11 +41,18 @@ class Footprint:
 class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops, self.bytes, self.peak = 0, 0, 0
+        self.ops, self.bytes, self.peak, self.flops, self.conv = 0, 0, 0, 0, 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         self.ops += 1
+        count = flop_registry.get(func._overloadpacket)
+        if count is not None:
+            n = count(*args, **(kwargs or {}), out_val=out)
+            if "conv" in str(func):
+                self.conv += n
+            else:
+                self.flops += n
         if not getattr(func, "is_view", False):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, Tensor):
@@ -59,14 +68,11 @@ _CACHE = WeakCache("footprints")
 def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:
     """Run ``fn(x)`` once under the counters; ``x`` holds ``samples`` samples (>= 1)."""
     counter = _Counter()
-    flops = FlopCounterMode(display=False)
-    with torch.no_grad(), flops, counter:  # x detached: torch's module tracker hooks inputs that require grad
+    with torch.no_grad(), counter:
         fn(x.detach())
     k = max(1, samples)
-    per_op = flops.get_flop_counts().get("Global", {})
-    conv = sum(n for op, n in per_op.items() if "conv" in str(op))
-    return Footprint(ops=counter.ops, flops=(flops.get_total_flops() - conv) / k, act=counter.bytes / k,
-                     peak=counter.peak / k, conv_flops=conv / k)
+    return Footprint(ops=counter.ops, flops=counter.flops / k, act=counter.bytes / k, peak=counter.peak / k,
+                     conv_flops=counter.conv / k)
 
 
 def footprint(ident: Any, key: tuple, fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:

@@ -186,7 +186,7 @@ def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]
 
 
 def _applies(x: Tensor, out: Optional[Tensor]) -> bool:
-    return (ENABLED and codegen.ENABLED and not torch.compiler.is_compiling() and not in_transform()
+    return (ENABLED and codegen.ENABLED and not torch.compiler.is_dynamo_compiling() and not in_transform()
             and not torch.is_inference_mode_enabled() and not codegen._modes_active() and x.layout == torch.strided
             and (out is None or out.layout == torch.strided))
 
@@ -199,7 +199,7 @@ def rerun(hot: "_Hot", x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
     Of :func:`jacobian`'s conditions the profile's key holds the torch.func transforms, inference
     mode and the layouts of x and ``out`` (the code was made where they allowed it); the rest are
     checked here."""
-    if not (ENABLED and codegen.ENABLED) or torch.compiler.is_compiling() or codegen._modes_active():
+    if not (ENABLED and codegen.ENABLED) or torch.compiler.is_dynamo_compiling() or codegen._modes_active():
         return None
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)

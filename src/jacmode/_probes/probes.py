@@ -50,6 +50,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .._threads import transient_hooks
 from .._rules.base import NotCovered, Rule
 from .._rules.local import LOCAL
 from .._rules.modules import rule_for
@@ -271,19 +272,20 @@ def record(model: nn.Module, x: Tensor, cov: Coverage, modules: Optional[Sequenc
 
     # with_kwargs only where the rule reads them (the module-local vmap rule): torch's call of such a
     # hook costs twice as much to register and more to run
-    handles = [m.register_forward_hook(hook, with_kwargs=True) if cov.rules.get(m) is LOCAL else m.register_forward_hook(plain)
-               for m in (modules if modules is not None else cov.modules)]
     outer = getattr(_RUNNING, "token", None)
-    try:
-        with torch.enable_grad():
-            xin = x.clone() if clone else x  # by default never the caller's x: the model may modify its input
-            version = xin._version
-            _RUNNING.token = token
-            output = model(xin)
-    finally:
-        _RUNNING.token = outer
-        for h in handles:
-            h.remove()
+    with transient_hooks():  # no guard is traced while these hooks are on the user's modules
+        handles = [m.register_forward_hook(hook, with_kwargs=True) if cov.rules.get(m) is LOCAL
+                   else m.register_forward_hook(plain) for m in (modules if modules is not None else cov.modules)]
+        try:
+            with torch.enable_grad():
+                xin = x.clone() if clone else x  # by default never the caller's x: the model may modify its input
+                version = xin._version
+                _RUNNING.token = token
+                output = model(xin)
+        finally:
+            _RUNNING.token = outer
+            for h in handles:
+                h.remove()
     if not isinstance(output, Tensor):
         raise TypeError(f"model: expected a Tensor output, got {type(output).__name__}")
     return Recording(output, calls, xin._version != version)
