@@ -30,8 +30,23 @@ call's path from then on. ``jm.clear_cache()`` forgets every guard.
 
 Scopes: a public entry point enters a scope for its ``f`` and the arguments f is called with
 (:func:`entry`); the generation is computed once, at entry, under the caller's own grad mode and
-settings. Nested entry points on the same f share the outer scope; a cache consulted for any
-other function finds no generation and is bypassed. Scopes are per thread.
+settings. Nested entry points on the same f share the outer scope; a wrapper jacmode makes of f
+(a module of sample rows, a functional call as a module) follows f's generation (:func:`derived`);
+a cache consulted for any other function finds no generation and is bypassed. Scopes are per
+thread.
+
+Sharing: a guard made for one instance of a class passes for another exactly when everything its
+forward reads is the same, so the states are kept per class (per code object for a plain
+function) and an ensemble or a test suite traces a class once per state; the caches stay per
+instance, since they are keyed by the function too.
+
+Threads: the trace reads a structural clone of a module (``_threads.clone_tree``) whose tensors
+share the user's storage but carry no ``.grad`` (TorchDynamo describes ``.grad``, which a backward
+pass in another thread may be writing), under ``_threads.SERIAL``, and never while a call in any
+thread has hooks of its own on the user's modules (``_threads.transient_hooks``); the guard it
+makes is checked against f itself before it is kept. Routing on "inside torch.compile" uses
+``torch.compiler.is_dynamo_compiling()``, true only in the frames TorchDynamo traces: the
+process-wide ``is_compiling()`` flag is also true in every other thread while any trace runs.
 """
 
 from __future__ import annotations
