@@ -219,7 +219,7 @@ def _view(f: Any) -> Any:
                     alias = t.detach()
                     if isinstance(t, torch.nn.Parameter):
                         alias = torch.nn.Parameter(alias, requires_grad=t.requires_grad)
-                    table[name] = alias
+                    table[name] = alias  # type: ignore[assignment]
     return clone
 
 

@@ -341,7 +341,7 @@ class _Preserved:
             if self.buffers:
                 with torch.no_grad():
                     for (m, name, b), copy, version in zip(self.buffers, self.copies, self.versions):
-                        now = m._buffers.get(name)  # training mode: as its values, see the note below
+                        now = m._buffers.get(name)  # type: ignore[assignment]  # training mode: as its values, see the note below
                         if now is not b and (_left_behind(now, b) or (copy is not None and not _transformed(b))):
                             m._buffers[name] = b
                         if b._version != version and copy is not None:

@@ -380,7 +380,7 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], t
             for owner, kind, attr in slots:
                 if (owner._parameters if kind == "p" else owner._buffers)[attr] is not None:
                     mine = clones[id(owner)]
-                    (mine._parameters if kind == "p" else mine._buffers)[attr] = next(rest)
+                    (mine._parameters if kind == "p" else mine._buffers)[attr] = next(rest)  # type: ignore[assignment]
         for i, s in enumerate(steps):
             if s.traced and s.args and isinstance(s.args[0], nn.Module) and id(s.args[0]) in clones:
                 steps[i] = dataclasses.replace(s, args=(clones[id(s.args[0])], *s.args[1:]))

@@ -235,7 +235,7 @@ def _generate(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], 
         for name, t in swap.items():
             owner, _, attr = name.rpartition(".")
             m = mine.get_submodule(owner)
-            (m._parameters if attr in m._parameters else m._buffers)[attr] = t
+            (m._parameters if attr in m._parameters else m._buffers)[attr] = t  # type: ignore[assignment]
         held = Coverage({n: (clones[id(m)], a) for n, (m, a) in cov.covered.items()}, cov.uncovered,
                         {clones[id(m)]: r for m, r in cov.rules.items()},
                         {n: swap[n] for n in cov.tensors if n in swap and n in selected})
