@@ -60,7 +60,7 @@ def _profile_entry(f: Any, op: str, kind: str) -> Any:
 
 
 def _jacobian_engine(net: Any, x: torch.Tensor, wrt: str, fn: bool = False) -> Callable[[], Any]:
-    for _ in range(codegen.AFTER_CALLS + 1):  # the profile, and its generated code where there is one
+    for _ in range(codegen.AFTER_CALLS + 2):  # the guard (second call), the profile, and its generated code
         jm.jacobian(net, x, wrt=wrt)
     opts = check_options(wrt=wrt, mode="auto", batched=True, structure="auto", chunk_size=None,
                          create_graph=False, flatten=True)
@@ -90,7 +90,7 @@ def _operator_engine(net: Any, x: torch.Tensor, name: str, *args: Any, fn: bool 
     with target(net, x, opts) as t:
         tt = t
     with torch.no_grad():
-        for _ in range(codegen.AFTER_CALLS + 1):  # generate the code of this signature
+        for _ in range(codegen.AFTER_CALLS + 2):  # the guard, then generate the code of this signature
             tt.run(name, tt.z, *args)
     program = tt.program
     entries = [v for k, v in (program.__dict__.get("_codegen", {}) if program is not None else {}).items()
