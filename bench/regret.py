@@ -165,9 +165,12 @@ def time_modes(case: Case, modes: Sequence[str] = ("auto", "forward", "reverse")
 
     model, x = case.build()
     calls = {m: (lambda m=m: jm.jacobian(model, x, mode=m, **case.kwargs())) for m in modes}
-    for call in calls.values():  # first calls: captures, caches, generated code (third call)
-        for _ in range(3):
+    for call in calls.values():  # first calls: captures, caches, generated code (third call, steady by the sixth)
+        t0 = time.perf_counter()
+        for _ in range(6):
             call()
+            if time.perf_counter() - t0 > 2.0:
+                break
     times: dict[str, list[float]] = {m: [] for m in modes}
     start = time.perf_counter()
     for r in range(reps):
