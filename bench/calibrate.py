@@ -30,7 +30,7 @@ from .calibrate_memory import MARGIN, calibrate_memory, measure_workspace, memor
 from .grid import Case, _axes, fit_grid, probe_grid, regret_grid  # noqa: F401
 
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
-             "dir_bytes", "dir_spill", "result", "seed", "calls")
+             "dir_bytes", "dir_spill", "result", "seed", "calls", "fresh", "bias")
 
 
 def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float = 2.0,
@@ -119,21 +119,39 @@ def refit(records: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def nnls_relative(rows: list[dict[str, float]], seconds: list[float]) -> dict[str, float]:
-    """Non-negative least squares on relative errors (active set: drop negative terms, refit)."""
+    """Non-negative least squares on relative errors (Lawson and Hanson's active set)."""
     import numpy as np
 
     A = np.array([[r.get(t, 0.0) for t in FIT_TERMS] for r in rows]) / np.array(seconds)[:, None]
     scale = np.maximum(A.max(axis=0), 1e-30)
-    active = [i for i in range(len(FIT_TERMS)) if A[:, i].any()]
-    while True:
-        coef, *_ = np.linalg.lstsq(A[:, active] / scale[active], np.ones(len(seconds)), rcond=None)
-        if (coef >= 0).all() or not active:
+    coef = _nnls(A / scale, np.ones(len(seconds)))
+    return {t: float(c / s) for t, c, s in zip(FIT_TERMS, coef, scale)}
+
+
+def _nnls(A: Any, b: Any, tol: float = 1e-10) -> Any:
+    """argmin ||A x - b|| over x >= 0 (Lawson and Hanson, 1974): add the variable of the largest
+    gradient to the free set, solve on it, and step back to the boundary while a free one is negative."""
+    import numpy as np
+
+    n = A.shape[1]
+    x, free = np.zeros(n), []  # type: ignore[var-annotated]
+    for _ in range(3 * n):
+        w = A.T @ (b - A @ x)
+        rest = [j for j in range(n) if j not in free and A[:, j].any()]
+        if not rest or max(w[rest]) <= tol:
             break
-        active = [a for a, c in zip(active, coef) if c > 0]
-    out = {t: 0.0 for t in FIT_TERMS}
-    for a, c in zip(active, coef):
-        out[FIT_TERMS[a]] = float(c / scale[a])
-    return out
+        free.append(rest[int(np.argmax(w[rest]))])
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            neg = [k for k in free if z[k] <= 0]
+            alpha = min(x[k] / (x[k] - z[k]) for k in neg)
+            x = x + alpha * (z - x)
+            free = [k for k in free if x[k] > tol]
+    return x
 
 
 def calibrate_costs(cases: list[Case], log: Any = print) -> tuple[dict[str, dict[str, float]], list[dict]]:
@@ -271,7 +289,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.probes:
         from jacmode._planning import calibrated as _calibrated
 
-        fitted, records = calibrate_probes(probe_grid())
+        if args.refit:  # the timings of an earlier --probes --json run, the terms recomputed
+            with open(args.refit) as fh:
+                records = json.load(fh)
+            cases = {c.label: c for c in probe_grid()}
+            for rec in records:
+                rec["terms"] = terms(cases[rec["case"]], "reverse")
+            mine = [r for r in records if r["terms"]["engine"] == "reverse-probes"]
+            fitted = nnls_relative([r["terms"] for r in mine], [r["seconds"] for r in mine])
+        else:
+            fitted, records = calibrate_probes(probe_grid())
         print(json.dumps(fitted, indent=1))
         if args.write:
             costs = {**_calibrated.COST, "reverse-probes": fitted}

@@ -114,8 +114,9 @@ def _names(model: nn.Module) -> list[str]:
     return [n for n, _ in model.named_parameters()]
 
 
-def draw(n: int, seed: int = 0) -> list[Case]:
-    """``n`` cases drawn with numpy's RNG from ``seed`` (see the module docstring)."""
+def draw(n: int, seed: int = 0, max_entries: int = 4 * 10**7) -> list[Case]:
+    """``n`` cases drawn with numpy's RNG from ``seed`` (see the module docstring), each with a
+    result of at most ``max_entries`` (B * Y * N) entries."""
     rng = np.random.default_rng(seed)
     cases = []
     while len(cases) < n:
@@ -144,7 +145,7 @@ def draw(n: int, seed: int = 0) -> list[Case]:
             wrt = [f"{layer}.weight", f"{layer}.bias"] if which == "both" else [f"{layer}.{which}"]
         case = Case(**{**case.__dict__, "wrt": wrt})
         work = case.b * max(case.y, 1) * _n_in(case)  # result entries: keep each case under ~0.5 s
-        if work > 4 * 10**7:
+        if work > max_entries:
             continue
         cases.append(case)
     return cases

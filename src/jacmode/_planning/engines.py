@@ -20,7 +20,9 @@ The generic engines' terms are those of the cost model in ``plan.py``. The probe
 own: the forward pass (``S * flops``, bytes, aten calls), the reverse pass of Y directions over the
 *tail* of the forward pass only -- the work after the first call of a module whose parameters are
 selected (``footprint.Tail``): the last layer's bias costs no reverse work at all -- one term per
-covered module call, and the blocks it writes (B * Y * P entries). Where some selected parameters
+covered module call, and the blocks it writes (B * Y * P entries, those of weights -- outer
+products -- apart from those of biases -- copies; more per entry as the result outgrows
+the caches: logarithmic in its size above ``SPILL_BYTES``, as the spill of the generic engines). Where some selected parameters
 have no rule, the generic per-sample reverse engine adds its cost for them. A specialised engine,
 where it serves, runs its mode (the generic one is its fallback), so each mode has one price; the
 planner takes the cheapest mode that fits the memory budget, and every engine it did not take says
@@ -111,6 +113,7 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
     tail = fp.tail
     B, Y = p.batch, p.n_out
     covered = sum(t.numel() for t in cov.tensors.values()) if cov is not None else p.n_in
+    vectors = sum(t.numel() for t in cov.tensors.values() if t.dim() < 2) if cov is not None else 0
     t_flops = tail.flops if tail is not None else fp.flops
     t_conv = tail.conv_flops if tail is not None else fp.conv_flops
     t_act = tail.act if tail is not None else fp.act
@@ -118,9 +121,11 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
     s = sample_chunk or B
     n_chunks = math.ceil(B / s)
     pass_bytes = Y * s * t_act
+    result = float(B * Y * covered)
     return {
         "call": 1.0,
         "pass_ops": float((fp.ops + t_ops) * n_chunks),
+        "vmap_ops": float(Y * t_ops * n_chunks),  # the pull-back of Y rows: ops without a batching rule loop
         "calls": float((tail.calls if tail is not None else len(cov.covered) if cov else 1) * n_chunks),
         "pass_flops": B * fp.flops,
         "pass_conv": B * fp.conv_flops,
@@ -129,7 +134,9 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
         "dir_conv": Y * B * t_conv,
         "dir_bytes": Y * B * t_act,
         "dir_spill": Y * B * t_act * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
-        "result": float(B * Y * covered),
+        "result": float(B * Y * (covered - vectors)),  # blocks of weights: outer products
+        "bias": float(B * Y * vectors),  # blocks of biases (and other vectors): copies of the cotangents
+        "fresh": result * max(0.0, math.log2(result * p.dtype.itemsize / SPILL_BYTES)) if result else 0.0,
     }
 
 
