@@ -172,9 +172,12 @@ def time_modes(case: Case, modes: Sequence[str] = ("auto", "forward", "reverse")
         for _ in range(6):
             t1 = time.perf_counter()
             call()
-            if time.perf_counter() - t1 > 1.0:
-                slow[m] = time.perf_counter() - t1
-                break
+            if time.perf_counter() - t1 > 1.0:  # once more: a first call's one-time work is no verdict
+                t2 = time.perf_counter()
+                call()
+                if time.perf_counter() - t2 > 1.0:
+                    slow[m] = time.perf_counter() - t2
+                    break
             if time.perf_counter() - t0 > 2.0:
                 break
     modes = [m for m in modes if m not in slow]
