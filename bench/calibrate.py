@@ -10,6 +10,7 @@ faster explicit mode on a second grid that was not used for fitting.
 
 Commands:
     python -m bench.calibrate [--write] [--plot FILE.png] [--json FILE]
+    python -m bench.calibrate --probes [--write] [--json FILE]   (the probe engine's constants alone)
     python -m bench.calibrate --regret [--json FILE]
     python -m bench.calibrate --memory-check [--json FILE]
 """
@@ -26,20 +27,27 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .calibrate_memory import MARGIN, calibrate_memory, measure_workspace, memory_check  # noqa: F401
-from .grid import Case, _axes, fit_grid, regret_grid  # noqa: F401
+from .grid import Case, _axes, fit_grid, probe_grid, regret_grid  # noqa: F401
 
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
-             "dir_bytes", "dir_spill", "result", "seed")
+             "dir_bytes", "dir_spill", "result", "seed", "calls", "fresh", "bias")
 
 
-def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float = 2.0) -> dict[str, float]:
-    """Median seconds per call of ``jacobian`` in each mode, the modes interleaved."""
+def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float = 2.0,
+               warm: int = 1) -> dict[str, float]:
+    """Median seconds per call of ``jacobian`` in each mode, the modes interleaved, after ``warm``
+    calls of each (fewer where they pass 2 s: a repeated call of the probe engine runs generated
+    code from its third call on, and is steady from about the sixth)."""
     import jacmode as jm
 
     model, x = case.build()
     calls = {m: (lambda m=m: jm.jacobian(model, x, wrt=case.wrt, mode=m)) for m in modes}
     for call in calls.values():
-        call()
+        t0 = time.perf_counter()
+        for _ in range(warm):
+            call()
+            if time.perf_counter() - t0 > 2.0:
+                break
     times: dict[str, list[float]] = {m: [] for m in modes}
     start = time.perf_counter()
     for r in range(reps):
@@ -71,9 +79,35 @@ def terms(case: Case, mode: str) -> dict[str, float]:
         d = decide(model, p, opts, out_given=False)
     q = d.plan
     del jm
-    out: dict[str, Any] = _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
-    out["engine"] = _plan.engine(p, q.mode, q.strategy)
+    name = _plan.engine(p, q.mode, q.strategy)
+    out: dict[str, Any]
+    if name == "reverse-probes":  # its own terms (see [One cost per engine] in _planning/engines.py)
+        from jacmode._planning.engines import probe_terms
+
+        out = probe_terms(p, d.fp, q.sample_chunk)
+    else:
+        out = _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
+    out["engine"] = name
     return out
+
+
+def calibrate_probes(cases: list[Case], log: Any = print) -> tuple[dict[str, float], list[dict]]:
+    """Time the probe engine (mode="reverse", repeated calls: its generated code) on the probe grid
+    and fit its constants; two sweeps, the quieter median kept."""
+    records: list[dict[str, Any]] = []
+    for sweep in (1, 2):
+        for i, case in enumerate(cases):
+            t = time_modes(case, ("reverse",), reps=7, warm=6)["reverse"]
+            if sweep == 1:
+                tm = terms(case, "reverse")
+                records.append({"case": case.label, "seconds": t, "terms": tm, "b": case.b})
+            else:
+                records[i]["seconds"] = min(t, records[i]["seconds"])
+            log(f"[sweep {sweep}: {i + 1}/{len(cases)}] {case.label}: {records[i]['seconds'] * 1e3:.3g} ms "
+                f"({records[i]['terms']['engine']})")
+    mine = [r for r in records if r["terms"]["engine"] == "reverse-probes"]
+    fitted = nnls_relative([r["terms"] for r in mine], [r["seconds"] for r in mine])
+    return fitted, records
 
 
 def refit(records: list[dict]) -> dict[str, dict[str, float]]:
@@ -85,21 +119,39 @@ def refit(records: list[dict]) -> dict[str, dict[str, float]]:
 
 
 def nnls_relative(rows: list[dict[str, float]], seconds: list[float]) -> dict[str, float]:
-    """Non-negative least squares on relative errors (active set: drop negative terms, refit)."""
+    """Non-negative least squares on relative errors (Lawson and Hanson's active set)."""
     import numpy as np
 
     A = np.array([[r.get(t, 0.0) for t in FIT_TERMS] for r in rows]) / np.array(seconds)[:, None]
     scale = np.maximum(A.max(axis=0), 1e-30)
-    active = [i for i in range(len(FIT_TERMS)) if A[:, i].any()]
-    while True:
-        coef, *_ = np.linalg.lstsq(A[:, active] / scale[active], np.ones(len(seconds)), rcond=None)
-        if (coef >= 0).all() or not active:
+    coef = _nnls(A / scale, np.ones(len(seconds)))
+    return {t: float(c / s) for t, c, s in zip(FIT_TERMS, coef, scale)}
+
+
+def _nnls(A: Any, b: Any, tol: float = 1e-10) -> Any:
+    """argmin ||A x - b|| over x >= 0 (Lawson and Hanson, 1974): add the variable of the largest
+    gradient to the free set, solve on it, and step back to the boundary while a free one is negative."""
+    import numpy as np
+
+    n = A.shape[1]
+    x, free = np.zeros(n), []  # type: ignore[var-annotated]
+    for _ in range(3 * n):
+        w = A.T @ (b - A @ x)
+        rest = [j for j in range(n) if j not in free and A[:, j].any()]
+        if not rest or max(w[rest]) <= tol:
             break
-        active = [a for a, c in zip(active, coef) if c > 0]
-    out = {t: 0.0 for t in FIT_TERMS}
-    for a, c in zip(active, coef):
-        out[FIT_TERMS[a]] = float(c / scale[a])
-    return out
+        free.append(rest[int(np.argmax(w[rest]))])
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(A[:, free], b, rcond=None)[0]
+            if (z[free] > 0).all():
+                x = z
+                break
+            neg = [k for k in free if z[k] <= 0]
+            alpha = min(x[k] / (x[k] - z[k]) for k in neg)
+            x = x + alpha * (z - x)
+            free = [k for k in free if x[k] > tol]
+    return x
 
 
 def calibrate_costs(cases: list[Case], log: Any = print) -> tuple[dict[str, dict[str, float]], list[dict]]:
@@ -217,6 +269,8 @@ def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[d
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--regret", action="store_true", help="judge mode='auto' on the regret grid")
+    parser.add_argument("--probes", action="store_true",
+                        help="fit the probe engine's constants alone (COST['reverse-probes']) on the probe grid")
     parser.add_argument("--memory-check", action="store_true",
                         help="peak memory of a large parameter Jacobian under max_memory='200MB'")
     parser.add_argument("--write", action="store_true", help="write the fitted constants to jacmode/_planning/calibrated.json")
@@ -232,6 +286,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     if args.memory_check:
         records = [memory_check()]
+    elif args.probes:
+        from jacmode._planning import calibrated as _calibrated
+
+        if args.refit:  # the timings of an earlier --probes --json run, the terms recomputed
+            with open(args.refit) as fh:
+                records = json.load(fh)
+            cases = {c.label: c for c in probe_grid()}
+            for rec in records:
+                rec["terms"] = terms(cases[rec["case"]], "reverse")
+            mine = [r for r in records if r["terms"]["engine"] == "reverse-probes"]
+            fitted = nnls_relative([r["terms"] for r in mine], [r["seconds"] for r in mine])
+        else:
+            fitted, records = calibrate_probes(probe_grid())
+        print(json.dumps(fitted, indent=1))
+        if args.write:
+            costs = {**_calibrated.COST, "reverse-probes": fitted}
+            cost = {m: {k: float(f"{v:.4g}") for k, v in c.items()} for m, c in costs.items()}
+            print("wrote", write_data({"COST": cost}))
     elif args.regret:
         records = regret(regret_grid())
     else:

@@ -117,3 +117,24 @@ def regret_grid() -> list[Case]:
             for side, y, wrt in ((6, 2, "inputs"), (6, 200, "inputs"), (8, 5, "params"), (8, 150, ["0.bias"])):
                 cases.append(Case("cnn", side, y, b, wrt=wrt))
     return cases
+
+
+def probe_grid() -> list[Case]:
+    """The grid the probe engine's constants are fitted on: per-sample parameter Jacobians of MLPs
+    and a small CNN (every parameter covered by a rule), all parameters or one layer's weight or
+    bias (first, middle, last: from the longest reverse pass to none), Y from 1 to 300, B from 1 to 1024."""
+    cases = []
+    subsets = ("params", ["0.weight"], ["0.bias"], ["2.weight", "2.bias"], ["4.weight"], ["4.bias"])
+    for b in (1, 16, 128, 1024):
+        for d, y, h in ((4, 1, 16), (4, 10, 16), (30, 3, 64), (8, 100, 32), (100, 30, 128), (2, 300, 16)):
+            for wrt in subsets:
+                case = Case("mlp", d, y, b, wrt=wrt, h=h)
+                n = {"params": d * h + h + h * h + h + h * y + y, "0.weight": d * h, "0.bias": h, "2.weight": h * h + h,
+                     "4.weight": h * y, "4.bias": y}[wrt if isinstance(wrt, str) else wrt[0]]
+                if b * y * n <= 2 * 10**7:
+                    cases.append(case)
+        for y, wrt in ((1, "params"), (30, ["0.weight", "0.bias"]), (300, ["0.bias"]), (30, ["5.weight"]),
+                       (100, ["5.bias"])):
+            if b <= 128:
+                cases.append(Case("cnn", 6, y, b, wrt=wrt))
+    return cases

@@ -154,3 +154,15 @@ def _parse(argv: list[str]):
     sub = parser.add_subparsers(dest="command")
     _bench.add_arguments(sub.add_parser("bench"))
     return parser.parse_args(argv)
+
+
+def test_regret_draw_auto_equals_the_explicit_modes() -> None:
+    """A small fixed draw of bench.regret: auto's result is both explicit modes' (float64), no timings."""
+    from bench import regret
+
+    cases = regret.draw(6, seed=1, max_entries=20_000)
+    assert len({c.label for c in cases}) == 6
+    for case in cases:
+        assert regret.results_agree(case) is None
+    s = regret.summary([{"regret": r, "error": e} for r, e in ((1.0, 1.0), (1.3, 3.0), (0.9, 0.8))])
+    assert s["cases"] == 3 and s["worst"] == 1.3 and s["median"] == 1.0 and abs(s["predicted_within_2x"] - 2 / 3) < 1e-12

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from jacmode._planning import calibrated, memory, ntk, plan
+from bench.calibrate import FIT_TERMS
+from jacmode._planning import calibrated, engines, memory, ntk, plan
 
 TERMS = {"call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
          "dir_bytes", "dir_spill", "result", "seed"}
@@ -25,10 +26,11 @@ def test_the_loader_and_the_data_file_agree() -> None:
 
 def test_the_planner_reads_the_loaded_constants() -> None:
     """One set of numbers: the cost, memory and NTK models hold the loader's objects, with every term."""
-    assert plan.COST is calibrated.COST and plan.SPILL_BYTES == calibrated.SPILL_BYTES
+    assert engines.COST is calibrated.COST and plan.SPILL_BYTES == calibrated.SPILL_BYTES
     assert memory.MEMORY is calibrated.MEMORY and ntk.NTK_COST is calibrated.NTK_COST
-    assert set(calibrated.COST) == {"forward", "reverse", "forward-layerwise", "reverse-layerwise"}
-    assert all(set(c) == TERMS for c in calibrated.COST.values())
+    assert set(calibrated.COST) == {"forward", "reverse", "forward-layerwise", "reverse-layerwise", "reverse-probes"}
+    assert all(set(c) == TERMS for e, c in calibrated.COST.items() if e != "reverse-probes")
+    assert set(calibrated.COST["reverse-probes"]) == set(FIT_TERMS)  # its own terms besides (engines.py)
     assert set(calibrated.NTK_COST) == set(ntk.METHODS) and all(len(c) == 4 for c in calibrated.NTK_COST.values())
     assert all(v >= 0 for c in calibrated.COST.values() for v in c.values())
 
@@ -54,3 +56,16 @@ def test_the_calibrators_write_the_data_file_and_keep_the_other_names(tmp_path: 
     data = calibrated.load(target)
     assert data["NTK_COST"]["structured"] == [1.23e-3, 0.0, 2e-11, 0.0] and data["MEMORY"]["jvp_live"] == 9.0
     assert calibrated.path().read_text() != target.read_text()  # the package's file was not touched
+
+
+def test_a_file_without_the_probe_engine_constants_still_plans(monkeypatch) -> None:
+    """An older data file (no "reverse-probes"): the probe engine is priced as the generic reverse engine."""
+    import torch
+    import jacmode as jm
+
+    net, x = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)), torch.randn(16, 3)
+    priced = jm.plan(net, x, wrt="params").costs["reverse"]
+    older = {k: v for k, v in calibrated.COST.items() if k != "reverse-probes"}
+    monkeypatch.setattr(engines, "COST", older)
+    fallback = jm.plan(net, x, wrt="params")
+    assert fallback.engine == "reverse-probes" and fallback.costs["reverse"] != priced

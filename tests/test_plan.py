@@ -120,3 +120,57 @@ def test_auto_agrees_with_both_modes(d, y, b):
     for mode in ("forward", "reverse"):
         torch.testing.assert_close(jm.jacobian(net, x, mode=mode), auto)
     torch.testing.assert_close(auto, ref_input_jacobian(net, x))
+
+
+class _ClassMLP(nn.Module):
+    def __init__(self, i: int, h: int, o: int) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(i, h), nn.Linear(h, h), nn.Linear(h, o)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+def test_the_planner_prices_the_probe_engine_where_it_runs(used):
+    # the last layer's bias: the probe engine's reverse pass crosses nothing (the output is its probe)
+    torch.manual_seed(0)
+    g, x = _ClassMLP(8, 32, 64), torch.randn(128, 8)
+    plan = jm.plan(g, x, wrt=["l3.bias"])
+    assert (plan.mode, plan.strategy, plan.engine) == ("reverse", "per-sample", "reverse-probes")
+    assert plan.costs["forward"] > 2 * plan.costs["reverse"]
+    assert "reverse-probes (probe engine)" in plan.reason
+    jm.jacobian(g, x, wrt=["l3.bias"])
+    assert used[0].engine == "reverse-probes"
+    # the first layer's bias: the reverse pass crosses the whole net, and costs more
+    deep = jm.plan(g, x, wrt=["l1.bias"])
+    assert deep.costs["reverse"] > plan.costs["reverse"]
+
+
+def test_plan_lists_every_engine_with_its_price_or_why_not():
+    torch.manual_seed(0)
+    g, x = _ClassMLP(8, 32, 64), torch.randn(128, 8)
+    plan = jm.plan(g, x, wrt=["l3.bias"])
+    by = {c.engine: c for c in plan.candidates}
+    assert set(by) == {"forward", "forward-layerwise", "reverse", "reverse-probes"}
+    assert by["reverse-probes"].chosen and by["reverse-probes"].seconds == plan.costs["reverse"]
+    assert by["forward"].feasible and not by["forward"].chosen and "x the chosen engine's time" in by["forward"].why
+    assert by["forward"].workspace_bytes > 0
+    assert not by["forward-layerwise"].feasible and "parameter tangents" in by["forward-layerwise"].why
+    assert not by["reverse"].feasible and "fallback" in by["reverse"].why
+    assert sum(c.chosen for c in plan.candidates) == 1
+    text = repr(plan)
+    assert "\n  - reverse-probes (probe engine)" in text and "chosen" in text
+    # inputs of a captured MLP: Taylor mode serves forward, the probe engine cannot serve
+    plan = jm.plan(nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 30)), torch.randn(16, 2))
+    by = {c.engine: c for c in plan.candidates}
+    assert by["forward-layerwise"].feasible and "not inputs" in by["reverse-probes"].why
+    assert plan.engine == "forward-layerwise"
+
+
+def test_an_engine_that_does_not_fit_the_budget_says_so():
+    # forward over P = 15,910 parameter tangents needs a workspace far over 200 KB; reverse fits in chunks
+    plan = jm.plan(mnist_mlp(), torch.randn(4, 784), wrt="params", max_memory="200KB")
+    by = {c.engine: c for c in plan.candidates}
+    assert by["reverse-probes"].chosen
+    with pytest.raises(ValueError, match="even one direction per pass needs"):
+        jm.plan(mnist_mlp(), torch.randn(4, 784), wrt="params", mode="forward", max_memory="1KB")

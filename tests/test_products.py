@@ -384,3 +384,80 @@ def test_products_agree_with_each_other_and_autograd(sizes: list[int], batch: in
     torch.testing.assert_close(jm.ggn(model, x, "cross_entropy", diagonal=True), full.diagonal())
     # trace of the GGN for MSE is the trace of the NTK: both are sum_b ||J_b||_F^2
     torch.testing.assert_close(jm.ggn(model, x, diagonal=True).sum(), torch.einsum("bbyy->", kernels[0]))
+
+
+def _old_ggn(model: nn.Module, x: torch.Tensor, loss: nn.Module, y: torch.Tensor) -> torch.Tensor:
+    """The GGN of a torch loss module by torch.func: J_b^T (vmap(hessian) of the module's terms) J_b."""
+    from torch.func import functional_call, hessian, jacrev, vmap
+    from jacmode import _losses
+
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    out = model(x).detach()
+    H = _losses.hessians(loss, out, y)  # (B, Y, Y) through the module itself
+
+    def one(p: dict, xb: torch.Tensor) -> torch.Tensor:
+        return functional_call(model, p, (xb.unsqueeze(0),)).reshape(-1)
+
+    J = vmap(jacrev(one), in_dims=(None, 0))(params, x)
+    J = torch.cat([J[n].reshape(x.shape[0], H.shape[1], -1) for n in params], dim=2)  # (B, Y, P)
+    return torch.einsum("byp,byz,bzq->pq", J, H, J)
+
+
+LOSS_MODULES = {
+    "ce-mean": (lambda: nn.CrossEntropyLoss(), "index"),
+    "ce-sum-weight": (lambda: nn.CrossEntropyLoss(weight=torch.tensor([0.5, 2.0, 1.0, 0.1], dtype=torch.float64),
+                                                  reduction="sum"), "index"),
+    "ce-none-smooth-ignore": (lambda: nn.CrossEntropyLoss(reduction="none", label_smoothing=0.2, ignore_index=1), "index"),
+    "ce-mean-probabilities": (lambda: nn.CrossEntropyLoss(), "probabilities"),
+    "mse-mean": (lambda: nn.MSELoss(), "values"),
+    "mse-sum": (lambda: nn.MSELoss(reduction="sum"), "values"),
+    "mse-none": (lambda: nn.MSELoss(reduction="none"), "values"),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSS_MODULES))
+def test_ggn_with_a_loss_module_takes_the_closed_form_factor(name: str, monkeypatch) -> None:
+    from jacmode import _losses
+
+    torch.manual_seed(3)
+    make, targets = LOSS_MODULES[name]
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+    x = torch.randn(7, 3, dtype=torch.float64)
+    y = {"index": torch.tensor([0, 1, 2, 3, 1, 0, 2]),
+         "probabilities": torch.softmax(torch.randn(7, 4, dtype=torch.float64), 1),
+         "values": torch.randn(7, 4, dtype=torch.float64)}[targets]
+    ref = _old_ggn(model, x, make(), y)
+
+    def no_hessians(*a, **k):
+        raise AssertionError("the closed-form factor serves torch's CrossEntropyLoss and MSELoss")
+
+    monkeypatch.setattr(_losses, "hessians", no_hessians)
+    full = jm.ggn(model, x, make(), y=y)
+    torch.testing.assert_close(full, ref, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(jm.ggn(model, x, make(), y=y, diagonal=True), ref.diagonal(), rtol=1e-10, atol=1e-12)
+
+
+def test_ggn_loss_module_equals_the_string_spelling() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 4)).double()
+    x = torch.randn(9, 3, dtype=torch.float64)
+    labels = torch.randint(0, 4, (9,))
+    for diagonal in (False, True):
+        torch.testing.assert_close(jm.ggn(model, x, nn.CrossEntropyLoss(reduction="sum"), y=labels, diagonal=diagonal),
+                                   jm.ggn(model, x, "cross_entropy", diagonal=diagonal), rtol=1e-12, atol=1e-13)
+        # MSELoss(sum) = sum (f - y)^2 is twice the string's 0.5 * ||f - y||^2
+        torch.testing.assert_close(jm.ggn(model, x, nn.MSELoss(reduction="sum"), y=torch.randn(9, 4, dtype=torch.float64),
+                                          diagonal=diagonal),
+                                   2 * jm.ggn(model, x, "mse", diagonal=diagonal), rtol=1e-12, atol=1e-13)
+
+
+def test_ggn_loss_module_errors() -> None:
+    model, x = nn.Linear(3, 4), torch.randn(5, 3)
+    with pytest.raises(ValueError, match="needs the targets"):
+        jm.ggn(model, x, nn.CrossEntropyLoss())
+    with pytest.raises(TypeError, match="takes torch's"):
+        jm.ggn(model, x, nn.KLDivLoss(), y=torch.randn(5, 4))
+    bad = nn.CrossEntropyLoss()
+    bad.reduction = "batchmean"
+    with pytest.raises(ValueError, match="reduction must be"):
+        jm.ggn(model, x, bad, y=torch.tensor([0, 1, 2, 3, 0]))

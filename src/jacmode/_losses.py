@@ -20,7 +20,8 @@ silently mis-scaled. See docs/products.md for the scale against BackPACK, curvli
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+import math
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
@@ -108,6 +109,45 @@ def hessians(module: nn.Module, out: Tensor, y: Tensor) -> Tensor:
     h = vmap(hessian(one))(out.detach(), y)
     n_out = out[0].numel()
     return h.reshape(out.shape[0], n_out, n_out)
+
+
+def closed_factor(module: nn.Module, out: Tensor, y: Tensor) -> Optional[tuple[Tensor, Optional[Tensor]]]:
+    """The factor L (B, Y, Y) and signs (B, Y) or None of each sample's Hessian of c_b (see the note)
+    in closed form, as the strings "mse" and "cross_entropy" have it; None where there is none
+    (then :func:`hessians` differentiates the module twice).
+
+    NOTE: [Closed-form factors of torch's losses]
+    MSELoss: c_b = s * sum (f_b - y_b)^2, so H_b = 2 s I (targets shaped like f(x)). CrossEntropyLoss,
+    with class indices or probabilities, weights, label smoothing and ``ignore_index``: per position
+    t, c_bt = s * sum_c q_btc (-log softmax(f_bt)_c) with weights q >= 0 that depend on the targets
+    only, whose Hessian is Q_bt (diag(p) - p p^T) with Q_bt = sum_c q_btc; since -log softmax(0)_c =
+    log C, the module with ``reduction='none'`` at zero logits gives Q_bt log C. So L is the
+    "cross_entropy" factor with each position's columns scaled by sqrt(s Q_bt). Both modules are sums of
+    per-sample terms by construction (their weights are per class, not per sample), so the check of
+    :func:`per_sample` is not run for them.
+
+    Example:
+        >>> out, y = torch.randn(5, 3, dtype=torch.float64), torch.tensor([0, 2, 1, 1, 0])
+        >>> L, signs = closed_factor(nn.CrossEntropyLoss(), out, y)
+        >>> torch.allclose(L @ L.transpose(1, 2), hessians(nn.CrossEntropyLoss(), out, y))
+        True
+    """
+    if out.dim() < 2:
+        return None
+    batch, n_out = out.shape[0], out[0].numel()
+    if type(module) is nn.MSELoss and y.shape == out.shape:
+        s = _scale(module, out, y)
+        eye = torch.eye(n_out, dtype=out.dtype, device=out.device) * math.sqrt(2.0 * s)
+        return eye.expand(batch, n_out, n_out), None
+    if type(module) is nn.CrossEntropyLoss and out.shape[1] > 1:
+        unreduced = copy.copy(module)
+        setattr(unreduced, "reduction", "none")  # noqa: B010 -- a torch loss module attribute
+        classes = out.shape[1]
+        q = unreduced(torch.zeros_like(out), y).reshape(batch, -1) * (_scale(module, out, y) / math.log(classes))
+        cols = q[:, None, :].expand(batch, classes, q.shape[1]).reshape(batch, n_out)  # column (d, u): Q_bu
+        L = cross_entropy_factor(out) * cols.abs().sqrt()[:, None, :]
+        return L, (torch.sign(cols) if bool((cols < 0).any()) else None)
+    return None
 
 
 def cross_entropy_factor(out: Tensor) -> Tensor:

@@ -6,6 +6,10 @@ own inputs. A candidate the cost model expects to finish within ``WHOLE_S`` is r
 warm-up, then the best of up to three runs); a longer one is timed on truncated passes sized to a
 few milliseconds (``PASS_S``) -- k and k/2 directions, or a subset of samples for per-sample
 Jacobians -- and the full time is extrapolated from the per-pass and per-direction parts. The
+candidates timed are the best by the cost model and every other predicted within ``MODEL_ERROR`` of
+it (the spread of the model's predicted/measured ratio on the regret grid, docs/modes.md): one
+predicted further off is not timed, the model being sure enough. Per-sample parameter Jacobians
+are timed on the engine that runs them (the probe engine where it serves). The
 winner is cached per function (weakly), input shape, dtype, device, wrt, structure, chunk size and
 memory budget, and reused without timing; :func:`autotune_cache` lists the entries and
 :func:`jacmode.clear_cache` forgets them.
@@ -25,11 +29,13 @@ from .._checks import Options
 from .._autodiff.forward import forward_columns, layerwise_columns
 from .._autodiff.reverse import per_sample_rows, reverse_rows
 from .._problem import Problem
+from .._probes import layerwise
 from .._structure import _SEEDS, run
 from .plan import MODES, Plan, with_reason
 
 WHOLE_S = 0.05
 PASS_S = 0.005
+MODEL_ERROR = 4.0  # predicted times further apart than this are not timed (see the note)
 
 
 @dataclass(frozen=True)
@@ -54,12 +60,17 @@ def tuned(f: Any, key: tuple, p: Problem, opts: Options, plan: Plan,
                                  "the candidates on its first call and caches the winner")
     if hit is None:
         plans = {m: q for m in MODES if (q := plan_for(m)) is not None}
+        best = min(q.costs.get(m, math.inf) for m, q in plans.items())
+        close = {m: q for m, q in plans.items() if q.costs.get(m, math.inf) <= MODEL_ERROR * best}
         seconds, hows = {}, set()
         with rng_kept(p.device):
-            for m, q in plans.items():
+            for m, q in close.items():
                 seconds[m], how = _time(p, q)
                 hows.add(how)
-        hit = Tuned(min(seconds, key=lambda m: seconds[m]), seconds, " and ".join(sorted(hows)))
+        far = [m for m in plans if m not in close]
+        if far:
+            hows.add(f"{' and '.join(far)} not timed: predicted over {MODEL_ERROR:g}x slower than the best")
+        hit = Tuned(min(seconds, key=lambda m: seconds[m]), seconds, "; ".join(sorted(hows)))
         _WINNERS.put(f, tkey, hit)
     chosen = plan_for(hit.mode) or plan
     times = ", ".join(f"{m} {s * 1e3:.3g} ms" for m, s in hit.seconds.items())
@@ -86,6 +97,13 @@ def _time(p: Problem, plan: Plan) -> tuple[float, str]:
         run(p, plan)  # warm-up
         return _best(lambda: run(p, plan), 3 if predicted < WHOLE_S / 3 else 1, p.device), "whole runs"
     share = min(1.0, PASS_S / predicted)
+    if plan.strategy == "per-sample" and p.probes is not None and not p.probes.uncovered:
+        s = max(1, min(p.batch, int(p.batch * share)))  # the probe engine, as run() runs it, on s samples
+        named = [(n, t) for (n, _), t in zip(p.params, p.tensors)]
+        part = torch.empty(s, p.n_out, p.n_in, dtype=p.dtype, device=p.device)
+        call = lambda: layerwise.fill(p.model, p.x[:s], named, p.probes, part)  # type: ignore[arg-type]  # noqa: E731
+        call()
+        return _best(call, 2, p.device) * p.batch / s, f"extrapolated from {s} of {p.batch} samples"
     if plan.strategy == "per-sample":
         s = max(1, min(p.batch, int(p.batch * share)))
         noop5 = lambda *a: None  # noqa: E731

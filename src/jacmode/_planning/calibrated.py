@@ -12,7 +12,7 @@ repository's ``bench/``: ``python -m bench.calibrate --write`` (``COST``, ``MEMO
 - ``NTK_COST``: per NTK method, the constants (c0, c1, c2, c3) of its time (``_planning/ntk.py``).
 
 Example:
-    >>> sorted(COST) == ["forward", "forward-layerwise", "reverse", "reverse-layerwise"]
+    >>> sorted(COST) == ["forward", "forward-layerwise", "reverse", "reverse-layerwise", "reverse-probes"]
     True
     >>> load(DATA_FILE)["MEMORY"] == MEMORY
     True

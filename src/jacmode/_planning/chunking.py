@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from .._problem import Problem
+from .engines import serving
 from .footprint import Footprint
 from .memory import largest_fitting, workspace
 
@@ -28,18 +29,14 @@ def samples_per_direction(p: Problem, strategy: str) -> int:
 
 
 def engine(p: Problem, mode: str, strategy: str) -> str:
-    """Which calibrated engine runs a candidate: "forward", "reverse", or their "-layerwise" kin.
+    """Which engine runs a candidate: "forward", "reverse", "forward-layerwise" or "reverse-probes".
 
     Through a captured graph whose operations all have rules, forward mode over broadcast seeds
     pushes the tangents op by op (``_capture/taylor.py``); per-sample parameter Jacobians of modules
     with rules run the probe engine (``_probes/layerwise.py``): no dual tensors, no vmap, and their
-    own measured costs.
+    own measured costs (see [One cost per engine] in ``engines.py``).
     """
-    if strategy == "per-sample" and getattr(p, "probes", None) is not None:
-        return "reverse-layerwise"
-    if getattr(p, "program", None) is not None and mode == "forward" and strategy == "broadcast":
-        return "forward-layerwise"
-    return mode
+    return serving(p, mode, strategy)
 
 
 def pass_workspace(p: Problem, fp: Footprint, mode: str, strategy: str, k: int, s: int) -> float:
@@ -47,7 +44,7 @@ def pass_workspace(p: Problem, fp: Footprint, mode: str, strategy: str, k: int, 
     isz = p.z.element_size()
     S = samples_per_direction(p, strategy)
     if strategy == "per-sample":  # the probe engine writes the blocks straight into the result
-        copies = 0 if engine(p, mode, strategy) == "reverse-layerwise" else p.n_in * isz
+        copies = 0 if engine(p, mode, strategy) == "reverse-probes" else p.n_in * isz
         return workspace(mode, k=k, samples=s, act=fp.act, peak=fp.peak, per_sample=True,
                                  seed_bytes=p.n_out * isz, block_bytes=0, param_bytes=copies)
     seed = {"broadcast": p.n_in, "whole-batch": p.z.numel(), "full": p.n_in, "diagonal": p.n_in}[strategy]
@@ -64,7 +61,7 @@ def chunks(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int,
     """(directions per pass, samples per pass, workspace, cut by the budget?); None if none fits."""
     if strategy == "per-sample":
         Y, B = p.n_out, max(1, min(p.batch, sample_cap or p.batch))
-        if engine(p, mode, strategy) == "reverse-layerwise":  # all Y at once; chunks of samples only
+        if engine(p, mode, strategy) == "reverse-probes":  # all Y at once; chunks of samples only
             s_fit = largest_fitting(lambda n: pass_workspace(p, fp, mode, strategy, Y, n) <= budget,
                                             min(B, max(1, chunk_size // Y)) if chunk_size else B)
             return (Y, s_fit, pass_workspace(p, fp, mode, strategy, Y, s_fit), s_fit < B) if s_fit else None

@@ -47,13 +47,14 @@ def _measure(f: Any, key: tuple, p: Problem) -> Footprint:
     k = (min(p.batch, 4) if p.structure == "coupled" else 1) if p.batched else 1
     x = (p.x[:k] if p.batched else p.x).detach().clone()
     g = take(f, slice(0, k)) if p.batched else f  # a call of several arguments: riders of those samples
+    hooked = list(p.probes.modules) if p.probes is not None else []  # the probe engine's tail
     with rng_kept(p.device):
         try:
-            return _footprint.footprint(f, key, g, x, k)
+            return _footprint.footprint(f, key, g, x, k, hooked)
         except Exception:  # noqa: BLE001 - f may need more samples (e.g. batch statistics)
             if not p.batched or k == p.batch:
                 raise
-            return _footprint.footprint(f, key, f, p.x.detach().clone(), p.batch)
+            return _footprint.footprint(f, key, f, p.x.detach().clone(), p.batch, hooked)
 
 
 def decide(f: Any, p: Problem, opts: Options, out_given: bool, timing: bool = True) -> Decision:

@@ -11,20 +11,39 @@ produces (``act``: an upper bound of the tape that reverse mode keeps) and of th
 fixed per-pass overhead that dominates small problems). They are counted with a dispatch mode on
 one forward pass over one sample, without differentiating, and cached per function
 (weakly), per-sample shape, dtype, device and parameter selection.
+
+For the probe engine (per-sample parameter Jacobians, ``_probes/``) the same pass also counts its
+``tail``: the work after the first call of a module whose parameters are selected, which is all
+that the engine's reverse pass crosses (it stops at the probes, never reaching the input), and the
+number of such calls, each of which its rule turns into blocks. Its hooks count this thread's
+calls only (``_threads.transient_hooks``).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from .._cache import WeakCache
+from .._threads import transient_hooks
+
+
+@dataclass(frozen=True)
+class Tail:
+    """Per-sample work of a forward pass after the first call of a hooked module (see the note)."""
+
+    ops: int
+    flops: float
+    conv_flops: float
+    act: float
+    calls: int  # calls of the hooked modules
 
 
 @dataclass(frozen=True)
@@ -36,12 +55,13 @@ class Footprint:
     act: float
     peak: float
     conv_flops: float = 0.0
+    tail: Optional[Tail] = None  # measured with hooked modules (the probe engine's), else None
 
 
 class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops, self.bytes, self.peak, self.flops, self.conv = 0, 0, 0, 0, 0
+        self.ops, self.bytes, self.peak, self.flops, self.conv = 0, 0, 0, 0.0, 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -65,20 +85,54 @@ class _Counter(TorchDispatchMode):
 _CACHE = WeakCache("footprints")
 
 
-def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:
-    """Run ``fn(x)`` once under the counters; ``x`` holds ``samples`` samples (>= 1)."""
+def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int, hooked: Sequence[nn.Module] = ()) -> Footprint:
+    """Run ``fn(x)`` once under the counters; ``x`` holds ``samples`` samples (>= 1).
+
+    ``hooked``: modules whose calls start the tail (see the note); the footprint's ``tail`` is then
+    the work after the first of their calls ended.
+
+    Example:
+        >>> net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 4))
+        >>> fp = measure(net, torch.randn(1, 8), 1, hooked=[net[2]])
+        >>> fp.flops, fp.tail.flops, fp.tail.calls   # 2*(8*32 + 32*4); the last layer's output is the probe
+        (768.0, 0.0, 1)
+    """
     counter = _Counter()
-    with torch.no_grad(), counter:
-        fn(x.detach())
+    first: list[tuple[int, float, float, int]] = []  # counters when the first hooked call ended
+    calls = [0]
+    me = threading.get_ident()
+
+    def hook(module: nn.Module, args: Any, out: Any) -> None:
+        if threading.get_ident() != me:  # another thread's forward pass: not this count's
+            return
+        calls[0] += 1
+        if not first:
+            first.append((counter.ops, counter.flops, counter.conv, counter.bytes))
+
+    with transient_hooks():
+        handles = [m.register_forward_hook(hook) for m in hooked]
+        try:
+            with torch.no_grad(), counter:
+                fn(x.detach())
+        finally:
+            for h in handles:
+                h.remove()
     k = max(1, samples)
-    return Footprint(ops=counter.ops, flops=counter.flops / k, act=counter.bytes / k, peak=counter.peak / k,
-                     conv_flops=counter.conv / k)
+    mm, conv = counter.flops, counter.conv
+    tail = None
+    if first:
+        ops0, mm0, conv0, bytes0 = first[0]
+        tail = Tail(ops=counter.ops - ops0, flops=(mm - mm0) / k, conv_flops=(conv - conv0) / k,
+                    act=(counter.bytes - bytes0) / k, calls=calls[0])
+    return Footprint(ops=counter.ops, flops=mm / k, act=counter.bytes / k, peak=counter.peak / k, conv_flops=conv / k,
+                     tail=tail)
 
 
-def footprint(ident: Any, key: tuple, fn: Callable[[Tensor], Any], x: Tensor, samples: int) -> Footprint:
+def footprint(ident: Any, key: tuple, fn: Callable[[Tensor], Any], x: Tensor, samples: int,
+              hooked: Sequence[nn.Module] = ()) -> Footprint:
     """:func:`measure`, cached under ``ident`` (weakly) and ``key``."""
     hit = _CACHE.get(ident, key)
     if hit is None:
-        hit = measure(fn, x, samples)
+        hit = measure(fn, x, samples, hooked)
         _CACHE.put(ident, key, hit)
     return hit

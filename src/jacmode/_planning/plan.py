@@ -47,8 +47,10 @@ from typing import Any, Optional
 
 from .._capture.taylor import seed_built
 from .._problem import Problem
-from .calibrated import COST, SPILL_BYTES
+from . import engines as _engines
+from .calibrated import SPILL_BYTES
 from .chunking import chunks, engine, pass_workspace, samples_per_direction
+from .engines import Candidate
 from .footprint import Footprint
 from .memory import fmt_bytes
 
@@ -75,6 +77,10 @@ class Plan:
         reason: one line on why this mode and strategy were chosen.
         coloring: for strategy "sparse", the :class:`jacmode.Coloring` used (colours, lower
             bound, partition; see docs/sparse.md), else None.
+        engine: the engine that runs the plan: "forward", "forward-layerwise", "reverse" or
+            "reverse-probes" ("" for the sparse and fallback paths).
+        candidates: every engine considered (:class:`~jacmode._planning.engines.Candidate`): its
+            predicted time and workspace, or why it cannot serve, and why the chosen one won.
     """
 
     mode: str
@@ -89,6 +95,8 @@ class Plan:
     loop: Optional[str] = None
     reason: str = ""
     coloring: Optional[Any] = None
+    engine: str = ""
+    candidates: tuple[Candidate, ...] = ()
 
     @property
     def peak_bytes(self) -> int:
@@ -106,6 +114,7 @@ class Plan:
             f"chunk={chunks} per pass{loop}, est. time [{costs}], "
             f"memory={fmt_bytes(self.result_bytes)} result + {fmt_bytes(self.workspace_bytes)} "
             f"workspace (budget {fmt_bytes(self.budget_bytes)}))\n  why: {self.reason}"
+            + "".join(f"\n  - {c}" for c in self.candidates)
         )
 
 
@@ -169,10 +178,17 @@ def _seed_elements(p: Problem, mode: str, strategy: str, directions: int, S: int
     return float(directions * p.n_in) if seed_built(program, p.in_shape, p.z) else 0.0
 
 
-def estimate(engine_name: str, terms: dict[str, float]) -> float:
-    """Seconds: the calibrated constants of an engine (see :func:`engine`) times the terms."""
-    constants = COST.get(engine_name) or COST[engine_name.split("-")[0]]
-    return sum(constants.get(k, 0.0) * v for k, v in terms.items())
+estimate = _engines.estimate
+
+
+def seconds(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int, chunk: int,
+            sample_chunk: Optional[int]) -> float:
+    """The predicted time of the engine that runs ``mode`` with ``strategy`` (see ``engines.py``)."""
+    name = engine(p, mode, strategy)
+    generic = lambda: estimate(mode, features(p, fp, mode, strategy, directions, chunk, sample_chunk))  # noqa: E731
+    if name == "reverse-probes":
+        return _engines.probe_seconds(p, fp, sample_chunk, generic)
+    return estimate(name, features(p, fp, mode, strategy, directions, chunk, sample_chunk))
 
 
 def minimum_workspace(p: Problem, fp: Footprint, mode: str) -> float:
@@ -212,13 +228,13 @@ def make_plan(
         fit = chunks(p, fp, m, strategy, directions, chunk_size, budget, cap)
         if fit is not None:
             chunk, samples, ws, cut = fit
-            cost = estimate(engine(p, m, strategy), features(p, fp, m, strategy, directions, chunk, samples))
-            sized[m] = (strategy, directions, chunk, samples, ws, cost, cut)
+            cost = seconds(p, fp, m, strategy, directions, chunk, samples)
+            sized[m] = (strategy, directions, chunk, samples, ws, cost, cut, engine(p, m, strategy))
     if not sized or (mode != "auto" and mode not in sized):
         return None
     costs = {m: v[5] for m, v in sized.items()}
     chosen = min(costs, key=lambda m: costs[m]) if mode == "auto" else mode
-    strategy, directions, chunk, samples, ws, _, cut = sized[chosen]
+    strategy, directions, chunk, samples, ws, _, cut, runs = sized[chosen]
     if mode != "auto":
         reason = f"mode={mode!r} was requested"
         best = min(costs, key=lambda m: costs[m])
@@ -243,7 +259,8 @@ def make_plan(
     return Plan(mode=chosen, strategy=strategy, directions=directions, chunk_size=chunk,
                 sample_chunk=samples, costs=costs, result_bytes=result_bytes,
                 workspace_bytes=int(ws), budget_bytes=int(min(budget, 2**62)), loop=loops.get(chosen),
-                reason=reason)
+                reason=reason, engine=runs if chosen not in loops else "",
+                candidates=_engines.candidates(p, sized, chosen, allowed, why))
 
 
 def with_reason(plan: Plan, reason: str, costs: Optional[dict[str, float]] = None) -> Plan:
@@ -252,7 +269,7 @@ def with_reason(plan: Plan, reason: str, costs: Optional[dict[str, float]] = Non
 
 
 def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, ...]) -> str:
-    strategy, n, chunk, _, _, cost, _ = sized[mode]
+    strategy, n, chunk, _, _, cost, _, runs = sized[mode]
     what = {"inputs": "input features D", "params": "parameters P"}[p.kind]
     if strategy == "diagonal":
         return "elementwise f: one forward-mode pass with a tangent of ones gives the whole diagonal"
@@ -261,7 +278,8 @@ def _reason(p: Problem, mode: str, sized: dict[str, tuple], allowed: tuple[str, 
     if others:
         other = others[0]
         ratio = sized[other][5] / cost if cost > 0 else math.inf
-        versus = f"{mode} needs {_dirs(n)} vs {sized[other][1]} ({ratio:.1f}x faster by the cost model)"
+        versus = (f"{mode} needs {_dirs(n)} vs {sized[other][1]}; {runs} ({_engines.WHAT[runs]}) is "
+                  f"{ratio:.1f}x faster than {sized[other][7]} by the cost model")
     elif len(allowed) > 1:
         versus = f"{mode} ({_dirs(n)}) is the only mode whose smallest pass fits the memory budget"
     else:

@@ -66,6 +66,9 @@ def factor_for(loss: Any, n_out: int, y: Optional[Tensor] = None) -> Callable[[T
             return _losses.cross_entropy_factor(out if out.dim() > 1 else out.unsqueeze(1)), None
         if _losses.is_torch_loss(loss):
             assert y is not None  # checked by the entry point
+            closed = _losses.closed_factor(loss, out, y)  # MSELoss, CrossEntropyLoss: as the strings
+            if closed is not None:
+                return closed
             h = _losses.hessians(loss, out, y)
         else:
             h = check_hessians(loss(out), out.shape[0], n_out)

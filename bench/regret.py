@@ -1,0 +1,263 @@
+"""The regret of ``mode="auto"`` on drawn problems: ``python -m bench.regret``.
+
+Cases are drawn (numpy RNG, seeded), not picked: a model class (MLP written as a module class or
+as ``nn.Sequential``, 1 to 4 hidden layers of drawn widths, an activation, LayerNorm or BatchNorm
+in eval mode, a residual connection, a convolutional front), a batch B, input features D, outputs
+Y, what is differentiated (the inputs, all parameters, or a subset: the first, a middle or the last
+layer, its weight or bias) and the entry point (a batched or unbatched ``jm.jacobian``). Each case
+times ``mode="auto"``, ``"forward"`` and ``"reverse"`` side by side (interleaved rounds, medians,
+1 thread) and reports the regret -- auto's time over the faster explicit mode -- and the
+prediction error of the engine auto chose (predicted seconds over measured).
+
+Commands:
+    python -m bench.regret [--cases 64] [--seed 0] [--json FILE]
+
+Example:
+    >>> case = draw(3, seed=0)[0]
+    >>> model, x = case.build()
+    >>> tuple(model(x).shape)[0] == (case.b if case.batched else model(x).shape[0])
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+ACTS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "sigmoid": nn.Sigmoid}
+
+
+class Drawn(nn.Module):
+    """An MLP written as a module class: optional conv front, norms, a residual hidden layer."""
+
+    def __init__(self, d: int, widths: Sequence[int], y: int, act: str, norm: str, residual: bool,
+                 conv: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, conv, 3, padding=1) if conv else None
+        d_in = conv * d if conv else d  # conv: x is (B, 1, 1, d) -> (B, conv, 1, d)
+        sizes = [d_in, *widths]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(sizes[:-1], sizes[1:]))
+        self.norm = {"layer": nn.LayerNorm(widths[0]), "batch": nn.BatchNorm1d(widths[0]), "none": None}[norm]
+        self.act = ACTS[act]()
+        self.residual = residual and len(widths) > 1 and widths[-1] == widths[-2]
+        self.head = nn.Linear(widths[-1], y)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.conv is not None:
+            x = self.act(self.conv(x)).flatten(1)
+        h = x
+        for i, layer in enumerate(self.layers):
+            z = layer(h)
+            if i == 0 and self.norm is not None:
+                z = self.norm(z)
+            z = self.act(z)
+            h = h + z if self.residual and i == len(self.layers) - 1 else z
+        return self.head(h)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn problem."""
+
+    d: int
+    widths: tuple[int, ...]
+    y: int
+    b: int
+    act: str
+    norm: str
+    residual: bool
+    conv: int
+    sequential: bool
+    wrt: Any  # "inputs", "params" or a list of names
+    batched: bool
+    seed: int
+
+    def build(self) -> tuple[nn.Module, torch.Tensor]:
+        """The model (eval mode) and the input: (B, D), (B, 1, 1, D) with a conv front, (D,) unbatched."""
+        torch.manual_seed(self.seed)
+        model = Drawn(self.d, self.widths, self.y, self.act, self.norm, self.residual, self.conv)
+        if self.sequential and not self.conv and not self.residual and self.norm == "none":
+            mods: list[nn.Module] = []
+            for layer in model.layers:
+                mods += [layer, ACTS[self.act]()]
+            model = nn.Sequential(*mods, model.head)  # type: ignore[assignment]
+        model.eval()
+        shape = (1, 1, self.d) if self.conv else (self.d,)
+        x = torch.randn(self.b, *shape) if self.batched else torch.randn(*shape)
+        if not self.batched and self.conv:
+            x = torch.randn(1, 1, 1, self.d)  # one sample, kept 4-d for the conv
+        return model, x
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"wrt": self.wrt, "batched": self.batched}
+
+    @property
+    def label(self) -> str:
+        kind = "seq" if self.sequential and not self.conv and not self.residual and self.norm == "none" else "cls"
+        front = f" conv{self.conv}" if self.conv else ""
+        extras = (f" {self.norm}norm" if self.norm != "none" else "") + (" res" if self.residual else "")
+        wrt = self.wrt if isinstance(self.wrt, str) else "+".join(self.wrt)
+        return (f"{kind}{front} d={self.d} h={'x'.join(map(str, self.widths))} y={self.y} {self.act}{extras} "
+                f"B={self.b}{'' if self.batched else ' unbatched'} wrt={wrt}")
+
+
+def _names(model: nn.Module) -> list[str]:
+    return [n for n, _ in model.named_parameters()]
+
+
+def draw(n: int, seed: int = 0, max_entries: int = 4 * 10**7) -> list[Case]:
+    """``n`` cases drawn with numpy's RNG from ``seed`` (see the module docstring), each with a
+    result of at most ``max_entries`` (B * Y * N) entries."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    while len(cases) < n:
+        depth = int(rng.integers(1, 5))
+        widths = tuple(int(rng.choice([4, 8, 16, 32, 64, 128])) for _ in range(depth))
+        if rng.random() < 0.3 and depth > 1:
+            widths = (*widths[:-1], widths[-2])  # residual-ready
+        d = int(rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256]))
+        y = int(rng.choice([1, 2, 4, 8, 16, 32, 64, 128, 256]))
+        b = int(rng.choice([1, 4, 16, 64, 256, 1024]))
+        conv = int(rng.choice([0, 0, 0, 2, 4])) if d >= 4 else 0
+        norm = str(rng.choice(["none", "none", "layer", "batch"]))
+        residual = bool(rng.random() < 0.3)
+        sequential = bool(rng.random() < 0.4)
+        batched = bool(rng.random() < 0.85)
+        wrt_kind = str(rng.choice(["inputs", "inputs", "params", "first", "middle", "last"]))
+        case = Case(d, widths, y, b if batched else 1, str(rng.choice(list(ACTS))), norm, residual, conv,
+                    sequential, "inputs", batched, int(rng.integers(1 << 30)))
+        wrt: Any = wrt_kind
+        if wrt_kind not in ("inputs", "params"):
+            names = _names(case.build()[0])
+            linear = [n for n in names if n.endswith((".weight", ".bias")) and "norm" not in n]
+            layers = sorted({n.rsplit(".", 1)[0] for n in linear}, key=lambda s: [n.rsplit(".", 1)[0] for n in linear].index(s))
+            layer = {"first": layers[0], "middle": layers[len(layers) // 2], "last": layers[-1]}[wrt_kind]
+            which = str(rng.choice(["weight", "bias", "both"]))
+            wrt = [f"{layer}.weight", f"{layer}.bias"] if which == "both" else [f"{layer}.{which}"]
+        case = Case(**{**case.__dict__, "wrt": wrt})
+        work = case.b * max(case.y, 1) * _n_in(case)  # result entries: keep each case under ~0.5 s
+        if work > max_entries:
+            continue
+        cases.append(case)
+    return cases
+
+
+def _n_in(case: Case) -> int:
+    model, x = case.build()
+    if case.wrt == "inputs":
+        return x[0].numel() if case.batched else x.numel()
+    names = _names(model) if case.wrt == "params" else case.wrt
+    return sum(p.numel() for n, p in model.named_parameters() if n in names)
+
+
+def time_modes(case: Case, modes: Sequence[str] = ("auto", "forward", "reverse"), reps: int = 9,
+               budget_s: float = 3.0) -> dict[str, float]:
+    """Median seconds per call of ``jm.jacobian`` in each mode, the modes interleaved."""
+    import jacmode as jm
+
+    model, x = case.build()
+    calls = {m: (lambda m=m: jm.jacobian(model, x, mode=m, **case.kwargs())) for m in modes}
+    slow: dict[str, float] = {}  # a mode whose one call takes over 1 s: timed once, not in the rounds
+    for m, call in calls.items():  # first calls: captures, caches, generated code (third call, steady by the sixth)
+        t0 = time.perf_counter()
+        for _ in range(6):
+            t1 = time.perf_counter()
+            call()
+            if time.perf_counter() - t1 > 1.0:  # once more: a first call's one-time work is no verdict
+                t2 = time.perf_counter()
+                call()
+                if time.perf_counter() - t2 > 1.0:
+                    slow[m] = time.perf_counter() - t2
+                    break
+            if time.perf_counter() - t0 > 2.0:
+                break
+    modes = [m for m in modes if m not in slow]
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    start = time.perf_counter()
+    for r in range(reps):
+        for m in (modes if r % 2 == 0 else list(reversed(modes))):
+            t0 = time.perf_counter()
+            calls[m]()
+            times[m].append(time.perf_counter() - t0)
+        if r >= 2 and time.perf_counter() - start > budget_s:
+            break
+    return {**{m: statistics.median(v) for m, v in times.items()}, **slow}
+
+
+def results_agree(case: Case) -> Optional[str]:
+    """None when auto's result equals both explicit modes' (float64), else what differs."""
+    import jacmode as jm
+
+    model, x = case.build()
+    model, x = model.double(), x.double()
+    got = {m: jm.jacobian(model, x, mode=m, **case.kwargs()) for m in ("auto", "forward", "reverse")}
+    for m in ("forward", "reverse"):
+        if not torch.allclose(got["auto"], got[m], rtol=1e-9, atol=1e-11):
+            return f"{case.label}: auto differs from {m} by {float((got['auto'] - got[m]).abs().max()):.3g}"
+    return None
+
+
+def measure(cases: Sequence[Case], log: Any = print, recheck: float = 1.1) -> list[dict[str, Any]]:
+    """Regret and prediction error per case; doubtful points are timed again, longer."""
+    import jacmode as jm
+
+    out = []
+    for i, case in enumerate(cases):
+        t = time_modes(case)
+        regret = t["auto"] / min(t["forward"], t["reverse"])
+        if regret > recheck:  # a loaded machine: look again before believing it
+            t = time_modes(case, reps=21, budget_s=8.0)
+            regret = t["auto"] / min(t["forward"], t["reverse"])
+        model, x = case.build()
+        plan = jm.plan(model, x, **case.kwargs())
+        predicted = plan.costs.get(plan.mode, math.nan)
+        engine = getattr(plan, "engine", plan.mode)
+        out.append({"case": case.label, "seconds": t, "regret": regret, "mode": plan.mode, "engine": engine,
+                    "predicted": predicted, "error": predicted / t["auto"]})
+        log(f"[{i + 1}/{len(cases)}] {case.label}: auto={engine} {t['auto'] * 1e3:.3g} ms (predicted "
+            f"{predicted * 1e3:.3g}), forward {t['forward'] * 1e3:.3g}, reverse {t['reverse'] * 1e3:.3g} "
+            f"-> regret {regret:.3f}")
+    return out
+
+
+def summary(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Median, 95th percentile and worst regret; the share of predictions within 2x."""
+    rs = sorted(r["regret"] for r in records)
+    errs = [r["error"] for r in records]
+    return {
+        "cases": len(rs),
+        "median": statistics.median(rs),
+        "p95": rs[math.ceil(0.95 * len(rs)) - 1],
+        "worst": rs[-1],
+        "within_1.25": sum(r <= 1.25 for r in rs) / len(rs),
+        "predicted_within_2x": sum(0.5 <= e <= 2.0 for e in errs) / len(errs),
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.regret", description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="FILE", help="save the records and the summary")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    records = measure(draw(args.cases, args.seed))
+    s = summary(records)
+    print(json.dumps(s, indent=1))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"summary": s, "records": records}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
