@@ -87,7 +87,7 @@ def terms(case: Case, mode: str) -> dict[str, float]:
         out = probe_terms(p, d.fp, q.sample_chunk)
     else:
         out = _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
-    out["engine"] = name
+    out["engine"] = name  # type: ignore[assignment]
     return out
 
 

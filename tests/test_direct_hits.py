@@ -21,7 +21,6 @@ from torch.func import jacfwd, jacrev, vmap
 import jacmode as jm
 from jacmode import _profile
 from jacmode._capture import codegen
-from jacmode._capture.bound import Attributes
 from jacmode._state import modules_of
 
 DIMS = [(0,), (1, 1)]
@@ -244,19 +243,6 @@ def test_modules_of_is_f_modules_for_shared_and_nested_modules() -> None:
         deep = nn.Sequential(deep)
     found = modules_of(deep)
     assert len(found) == 1201 and found[0] is deep and isinstance(found[-1], nn.Linear)
-
-
-def test_attributes_compare_values_and_types() -> None:
-    m = nn.Softplus(beta=2.0)
-    a = Attributes(m)
-    assert a.fresh()
-    m.beta = 2  # equal, another type
-    assert not a.fresh()
-    m.beta = 2.0
-    assert a.fresh()
-    del m.beta
-    m.other = 1.0  # as many attributes, one of them another
-    assert not a.fresh()
 
 
 _G = {"w": torch.randn(2, 6, dtype=torch.float64)}

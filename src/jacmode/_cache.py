@@ -102,6 +102,10 @@ NOT_CACHES: dict[str, str] = {
     "jacmode._state._KERNELS": _IN_FLIGHT + " (how many calls hold the attention kernels' guard, the flags to restore)",
     "jacmode._state._MKLDNN": _IN_FLIGHT + " (how many calls hold the mkldnn guard, the flag to restore)",
     "jacmode._state._SDP_FLAGS": "torch's scaled-dot-product flags (getters and setters), read at import",
+    "jacmode._threads._PLACED": _IN_FLIGHT + " (how many calls have hooks of their own on the user's modules)",
+    "jacmode._planning.engines.BY_MODE": _CONSTANT,
+    "jacmode._planning.engines.WHAT": _CONSTANT,
+    "jacmode._planning.footprint.flop_registry": "torch's table of flop formulas (imported)",
     "jacmode._transform._SPECS": "the entry points' specs: registered at import (and derived from the signature alone)",
     "jacmode._transform._TOKENS": "interned option sets -> the token in profile keys, which live Transformed objects "
                                   "hold: numbered by its length, so clearing it would give a new option set a token "
@@ -270,8 +274,8 @@ def clear_cache() -> None:
     Example:
         >>> import torch, jacmode as jm
         >>> from jacmode import _profile
-        >>> net = torch.nn.Linear(3, 2)
-        >>> _ = jm.jacobian(net, torch.randn(4, 3))
+        >>> net, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+        >>> _ = jm.jacobian(net, x); _ = jm.jacobian(net, x)   # the second call keeps a profile
         >>> _profile.count(net)
         1
         >>> jm.clear_cache()

@@ -216,30 +216,17 @@ def walked(token: int, args: tuple[Any, ...], kwargs: dict[str, Any],
 
 
 def fresh(program: Any, x: Tensor, signature: Optional[tuple[Any, ...]] = None) -> bool:
-    """Whether a captured program a profile holds still serves inputs like ``x``: it reads what f
-    reads (the tensors and Python values it took from f's closure, globals and modules are
-    unchanged, ``_capture/bound.py``: a rebound name or a changed scalar is not in the key), and no
-    engine rejected it for this input signature since (``_capture/capture.reject``).
+    """Whether a captured program a profile holds still serves inputs like ``x``: the tensors it
+    binds from f's closure, globals and modules are still there as traced (``_capture/bound.py``;
+    the Python values it froze are the generation's, ``_guard.py``), and no engine rejected it for
+    this input signature since (``_capture/capture.reject``).
     ``signature``: ``(x.shape[1:], x.dtype, x.device.type)`` when the caller has it (a profile
     hit: the key fixes it)."""
     if program is None:
         return True
     if not isinstance(program.checked.get(signature or (tuple(x.shape[1:]), x.dtype, x.device.type)), tuple):
         return False
-    guards = program.__dict__.get("_fresh")
-    if guards is None:  # the program's own, fixed (a recapture is a new program): one generated check
-        guards = program.__dict__["_fresh"] = _fresh_check((*program.bound, *program.guards))
-    return guards()
-
-
-def _fresh_check(guards: tuple[Any, ...]) -> Any:
-    """``() -> bool``: every guard fresh (``bound.emit_fresh``: as their ``fresh()``, in straight-line code)."""
-    from ._capture.bound import Source, emit_fresh
-
-    src = Source("fresh()")
-    emit_fresh(guards, src.emit, src.const, "return False")
-    src.emit("return True")
-    return src.function("KeyError", "return False  # an attribute that is gone", "<jacmode program guards>")
+    return all(b.fresh() for b in program.bound)  # Python values: the generation (_guard.py)
 
 
 def checked_key(x: Tensor) -> tuple[Any, ...]:

@@ -17,9 +17,9 @@ stores as a constant is classified once, when the graph is captured:
   and the generic engine differentiates f as it runs; the plan gives the reason.
 
 Python values are frozen into the graph as they were when it was traced (``torch.tanh(nu * x)``,
-``if self.alt is None``): the numbers, strings and None that f reaches the same way, and the scalar
-attributes of the modules the trace went through (not those of leaf modules, whose rules read
-their attributes at run time), are kept as :class:`Guard` s; a changed one means a fresh capture.
+``if self.alt is None``, ``self.act = torch.tanh``): a program is found again only under the
+generation of f's state it was captured in (``_guard.py``: TorchDynamo's guards over everything f
+read), so a changed value means a fresh capture.
 
 ``functional_call`` (torch.func's and torch.nn.utils.stateless's both enter torch's
 ``_reparametrize_module``) swaps its tensors into the module while the trace runs. :class:`Watch`
@@ -74,59 +74,6 @@ class Bound:
         return isinstance(value, Tensor) and _meta(value) == self.meta
 
 
-class Guard:
-    """A Python value the trace froze into the graph; the capture is stale once it changes."""
-
-    __slots__ = ("read", "where", "value")
-
-    def __init__(self, read: Reader, where: str) -> None:
-        self.read, self.where, self.value = read, where, read()
-
-    def fresh(self) -> bool:
-        try:
-            value = self.read()
-        except Exception:  # noqa: BLE001 -- gone: capture again
-            return False
-        old = self.value
-        return type(value) is type(old) and (value == old or (value != value and old != old))  # nan stays nan
-
-
-_SCALARS = (bool, int, float, complex, str, type(None))
-
-
-def _scalar(v: Any) -> bool:
-    return type(v) in _SCALARS or (type(v) is tuple and all(type(e) in _SCALARS for e in v))
-
-
-class Attributes:
-    """The scalar attributes of a module the trace went through (see the note): unchanged, and no
-    attribute added or removed."""
-
-    __slots__ = ("where", "module", "size", "items", "get", "values", "types")
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.where, self.size = f"the attributes of {type(module).__name__}", len(module.__dict__)
-        self.module = weakref.ref(module)  # the cache is weak in f: never keep f (or its modules) alive
-        self.items = [(k, v) for k, v in module.__dict__.items() if _scalar(v)]
-        self.get = _getter([k for k, _ in self.items])  # every profile hit reads them: one C call
-        self.values = tuple(v for _, v in self.items)
-        self.types = tuple(type(v) for v in self.values)
-
-    def fresh(self) -> bool:
-        module = self.module()
-        if module is None:
-            return False
-        d = module.__dict__
-        if len(d) != self.size:
-            return False
-        try:
-            values = self.get(d)
-        except KeyError:  # one removed, another added
-            return False
-        # equal and of the same types (True == 1, 1.0 == 1); a tuple compares identical objects as equal
-        return values == self.values and tuple(map(type, values)) == self.types
-
-
 class Source:
     """A check generated as straight-line Python for repeated calls (``_profile``'s key and guard
     checks, ``_probes/generated._Hot``, ``codegen.Ready``): ``const(v)`` names the value v in the
@@ -156,26 +103,6 @@ class Source:
         return self.ns[self.name]  # type: ignore[no-any-return]
 
 
-def emit_fresh(guards: Any, emit: Callable[[str], None], const: Callable[[Any], str], fail: str) -> None:
-    """Emit straight-line Python that runs ``fail`` (e.g. ``return None``) unless every guard is
-    fresh: :meth:`Attributes.fresh` inline (the module still there, as many attributes, each scalar
-    of the same type and equal; a missing one raises KeyError, which the caller's code turns into
-    ``fail``), any other guard by its ``fresh()``. ``const(v)``: the name of the constant v in the
-    generated code's namespace (for generated checks of repeated calls, ``_probes/generated.py``,
-    ``_profile.fresh``)."""
-    for g in guards:
-        if type(g) is not Attributes:
-            emit(f"if not {const(g)}.fresh(): {fail}")
-            continue
-        emit(f"m = {const(g.module)}()")
-        emit(f"if m is None: {fail}")
-        emit("d = m.__dict__")
-        emit(f"if len(d) != {g.size}: {fail}")
-        for (k, _), v, t in zip(g.items, g.values, g.types):
-            emit(f"v = d[{const(k)}]")
-            emit(f"if type(v) is not {const(t)} or (v is not {const(v)} and not (v == {const(v)})): {fail}")
-
-
 def _getter(names: list[str]) -> Callable[[dict[str, Any]], tuple[Any, ...]]:
     """``d -> tuple(d[k] for k in names)`` (KeyError where one is missing), as one ``itemgetter``."""
     if len(names) >= 2:  # an itemgetter of two names or more gives a tuple
@@ -187,29 +114,27 @@ def _meta(t: Tensor) -> tuple:
     return (tuple(t.shape), t.dtype, t.device)
 
 
-def sources(f: Any) -> tuple[dict[int, tuple[Reader, str]], list[Guard]]:
-    """What f reaches through its closure, globals and defaults: each tensor's id -> (reader, where),
-    and a guard for each Python scalar.
+def sources(f: Any) -> dict[int, tuple[Reader, str]]:
+    """What f reaches through its closure, globals and defaults: each tensor's id -> (reader, where).
 
     For a module, the ``forward`` of every user-defined module class in it is searched; a user
     function found on the way (a helper in a dict of ops, a module in a closure) is searched too,
     once each, so a tensor that a helper's globals hold is read again like f's own.
     """
     found: dict[int, tuple[Reader, str]] = {}
-    guards: list[Guard] = []
     seen: set[int] = set()
     if isinstance(f, torch.nn.Module):
-        _module(found, guards, f, type(f).__name__, _DEPTH, seen)
+        _module(found, f, type(f).__name__, _DEPTH, seen)
     else:
-        _function(found, guards, getattr(f, "__func__", f), "f", _DEPTH, seen)  # a bound method's function
-    return found, guards
+        _function(found, getattr(f, "__func__", f), "f", _DEPTH, seen)  # a bound method's function
+    return found
 
 
 def _library(obj: Any) -> bool:
     return (getattr(obj, "__module__", None) or "builtins").split(".")[0] in _LIBRARIES
 
 
-def _function(found: dict[int, tuple[Reader, str]], guards: list[Guard], fn: Any, where: str, depth: int,
+def _function(found: dict[int, tuple[Reader, str]], fn: Any, where: str, depth: int,
               seen: set[int]) -> None:
     code = getattr(fn, "__code__", None)
     if code is None or id(fn) in seen or len(seen) >= _MAX_FUNCTIONS or _library(fn):
@@ -218,25 +143,25 @@ def _function(found: dict[int, tuple[Reader, str]], guards: list[Guard], fn: Any
     prefix = "" if where == "f" else f"{where}: "
     cells = getattr(fn, "__closure__", None) or ()
     for name, cell in zip(code.co_freevars, cells):
-        _walk(found, guards, _cell_reader(cell), prefix + name, depth, seen)
+        _walk(found, _cell_reader(cell), prefix + name, depth, seen)
     glob = getattr(fn, "__globals__", {})
     for name in code.co_names:
         if name in glob:
-            _walk(found, guards, _key_reader(_value(glob), name), prefix + name, depth, seen)
+            _walk(found, _key_reader(_value(glob), name), prefix + name, depth, seen)
     for i, _ in enumerate(getattr(fn, "__defaults__", None) or ()):
-        _walk(found, guards, _key_reader(_field(fn, "__defaults__"), i), f"{prefix}default {i}", depth, seen)
+        _walk(found, _key_reader(_field(fn, "__defaults__"), i), f"{prefix}default {i}", depth, seen)
     for name in getattr(fn, "__kwdefaults__", None) or {}:
-        _walk(found, guards, _key_reader(_field(fn, "__kwdefaults__"), name), f"{prefix}default {name}",
+        _walk(found, _key_reader(_field(fn, "__kwdefaults__"), name), f"{prefix}default {name}",
               depth, seen)
 
 
-def _module(found: dict[int, tuple[Reader, str]], guards: list[Guard], module: torch.nn.Module, where: str,
+def _module(found: dict[int, tuple[Reader, str]], module: torch.nn.Module, where: str,
             depth: int, seen: set[int]) -> None:
     """The forward of every user-defined module class in ``module`` (library modules read their own state)."""
     for m in module.modules():
         cls = type(m)
         if not _library(cls):
-            _function(found, guards, getattr(cls, "forward", None), f"{cls.__name__}.forward", depth, seen)
+            _function(found, getattr(cls, "forward", None), f"{cls.__name__}.forward", depth, seen)
 
 
 def _value(v: Any) -> Reader:
@@ -255,7 +180,7 @@ def _key_reader(parent: Reader, key: Any) -> Reader:
     return lambda: parent()[key]
 
 
-def _walk(found: dict[int, tuple[Reader, str]], guards: list[Guard], read: Reader, where: str, depth: int,
+def _walk(found: dict[int, tuple[Reader, str]], read: Reader, where: str, depth: int,
           seen: set[int]) -> None:
     try:
         value = read()
@@ -263,17 +188,15 @@ def _walk(found: dict[int, tuple[Reader, str]], guards: list[Guard], read: Reade
         return
     if isinstance(value, Tensor):
         found.setdefault(id(value), (read, where))
-    elif type(value) in _SCALARS and len(guards) < _MAX_TENSORS:
-        guards.append(Guard(read, where))
     elif isinstance(value, types.FunctionType):
-        _function(found, guards, value, where, depth, seen)
+        _function(found, value, where, depth, seen)
     elif isinstance(value, torch.nn.Module) and id(value) not in seen:
         seen.add(id(value))
-        _module(found, guards, value, where, depth, seen)
+        _module(found, value, where, depth, seen)
     elif depth > 0 and len(found) < _MAX_TENSORS and type(value) in (dict, list, tuple):
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, _ in list(items)[:_MAX_TENSORS]:
-            _walk(found, guards, _key_reader(read, key), f"{where}[{key!r}]", depth - 1, seen)
+            _walk(found, _key_reader(read, key), f"{where}[{key!r}]", depth - 1, seen)
 
 
 def _name(func: Any) -> str:

@@ -40,7 +40,7 @@ from .._threads import SERIAL, clone_tree
 from .._rules.base import Traced
 from .._state import _filled
 from .._rules.table import META, lookup
-from .bound import Attributes, Bound, Watch, sources
+from .bound import Bound, Watch, sources
 from .program import Program, Ref, Step, check, reject  # noqa: F401 -- the engines' view of capture
 
 _PROGRAMS = WeakCache("captured programs")
@@ -103,7 +103,7 @@ def program_for(f: Any) -> Union[Program, str]:
     key = tuple((id(m), m.training) for m in modules)
     cached = _PROGRAMS.get(f, ("program",))
     if cached is not None and cached[0] == key and (
-            isinstance(cached[1], str) or all(b.fresh() for b in (*cached[1].bound, *cached[1].guards))):
+            isinstance(cached[1], str) or all(b.fresh() for b in cached[1].bound)):
         return cached[1]
     try:
         found: Union[Program, str] = _capture(f)
@@ -251,8 +251,7 @@ def _capture(f: Any) -> Union[Program, str]:
     else:
         user = f
         root = f if isinstance(f, nn.Module) else _FnRoot(f, _used_modules(f))
-    watch, (found, closure_guards) = Watch(), sources(user)
-    guards: list[Any] = list(closure_guards)
+    watch, found = Watch(), sources(user)
     own = {id(t): name for name, t in [*root.named_parameters(), *root.named_buffers()]}
     try:  # a module is traced on its clone, a function on the modules its code calls (see _trace)
         graph, constants = _trace(clone_tree(root) if root is f else root, watch)
@@ -319,12 +318,9 @@ def _capture(f: Any) -> Union[Program, str]:
             args = ((root.get_submodule(str(node.target)),) if module_first else ()) + tuple(ref(node.args))
             steps.append(Step(fn, args, dict(ref(node.kwargs)), rule is not None and rule is not META, node.name))
         slots[node] = len(steps)
-    leaves = {id(root.get_submodule(str(n.target))) for n in graph.nodes if n.op == "call_module"}
     if isinstance(root, _FnRoot):  # traced: the program never calls it, and it must not keep f alive
-        leaves |= {id(root), id(root.used)}
         del root.fn
-    guards += [Attributes(m) for m in root.modules() if id(m) not in leaves]  # traced through: values frozen
-    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound, guards=guards,
+    return Program(steps=steps, output=output, ops=sorted(set(ops)), bound=bound,
                    riders_step=riders_step)
 
 

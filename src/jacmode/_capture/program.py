@@ -47,7 +47,6 @@ class Program:
     output: Any
     ops: list[str]  # the traced operations, for plans
     bound: list[Any] = field(default_factory=list)  # tensors of f read on each run (``bound.Bound``)
-    guards: list[Any] = field(default_factory=list)  # Python values frozen into the steps (``bound.Guard``)
     checked: dict[tuple, Union[tuple[int, ...], str]] = field(default_factory=dict)  # shape -> out shape | reason
     _dead: Optional[list[tuple[int, ...]]] = field(default=None, repr=False)  # see the note on memory
     _reads: list[dict[int, int]] = field(default_factory=list, repr=False)  # step -> slot -> times read

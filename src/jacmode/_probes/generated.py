@@ -33,7 +33,7 @@ shapes and devices, the input's signature and the grad, inference and transform 
 the profile's ``runs`` (``_profile.Profile``). Its last generated code is then checked only on what that key does not
 hold: the strides and storage offsets of x, ``out`` and every parameter and buffer (re-read from
 their modules: a buffer may be a new tensor), the leaf modules' scalar attributes, the backend,
-and the program's guards on the Python values it read; the look-up of the program and the full
+and the tensors the program binds (Python values are the generation's, ``_guard.py``); the look-up of the program and the full
 key (about 30 microseconds at B = 2) is skipped. Anything else falls to the full look-up.
 
 Passes: the probes (``out + zeros_like(out)``) are dropped, subgraphs that read no input (the
@@ -59,7 +59,7 @@ from torch import Tensor, nn
 
 from .._capture import bindings, codegen, rewrites
 from .._threads import SERIAL, clone_tree
-from .._capture.bound import Source, emit_fresh
+from .._capture.bound import Source
 from .._transforms import in_transform
 from . import layerwise
 from .probes import Coverage
@@ -141,14 +141,14 @@ class _Hot:
     """A profile's last generated code, with what the profile's key does not hold of its call
     (see [Generated code on the profile]): the strides and storage offsets of x, ``out`` and the
     model's tensors (read from their modules), the buffers' requires_grad, the backend, the leaf
-    modules' scalar attributes and the program's guards. :meth:`run` is generated once per code:
+    modules' scalar attributes and the tensors the program binds. :meth:`run` is generated once per code:
     those checks and the call as straight-line Python (:func:`_hot_run`)."""
 
     __slots__ = ("guards", "refs", "layout", "x", "out", "backend", "tensors", "settings", "code", "run")
 
     def __init__(self, program: Any, refs: list[tuple[dict[str, Any], str]], layout: Any, x: Tensor,
                  out: Optional[Tensor], backend: Any, tensors: list[Tensor], code: Callable[..., Tensor]) -> None:
-        self.guards = (*program.bound, *program.guards)  # the program's own, fixed (a recapture is a new program)
+        self.guards = tuple(program.bound)  # the program's own, fixed (a recapture is a new program)
         self.refs, self.layout, self.backend, self.code = refs, layout, backend, code
         self.x, self.out = _placed(x), None if out is None else _placed(out)
         self.tensors = [(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors]
@@ -160,9 +160,8 @@ def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]
     """``run(x, out)``: the code on ``x`` (into ``out``), or None where anything it froze changed:
     the backend; the strides and storage offsets of x, ``out`` and each tensor, read where the code
     reads it, and its requires_grad; each leaf module's number of attributes and scalar settings
-    (as ``codegen._Layout.settings``: equal); the program's guards (the scalar attributes of the
-    modules the trace went through, as ``bound.Attributes.fresh``: equal and of the same types,
-    inline; any other guard by its ``fresh``)."""
+    (as ``codegen._Layout.settings``: equal); the tensors the program binds, by their ``fresh``
+    (Python values it froze are the generation's: ``_guard.py``)."""
     src = Source("run(x, out)", _MODE=codegen._MODE, _code=hot.code)
     emit, const = src.emit, src.const
     emit("mode = _MODE.get()")
@@ -180,7 +179,8 @@ def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]
              f"is not {grad}: return None")
         names.append(f"t{i}")
     hot.layout.emit_settings(hot.settings, emit, const, "return None")
-    emit_fresh(hot.guards, emit, const, "return None")
+    for g in hot.guards:  # the tensors it binds still there, as traced (Python values: the generation)
+        emit(f"if not {const(g)}.fresh(): return None")
     emit(f"return _code({', '.join(['x', *([] if hot.out is None else ['out']), *names])})")
     return src.function("KeyError", "return None  # an attribute or a slot that is gone", "<jacmode probe code check>")
 
