@@ -330,3 +330,33 @@ def test_pytree_output_errors() -> None:
         jm.jacobian(lstm, torch.randn(2, 5, 3, dtype=DT))
     with pytest.raises(TypeError, match=r"f: expected f\(x\) to return one torch.Tensor, got tuple.*select one"):
         jm.laplacian(_pytree_f, x)  # the operators take one output
+
+
+# ---- generated probe code: a constant computed from a node that a mutating operation writes -------
+
+class _SliceCat(nn.Module):
+    """forward slices the first layer's output and concatenates it with a function of the rest: the
+    generated probe step writes into a zeros tensor that a later node reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(1, 5), nn.Linear(5, 3)
+        self.k = 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(torch.cat([h[:, : self.k], torch.sin(h[:, self.k:])], 1))
+
+
+def test_generated_probe_code_folds_no_constant_computed_from_a_written_node() -> None:
+    torch.manual_seed(0)
+    m, x = _SliceCat().double(), torch.randn(3, 1, dtype=torch.float64)
+    params = {k: v.detach() for k, v in m.named_parameters()}
+
+    def one(xb: torch.Tensor) -> torch.Tensor:
+        j = torch.func.jacrev(lambda p: torch.func.functional_call(m, p, (xb[None],))[0])(params)
+        return torch.cat([v.reshape(v.shape[0], -1) for v in j.values()], 1)
+
+    want = torch.func.vmap(one)(x)
+    for _ in range(6):  # generated code from the fourth call on
+        torch.testing.assert_close(jm.jacobian(m, x, wrt="params"), want, rtol=1e-10, atol=1e-12)

@@ -350,6 +350,9 @@ def _fold_constants(gm: fx.GraphModule) -> None:
                 if pure.get(n):
                     pure[n] = False
                     stack.extend(n.all_input_nodes)
+    for node in graph.nodes:  # and what is computed from those (in graph order: inputs come first)
+        if pure.get(node) and not all(pure.get(a, False) for a in node.all_input_nodes):
+            pure[node] = False
     values: dict[fx.Node, Any] = {}
     for k, node in enumerate(list(graph.nodes)):
         if not pure.get(node):
