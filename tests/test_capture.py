@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import jacmode as jm
-from jacmode import _problem
+from jacmode import _guard, _problem
 from jacmode._capture import capture
 from bench.baselines import NetX, PinnNet
 from conftest import Opaque, assert_unchanged, snapshot
@@ -254,14 +254,19 @@ def test_coupling_ops_are_not_assumed_independent() -> None:
 
 def test_trace_is_cached_and_invalidated() -> None:
     model = _make(lambda: PinnNet(2, 4, 1))
-    first = capture.program_for(model)
-    assert capture.program_for(model) is first
+    x = torch.rand(3, 2, dtype=DT)
+
+    def program_for(model: nn.Module) -> object:  # in the scope of a call model(x), as entry points make it
+        return _guard.scoped_call(model, (x,), {}, lambda: capture.program_for(model))
+
+    program_for(model)  # the first call of a function caches nothing (_guard.py)
+    first = program_for(model)  # the second captures it and caches the program
+    assert program_for(model) is first
     model.eval()
-    assert capture.program_for(model) is not first  # training flag changed
+    assert program_for(model) is not first  # training flag changed
     handle = model.out.register_forward_hook(lambda m, i, o: o * 2)
     try:
-        assert "has hooks" in str(capture.program_for(model))
-        x = torch.rand(3, 2, dtype=DT)
+        assert "has hooks" in str(program_for(model))
         torch.testing.assert_close(jm.partial(model, x, (0,)), ref_partial(model, x, (0,)))
     finally:
         handle.remove()

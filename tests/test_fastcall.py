@@ -47,7 +47,8 @@ def test_repeated_calls_reuse_the_plan_and_stay_exact() -> None:
     model = MLP(10, 6, 4).double()
     x = torch.randn(2, 10, dtype=torch.float64)
     jm.clear_cache()
-    jm.jacobian(model, x, wrt="params")
+    jm.jacobian(model, x, wrt="params")  # the first call caches nothing (_guard.py)
+    jm.jacobian(model, x, wrt="params")  # the second makes the profile
     assert _profile.count(model) == 1
     x2 = torch.randn(2, 10, dtype=torch.float64)
     with torch.no_grad():
@@ -61,7 +62,8 @@ def test_the_call_cache_is_invalidated_by_flags_and_shapes() -> None:
     model = nn.Sequential(nn.Linear(5, 8), nn.Dropout(0.0), nn.Tanh(), nn.Linear(8, 3)).double()
     x = torch.randn(3, 5, dtype=torch.float64)
     jm.clear_cache()
-    jm.jacobian(model, x, wrt="params")
+    jm.jacobian(model, x, wrt="params")  # the first call caches nothing (_guard.py)
+    jm.jacobian(model, x, wrt="params")  # the second makes the profile
     model.eval()  # training flags
     jm.jacobian(model, x, wrt="params")
     model[0].bias.requires_grad_(False)  # requires_grad: the selection changes
@@ -85,7 +87,8 @@ def test_a_cached_call_still_leaves_the_model_as_found_when_f_raises() -> None:
 
     model = Flaky(4, 3, 2)
     x = torch.randn(2, 4)
-    jm.jacobian(model, x, wrt="params")
+    for _ in range(3):  # cached from the second call (_guard.py), reused by the third
+        jm.jacobian(model, x, wrt="params")
     model.fail = True
     with pytest.raises(RuntimeError, match="boom"):
         jm.jacobian(model, x, wrt="params")

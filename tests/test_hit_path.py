@@ -43,7 +43,7 @@ def test_repeated_calls_leave_x_alone() -> None:
         if isinstance(ref, InPlaceFirst):
             ref.act.inplace = False  # the reference's autograd refuses a leaf modified in place
         want = ref_input_jacobian(ref, x.clone())
-        for _ in range(4):
+        for _ in range(5):  # the first call caches nothing, the second profiles (_guard.py), three hits
             torch.testing.assert_close(jm.jacobian(f, x, mode="forward"), want)
             assert torch.equal(x, kept)
 
@@ -51,7 +51,8 @@ def test_repeated_calls_leave_x_alone() -> None:
 def test_a_shared_problem_copies_x_before_f_runs() -> None:
     f = nn.Sequential(nn.Linear(70, 9), nn.Tanh(), nn.Linear(9, 4))
     x = torch.randn(3, 70)
-    jm.jacobian(f, x, mode="forward")
+    jm.jacobian(f, x, mode="forward")  # the first call caches nothing (_guard.py)
+    jm.jacobian(f, x, mode="forward")  # the second makes the profile
     problem, _ = _facts(f)
     opts = check_options(wrt="inputs", mode="forward", batched=True, structure="auto", chunk_size=None,
                          create_graph=False, flatten=True)
@@ -66,10 +67,14 @@ def test_a_shared_problem_copies_x_before_f_runs() -> None:
 
 def test_attention_flags_are_kept_where_attention_may_run() -> None:
     f = nn.Sequential(nn.Linear(70, 9), nn.Tanh(), nn.Linear(9, 4))
-    jm.jacobian(f, torch.randn(3, 70), mode="forward")
+    x = torch.randn(3, 70)
+    for _ in range(2):  # the profile is made by the second call (_guard.py)
+        jm.jacobian(f, x, mode="forward")
     assert _attention(_facts(f)) is False  # Taylor mode over a program of linear layers and tanh
     g = nn.Sequential(nn.Linear(3, 9), nn.Tanh(), nn.Linear(9, 4))
-    jm.jacobian(g, torch.randn(3, 3), mode="reverse")
+    x = torch.randn(3, 3)
+    for _ in range(2):
+        jm.jacobian(g, x, mode="reverse")
     assert _attention(_facts(g)) is True  # another engine: the flags are set as on every call
 
 
@@ -79,7 +84,7 @@ def test_attention_model_repeated_matches_reference() -> None:
     x = torch.randn(2, 3, 8, dtype=torch.float64)
     want = ref_input_jacobian(layer, x)
     fast = torch.backends.mha.get_fastpath_enabled()
-    for _ in range(3):
+    for _ in range(4):  # profiled by the second call (_guard.py), hits from the third
         torch.testing.assert_close(jm.jacobian(layer, x), want)
         assert torch.backends.mha.get_fastpath_enabled() == fast
     assert _state._KERNELS["users"] == 0
@@ -114,7 +119,7 @@ def test_pure_program_hits_are_guard_free_and_exact() -> None:
 
     f = _mlp()
     x = torch.randn(3, 70, dtype=torch.float64)
-    for _ in range(3):
+    for _ in range(4):  # profiled by the second call (_guard.py), hits from the third
         torch.testing.assert_close(jm.jacobian(f, x), ref_input_jacobian(f, x))
     assert _pure(_facts(f)) is True
     t = jm.transform(jm.jacobian, f)
@@ -126,7 +131,7 @@ def test_pure_program_hits_are_guard_free_and_exact() -> None:
 def test_a_change_after_guard_free_hits_gives_the_new_answer() -> None:
     f = _mlp()
     x = torch.randn(3, 70, dtype=torch.float64)
-    for _ in range(3):
+    for _ in range(4):  # profiled by the second call (_guard.py), hits from the third
         jm.jacobian(f, x)
     with torch.no_grad():
         f[0].weight.mul_(-2.0)  # in place: the same key, the program reads the new values
@@ -144,7 +149,7 @@ def test_a_change_after_guard_free_hits_gives_the_new_answer() -> None:
 def test_guard_free_hits_keep_grad_mode_and_the_model() -> None:
     f = _mlp()
     x = torch.randn(3, 70, dtype=torch.float64, requires_grad=True)
-    for _ in range(3):
+    for _ in range(4):  # profiled by the second call (_guard.py), hits from the third
         jm.jacobian(f, x)
     grads = [p.grad for p in f.parameters()]
     for mode in (True, False):
@@ -162,7 +167,7 @@ def test_a_rule_failing_on_a_guard_free_hit_falls_back_exactly(monkeypatch: pyte
 
     f = _mlp()
     x = torch.randn(3, 70, dtype=torch.float64)
-    for _ in range(3):
+    for _ in range(4):  # profiled by the second call (_guard.py), hits from the third
         jm.jacobian(f, x)
     calls = []
 
@@ -192,7 +197,7 @@ def test_a_module_called_plainly_is_not_pure() -> None:
 
     f = Offset()
     x = torch.randn(3, 70, dtype=torch.float64)
-    for _ in range(3):
+    for _ in range(4):  # profiled by the second call (_guard.py), hits from the third
         torch.testing.assert_close(jm.jacobian(f, x), ref_input_jacobian(f, x))
     found = _facts(f)
     assert found[0].program is not None and _pure(found) is False  # the guarded path, every call

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from torch.func import jacrev, vmap
 
 import jacmode as jm
+from jacmode import _guard
 from jacmode._capture import capture as _capture
 from jacmode._capture import taylor as _taylor
 from jacmode._rules.base import Seed
@@ -83,8 +84,9 @@ def test_a_flatten_before_the_first_linear_keeps_the_seed_unbuilt(mode: str) -> 
     torch.manual_seed(1)
     net = nn.Sequential(nn.Flatten(), nn.Linear(12, 5), nn.Tanh(), nn.Linear(5, 4)).double()
     x = torch.randn(3, 1, 3, 4, dtype=torch.float64)
-    torch.testing.assert_close(jm.jacobian(net, x, mode=mode), oracle(net, x), rtol=1e-12, atol=1e-12)
-    program = _capture.program_for(net)
+    for _ in range(2):  # the first call caches nothing; the second caches the program (_guard.py)
+        torch.testing.assert_close(jm.jacobian(net, x, mode=mode), oracle(net, x), rtol=1e-12, atol=1e-12)
+    program = _guard.scoped_call(net, (x,), {}, lambda: _capture.program_for(net))  # in a scope of net(x)
     assert not isinstance(program, str)
     assert not _taylor.seed_built(program, (1, 3, 4), x)
 
@@ -146,7 +148,7 @@ def test_reverse_rows_per_sample_are_exact_in_the_results_layout(chunk) -> None:
 
 def test_reverse_rows_fall_back_to_the_batch_when_f_fails_on_one_sample(monkeypatch: pytest.MonkeyPatch) -> None:
     """When f cannot run on one sample under vmap, the broadcast engine over the batch serves, exactly,
-    and later calls of that shape go there at once."""
+    and the calls of that shape after the one that remembers it (the second: _guard.py) go there at once."""
     from jacmode import _structure
 
     torch.manual_seed(5)
@@ -159,10 +161,11 @@ def test_reverse_rows_fall_back_to_the_batch_when_f_fails_on_one_sample(monkeypa
         raise RuntimeError("vmap: f needs the whole batch")
 
     monkeypatch.setattr(_structure, "sample_rows", failing)
-    for _ in range(2):
+    for _ in range(3):
         torch.testing.assert_close(jm.jacobian(net, x, mode="reverse"), oracle(net, x), rtol=1e-12, atol=1e-12)
-    assert len(calls) == 1
-    program = _capture.program_for(net)
+    # the first call caches nothing (_guard.py): it and the second try the rows; the third goes to the batch
+    assert len(calls) == 2
+    program = _guard.scoped_call(net, (x,), {}, lambda: _capture.program_for(net))  # in a scope of net(x)
     assert not isinstance(program, str)
     assert "whole batch" in program.checked[_ROWS_KEY + ((8,), torch.float64, "cpu")]
 

@@ -1,6 +1,8 @@
 """A repeated parameter Jacobian served by the profile's generated code alone (``_jacobian._direct``).
 
-From the fourth call of a signature whose engine is the generated probe code, the call looks up
+From the fifth call of a signature whose engine is the generated probe code (the first call of a
+function caches nothing and the second makes the guard of its state, ``_guard.py``; the code is
+generated on the ``codegen.AFTER_CALLS``-th call after that, the fourth), the call looks up
 its profile and runs that code, without the guard of the model's state or a problem of its own
 ([Generated code on the profile] in ``_probes/generated.py``). Each test changes one thing the
 shortcut could miss and checks the answer against a float64 torch.func oracle, and that the
@@ -19,7 +21,7 @@ import jacmode as jm
 from jacmode._capture import codegen
 from jacmode._probes import generated
 
-CALLS = codegen.AFTER_CALLS + 2  # generated on the third call, served by the shortcut from the fourth
+CALLS = codegen.AFTER_CALLS + 3  # generated on the fourth call, served by the shortcut from the fifth
 
 
 class Net(nn.Module):

@@ -107,14 +107,16 @@ def _stack() -> list[tuple[Any, Optional[int]]]:
         return _local.stack  # type: ignore[no-any-return]
 
 
-_OWNERS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+# wrapper (weakly) -> its owner, weakly too: a wrapper is kept in a cache under its owner
+# (_functional._WRAPPERS, _args.params._HANDLES), so a strong owner here would keep both alive
+_OWNERS: "weakref.WeakKeyDictionary[Any, weakref.ref[Any]]" = weakref.WeakKeyDictionary()
 
 
 def derived(obj: Any, owner: Any) -> None:
     """``obj`` (a wrapper jacmode made of ``owner``: a module of sample rows, a functional call as a
     module) computes what ``owner`` computes: its cached facts follow the generation of ``owner``."""
     try:
-        _OWNERS[obj] = owner
+        _OWNERS[obj] = weakref.ref(owner)
     except TypeError:
         pass
 
@@ -129,9 +131,10 @@ def current(ident: Any) -> Optional[int]:
         if f is ident:
             return gen
     try:
-        owner = _OWNERS.get(ident)
+        ref = _OWNERS.get(ident)
     except TypeError:
         return None
+    owner = None if ref is None else ref()
     return None if owner is None else current(owner)
 
 

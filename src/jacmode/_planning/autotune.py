@@ -148,13 +148,19 @@ def autotune_cache() -> list[dict[str, Any]]:
         >>> import torch, jacmode as jm
         >>> jm.clear_cache()
         >>> net = torch.nn.Linear(3, 2)
-        >>> _ = jm.jacobian(net, torch.randn(8, 3), mode="autotune")
+        >>> x = torch.randn(8, 3)
+        >>> _ = jm.jacobian(net, x, mode="autotune")  # a first call caches nothing (times, but keeps no winner)
+        >>> jm.autotune_cache()
+        []
+        >>> _ = jm.jacobian(net, x, mode="autotune")  # the second call caches the winner
         >>> [(e["function"], e["shape"], e["mode"] in ("forward", "reverse")) for e in jm.autotune_cache()]
         [('Linear', (8, 3), True)]
     """
     entries = []
     for ident, key, tuned_ in _WINNERS.items():
-        shape, dtype, device, batched, wrt, structure, _flags, _inference, batch, chunk, budget, graph = key
+        # the cache's key starts with the generation of f's state (and a flat call's structure):
+        # _cache._resolved; autotune's own key is the last twelve elements
+        *_scope, shape, dtype, device, batched, wrt, structure, _flags, _inference, batch, chunk, budget, graph = key
         entries.append({
             "function": getattr(ident, "__name__", type(ident).__name__),
             "shape": (batch, *shape) if batched else shape,
