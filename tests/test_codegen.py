@@ -13,6 +13,7 @@ from torch import nn
 from torch.func import jvp
 
 import jacmode as jm
+from jacmode import _guard
 from jacmode._capture import capture, codegen
 from jacmode._capture.compiled import compiled
 
@@ -31,8 +32,10 @@ class Pinn(nn.Module):
 interpreter = codegen.disabled
 
 
-def _generated(f) -> list:
-    program = capture.program_for(f)
+def _generated(f, x) -> list:
+    """The generated code of f's captured program, read in the scope of a call f(x) as an entry point
+    enters it (the program is cached under the generation of f's state: ``_guard.py``)."""
+    program = _guard.scoped_call(f, (x,), {}, lambda: capture.program_for(f))
     return [v for v in getattr(program, "_codegen", {}).values() if callable(v)]
 
 
@@ -55,7 +58,7 @@ def test_generated_code_equals_interpreter_and_oracle(create_graph):
         got = jm.partials(net, x, targets, create_graph=create_graph)
         lap = jm.laplacian(net, x, create_graph=create_graph)
         d3 = jm.derivative(Pinn(1).double(), x[:, :1], order=3)
-    assert len(_generated(net)) == 2
+    assert len(_generated(net, x)) == 2
     with interpreter():
         want = jm.partials(net, x, targets, create_graph=create_graph)
         lap_want = jm.laplacian(net, x, create_graph=create_graph)
@@ -76,7 +79,8 @@ def test_create_graph_gradients_through_generated_code_and_an_optimizer_step():
         u_t, u_xx = jm.partials(net, x, [(0,), (1, 1)], create_graph=True)
         return (u_t - 0.1 * u_xx).square().mean()
 
-    for step in range(4):  # steps 2.. run generated code; each follows the optimizer's update
+    # steps 3.. run generated code (the first call caches nothing: _guard.py); each follows the optimizer's update
+    for step in range(5):
         opt.zero_grad()
         value = loss()
         value.backward()
@@ -90,7 +94,7 @@ def test_create_graph_gradients_through_generated_code_and_an_optimizer_step():
         for a, b in zip(grads, grads_want):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
         opt.step()
-    assert _generated(net)
+    assert _generated(net, x)
 
 
 def test_closure_tensor_and_functional_call_are_inputs_not_constants():
@@ -99,9 +103,9 @@ def test_closure_tensor_and_functional_call_are_inputs_not_constants():
     W = torch.rand(2, 2, dtype=torch.float64)
     f = lambda x: net(x @ W) * torch.tanh(x[:, :1])  # noqa: E731
     x = torch.rand(5, 2, dtype=torch.float64)
-    for _ in range(codegen.AFTER_CALLS):
+    for _ in range(codegen.AFTER_CALLS + 1):  # code on call AFTER_CALLS + 1 (_guard.py)
         jm.laplacian(f, x)
-    assert _generated(f)
+    assert _generated(f, x)
     W = W + 0.5  # rebinding the closure's tensor: the generated code reads the new one
     with interpreter():
         want = jm.laplacian(f, x)
@@ -114,7 +118,7 @@ def test_closure_tensor_and_functional_call_are_inputs_not_constants():
     torch.testing.assert_close(jm.laplacian(f, x), want2, rtol=1e-12, atol=1e-12)
     params = {k: v * 1.5 for k, v in net.named_parameters()}
     g = lambda x: torch.func.functional_call(net, params, (x,))  # noqa: E731
-    for _ in range(codegen.AFTER_CALLS):
+    for _ in range(codegen.AFTER_CALLS + 1):  # code on call AFTER_CALLS + 1 (_guard.py)
         got = jm.laplacian(g, x)
     with interpreter():
         torch.testing.assert_close(got, jm.laplacian(g, x), rtol=1e-12, atol=1e-12)
@@ -123,13 +127,16 @@ def test_closure_tensor_and_functional_call_are_inputs_not_constants():
 def test_generated_code_inside_generated_block_and_shapes():
     torch.manual_seed(3)
     net = Pinn().double()
+    xs = {b: torch.rand(b, 2, dtype=torch.float64) for b in (4, 6)}
+    jm.partial(net, xs[4], (1, 1))  # the first call of a function caches nothing (_guard.py): then code from the next
     with codegen.generated():
         for b in (4, 6, 4):  # a new shape is a new signature, never code made for another
-            x = torch.rand(b, 2, dtype=torch.float64)
+            x = xs[b]
             got = jm.partial(net, x, (1, 1))
             with interpreter():
                 torch.testing.assert_close(got, jm.partial(net, x, (1, 1)), rtol=1e-12, atol=1e-12)
-    assert len(_generated(net)) == 2
+    # a shape is also a new state of f (Dynamo's guards specialise on it): one program and one code per shape
+    assert [len(_generated(net, xs[b])) for b in (4, 6)] == [1, 1]
 
 
 def test_fuse_keeps_results():
@@ -181,9 +188,9 @@ def test_leaf_module_settings_are_followed():
     act = nn.LeakyReLU(0.1)
     net = nn.Sequential(nn.Linear(2, 6), nn.Softplus(beta=2.0), nn.Linear(6, 6), act, nn.Linear(6, 1)).double()
     x = torch.rand(5, 2, dtype=torch.float64) - 0.5
-    for _ in range(codegen.AFTER_CALLS):
+    for _ in range(codegen.AFTER_CALLS + 1):  # code on call AFTER_CALLS + 1 (_guard.py)
         jm.partial(net, x, (0, 1))
-    assert _generated(net)
+    assert _generated(net, x)
     net[1].beta = 3.0
     act.negative_slope = 0.3
     got = jm.partial(net, x, (0, 1))
@@ -222,9 +229,9 @@ def test_module_called_on_a_constant_follows_its_parameters():
     torch.manual_seed(7)
     net = _Scaled().double()
     x = torch.rand(4, 2, dtype=torch.float64)
-    for _ in range(codegen.AFTER_CALLS):
+    for _ in range(codegen.AFTER_CALLS + 1):  # code on call AFTER_CALLS + 1 (_guard.py)
         jm.partial(net, x, (1, 1))
-    assert _generated(net)
+    assert _generated(net, x)
     with torch.no_grad():
         net.emb.bias.add_(1.0)
     got = jm.partial(net, x, (1, 1))

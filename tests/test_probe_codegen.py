@@ -13,15 +13,20 @@ from torch import nn
 from torch.func import functional_call, jacrev, vmap
 
 import jacmode as jm
+from jacmode import _guard
 from jacmode._capture import capture, codegen
 from jacmode._probes import generated
 from conftest import ref_param_jacobian
 
-CALLS = codegen.AFTER_CALLS + 1  # the last calls run generated code
+# the first call caches nothing (_guard.py), call AFTER_CALLS + 1 generates the code (its answer is the
+# interpreted engine's): the last call runs generated code
+CALLS = codegen.AFTER_CALLS + 2
 
 
-def _codes(model) -> list:
-    program = capture.program_for(model)
+def _codes(model, x) -> list:
+    """The generated probe code of model's program, read in the scope of a call model(x) as an entry
+    point enters it (the program is cached under the generation of the model's state: ``_guard.py``)."""
+    program = _guard.scoped_call(model, (x,), {}, lambda: capture.program_for(model))
     if isinstance(program, str):
         return []
     return [v for v in program.__dict__.get("_probe_codegen", {}).values() if callable(v)]
@@ -86,7 +91,7 @@ def test_generated_equals_interpreted_and_oracle(name):
     x = torch.randn(*shape, dtype=torch.float64)
     for _ in range(CALLS):
         got = jm.jacobian(model, x, wrt="params", mode="reverse")
-    assert _codes(model), "the repeated call runs generated code"
+    assert _codes(model, x), "the repeated call runs generated code"
     torch.testing.assert_close(got, _interpreted(model, x), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(got, _oracle(model, x), rtol=1e-10, atol=1e-12)
 
@@ -102,7 +107,7 @@ def test_parameter_updates_buffers_and_python_values_are_followed():
         opt.zero_grad()
         model(x).square().sum().backward()
         opt.step()  # in place: the generated code reads the new values
-    assert _codes(model)
+    assert _codes(model, x)
     model[1].negative_slope = 0.05  # a leaf module's Python value, frozen in the code: generated anew
     torch.testing.assert_close(jm.jacobian(model, x, wrt="params", mode="reverse"), _oracle(model, x), rtol=1e-10, atol=1e-12)
     conv = MODELS["conv"][0]().double()
@@ -144,7 +149,7 @@ def test_the_model_is_left_as_found():
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for _ in range(CALLS):
         jm.jacobian(model, x, wrt=["head.weight", "norm.bias"], mode="reverse")
-    assert _codes(model)
+    assert _codes(model, x)
     assert model.training and not model.fc.weight.requires_grad
     assert all(p.grad is None for p in model.parameters())
     assert not model._forward_hooks and not model.fc._forward_hooks
@@ -182,12 +187,12 @@ def test_what_cannot_be_generated_is_interpreted_and_exact():
     for model in (_Global().double(), branch):
         for _ in range(CALLS):
             got = jm.jacobian(model, x, wrt="params", mode="reverse" if model is not branch else "auto")
-        assert not _codes(model)
+        assert not _codes(model, x)
         torch.testing.assert_close(got, ref_param_jacobian(model, x), rtol=1e-10, atol=1e-12)
     dropout = nn.Sequential(nn.Linear(3, 8), nn.Dropout(0.5), nn.Linear(8, 2)).double()
     for _ in range(CALLS):  # random layers: every call draws its masks through the interpreted engine
         jm.jacobian(dropout, x, wrt="params", mode="reverse")
-    assert not _codes(dropout)
+    assert not _codes(dropout, x)
     model = _Global().double()
     for _ in range(CALLS):
         jm.jacobian(model, x, wrt="params", mode="reverse")
@@ -231,7 +236,7 @@ def test_model_with_generated_code_can_be_garbage_collected():
     x = torch.randn(4, 5)
     for _ in range(CALLS):
         jm.jacobian(model, x, wrt="params", mode="reverse")
-    assert _codes(model)
+    assert _codes(model, x)
     refs = [weakref.ref(model), weakref.ref(x)]
     del model, x
     gc.collect()
@@ -266,7 +271,7 @@ def test_the_profiles_memo_checks_what_its_key_does_not_hold():
             torch.testing.assert_close(got, _oracle(model, xx), rtol=1e-10, atol=1e-12)
 
     check()
-    assert _codes(model)
+    assert _codes(model, x)
     with torch.no_grad():  # the same parameter object, the same shape, other strides
         model.fc1.weight.data = model.fc1.weight.data.t().contiguous().t().mul_(1.5)
     check()
@@ -295,7 +300,7 @@ def test_large_results_are_not_generated_and_stay_exact(monkeypatch):
     monkeypatch.setattr(generated, "MAX_RESULT_BYTES", 8 * 3 * 8 * 5)  # below the (8, 3, P) result's bytes
     for _ in range(CALLS):
         got = jm.jacobian(model, x, wrt="params", mode="reverse")
-    assert not _codes(model)
+    assert not _codes(model, x)
     torch.testing.assert_close(got, _oracle(model, x), rtol=1e-10, atol=1e-12)
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import jacmode as jm
+from jacmode import _guard
 from bench.baselines import MLP
 from conftest import assert_unchanged, snapshot
 
@@ -91,10 +92,18 @@ def test_a_model_that_modifies_its_input_runs_on_a_copy_every_call() -> None:
         assert torch.equal(x, values)
 
 
-def test_a_model_that_starts_modifying_its_input_gives_exact_rows_then_copies_again() -> None:
+def _guard_misses_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From here on, every state passes the guard of the last one: a change of what the model reads
+    that TorchDynamo's guards would not see (``_guard.py``). ``model.mutate`` itself is guarded (a new
+    state is profiled afresh, on a copy: see the test below); this reaches the defence behind the
+    guard, the check of x's version after a call that ran the model on x itself."""
+    monkeypatch.setattr(_guard, "_passes", lambda manager, frame: True)
+
+
+def test_a_model_that_starts_modifying_its_input_gives_exact_rows_then_copies_again(monkeypatch) -> None:
     """The profile said 'leaves its input alone' (so the model ran on x itself); a later call that
-    modifies x in place still gets exact rows (of the values the model saw), and the next call runs
-    on a copy again."""
+    modifies x in place, in a state the guard does not tell apart, still gets exact rows (of the
+    values the model saw), and the next call runs on a copy again."""
     torch.manual_seed(0)
     model = InPlaceInput().double()
     model.mutate = False
@@ -102,7 +111,8 @@ def test_a_model_that_starts_modifying_its_input_gives_exact_rows_then_copies_ag
     loss = lambda out: (out**2).sum(1)  # noqa: E731
     twin = _plain_twin(model)
     torch.testing.assert_close(jm.per_sample_grads(model, x, loss), loop_psg(twin, x, loss, None))
-    torch.testing.assert_close(jm.per_sample_grads(model, x, loss), loop_psg(twin, x, loss, None))
+    torch.testing.assert_close(jm.per_sample_grads(model, x, loss), loop_psg(twin, x, loss, None))  # kept
+    _guard_misses_changes(monkeypatch)
     model.mutate = True
     values = x.clone()
     got = jm.per_sample_grads(model, x, loss)  # runs on x itself: x is doubled, as model(x) would
@@ -111,6 +121,24 @@ def test_a_model_that_starts_modifying_its_input_gives_exact_rows_then_copies_ag
     values = x.clone()
     torch.testing.assert_close(jm.per_sample_grads(model, x, loss), loop_psg(twin, 2.0 * values, loss, None))
     assert torch.equal(x, values)  # a copy again
+
+
+def test_a_model_that_starts_modifying_its_input_in_a_state_the_guard_sees_is_profiled_again() -> None:
+    """``model.mutate`` is read by forward, so TorchDynamo's guard tells the states apart: the call
+    after the change finds no profile and runs the model on a copy, as a first call does."""
+    torch.manual_seed(0)
+    model = InPlaceInput().double()
+    model.mutate = False
+    x = torch.randn(6, 5, dtype=torch.float64)
+    loss = lambda out: (out**2).sum(1)  # noqa: E731
+    twin = _plain_twin(model)
+    for _ in range(3):
+        torch.testing.assert_close(jm.per_sample_grads(model, x, loss), loop_psg(twin, x, loss, None))
+    model.mutate = True
+    values = x.clone()
+    for _ in range(3):
+        torch.testing.assert_close(jm.per_sample_grads(model, x, loss), loop_psg(twin, 2.0 * values, loss, None))
+        assert torch.equal(x, values)
 
 
 class Scale(nn.Module):
@@ -135,7 +163,9 @@ class InPlaceMixed(InPlaceInput):
         return self.fc2(torch.tanh(self.gate(self.fc1(x))))
 
 
-def test_a_model_that_starts_modifying_its_input_with_uncovered_parameters_raises() -> None:
+def test_a_model_that_starts_modifying_its_input_with_uncovered_parameters_raises(monkeypatch) -> None:
+    """As above, in a state the guard does not tell apart: the generic engine's columns cannot be
+    completed from the modified x."""
     torch.manual_seed(0)
     model = InPlaceMixed().double()
     model.mutate = False
@@ -143,7 +173,8 @@ def test_a_model_that_starts_modifying_its_input_with_uncovered_parameters_raise
     loss = lambda out: (out**2).sum(1)  # noqa: E731
     first = jm.per_sample_grads(model, x, loss)
     torch.testing.assert_close(first, loop_psg(model, x, loss, None))
-    jm.per_sample_grads(model, x, loss)
+    jm.per_sample_grads(model, x, loss)  # kept: the first call caches nothing (_guard.py)
+    _guard_misses_changes(monkeypatch)
     model.mutate = True
     with pytest.raises(RuntimeError, match=r"modified its input x in place.*x\.clone\(\)"):
         jm.per_sample_grads(model, x, loss)

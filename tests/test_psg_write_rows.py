@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import jacmode as jm
+from jacmode import _guard
 from jacmode._probes import layerio, layerwise, probes
 from jacmode._rules.local import LOCAL
 from tests.test_psg_probe_pass import ce, vmap_psg
@@ -140,14 +141,18 @@ class Rewrites(nn.Module):
 
 @pytest.mark.parametrize("how", ["relu_", "view", "mul_"])
 def test_outputs_modified_in_place_after_the_call_give_exact_rows(how: str) -> None:
-    """The first call finds the rewritten output (the generic engine serves it), later ones take probes."""
+    """The first call that keeps the coverage (the second: the first caches nothing, ``_guard.py``)
+    finds the rewritten output (the generic engine serves it), later ones take probes."""
     torch.manual_seed(0)
     model = Rewrites(how).double()
     x, y = torch.randn(6, 5, dtype=torch.float64), torch.randint(0, 3, (6,))
     want = vmap_psg(model, x, ce, y)
     for _ in range(3):
         torch.testing.assert_close(jm.per_sample_grads(model, x, ce, y=y), want)
-    assert layerio.usable(model, x, list(model.named_parameters())).found == {"rewritten": True}
+    # the cached coverage, read in the scope of a call model(x) as an entry point enters it (the
+    # coverage is cached under the generation of the model's state: _guard.py)
+    cached = _guard.scoped_call(model, (x,), {}, lambda: layerio.usable(model, x, list(model.named_parameters())))
+    assert cached.found == {"rewritten": True}
     cov = probes.coverage(model, list(model.named_parameters()), local=False)
     rec = probes.record(model, x, cov, outputs=True)
     assert [c.rewritten for c in rec.calls] == [True, False]

@@ -11,6 +11,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import jacmode as jm
+from jacmode import _guard
 from jacmode._capture import capture, codegen, rewrites
 
 _aten = torch.ops.aten
@@ -35,8 +36,16 @@ class _TorchTanh(nn.Module):  # the PINN spelling: torch.tanh in forward
         return self.out(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-def _graphs(f) -> list[torch.fx.GraphModule]:
-    program = capture.program_for(f)
+def _warm(f, x) -> None:
+    """The first call of a function caches nothing (``_guard.py``): from the next, the program is kept
+    and, inside ``codegen.generated``, its code generated on its first call."""
+    jm.laplacian(f, x)
+
+
+def _graphs(f, x) -> list[torch.fx.GraphModule]:
+    """The generated graphs of f's program, read in the scope of a call f(x) as an entry point enters
+    it (the program is cached under the generation of f's state: ``_guard.py``)."""
+    program = _guard.scoped_call(f, (x,), {}, lambda: capture.program_for(f))
     out = []
     for v in getattr(program, "_codegen", {}).values():
         gm = getattr(v, "__wrapped__", getattr(v, "__self__", v))  # compiled, or a bound forward
@@ -67,9 +76,10 @@ def test_laplacian_blocked_square_sum_equals_interpreter_and_oracle(act, monkeyp
     torch.manual_seed(0)
     net = _net(5, 12, act)
     x = torch.rand(40, 5, dtype=torch.float64)
+    _warm(net, x)
     with codegen.generated():
         got = jm.laplacian(net, x)
-    (gm,) = _graphs(net)
+    (gm,) = _graphs(net, x)
     assert _folded(gm, 5, 12) > 1  # folded and blocked
     with interpreter():
         want = jm.laplacian(net, x)
@@ -81,9 +91,10 @@ def test_laplacian_rewrite_with_create_graph_gradients():
     torch.manual_seed(1)
     net = _TorchTanh(4, 16).double()
     x = torch.rand(64, 4, dtype=torch.float64)
+    _warm(net, x)
     with codegen.generated():
         got = jm.laplacian(net, x, create_graph=True)
-    assert any(_folded(gm, 4, 16) for gm in _graphs(net))
+    assert any(_folded(gm, 4, 16) for gm in _graphs(net, x))
     grads = torch.autograd.grad(got.square().sum(), list(net.parameters()), allow_unused=True)
     with interpreter():
         want = jm.laplacian(net, x, create_graph=True)
@@ -102,11 +113,12 @@ def test_permuted_result_for_compiled_code(hidden):
     torch.manual_seed(2)
     net = _net(3, 8, nn.Tanh, hidden)
     x = torch.rand(32, 3, dtype=torch.float64)
+    _warm(net, x)
     with codegen.generated("aot_eager"):
         lap = jm.laplacian(net, x)
         hess = jm.hessian(net, x)
         jac = jm.jacobian(net, x)
-    assert sum(_folded(gm, 3, 8) > 0 for gm in _graphs(net)) >= 2  # the Laplacian's and the Hessian's
+    assert sum(_folded(gm, 3, 8) > 0 for gm in _graphs(net, x)) >= 2  # the Laplacian's and the Hessian's
     with interpreter():
         torch.testing.assert_close(lap, jm.laplacian(net, x), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(hess, jm.hessian(net, x), rtol=1e-12, atol=1e-12)
@@ -120,18 +132,20 @@ def test_not_rewritten_where_it_does_not_pay():
     torch.manual_seed(3)
     net = _net(3, 8, nn.Tanh)
     x = torch.rand(4, 3, dtype=torch.float64)  # B = 4 < J = 8
+    _warm(net, x)
     with codegen.generated():
         got = jm.laplacian(net, x)
-    assert not any(_folded(gm, 3, 8) for gm in _graphs(net))
+    assert not any(_folded(gm, 3, 8) for gm in _graphs(net, x))
     net2 = _net(3, 8, nn.Tanh)
     x2 = torch.rand(32, 3, dtype=torch.float64)
+    _warm(net2, x2)
     rewrites.ENABLED = False
     try:
         with codegen.generated():
             got2 = jm.laplacian(net2, x2)
     finally:
         rewrites.ENABLED = True
-    assert not any(_folded(gm, 3, 8) for gm in _graphs(net2))
+    assert not any(_folded(gm, 3, 8) for gm in _graphs(net2, x2))
     with interpreter():
         torch.testing.assert_close(got, jm.laplacian(net, x), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(got2, jm.laplacian(net2, x2), rtol=1e-12, atol=1e-12)
@@ -168,9 +182,10 @@ def test_constants_fold_the_seeds_and_keep_results():
     torch.manual_seed(4)
     net = _net(3, 8, nn.Tanh)
     x = torch.rand(16, 3, dtype=torch.float64)
+    _warm(net, x)
     with codegen.generated():
         got = jm.hessian(net, x)
-    (gm,) = _graphs(net)
+    (gm,) = _graphs(net, x)
     targets = {str(n.target) for n in gm.graph.nodes}
     assert not any("index_put" in t or "new_zeros" in t for t in targets)  # the seeds are constants
     assert any(n.op == "get_attr" and str(n.target).startswith("_jacmode_constant") for n in gm.graph.nodes)
@@ -292,10 +307,11 @@ def test_compiled_laplacian_and_derivatives_with_the_spelled_tanh():
     torch.manual_seed(5)
     net = _TorchTanh(3, 16)
     x = torch.rand(64, 3)
+    _warm(net, x)
     with codegen.generated("inductor"):
         lap = jm.laplacian(net, x)
         d2 = jm.partials(net, x, [(0,), (1, 1)])
-    graphs = _graphs(net)
+    graphs = _graphs(net, x)
     assert graphs and not any(n.target is _aten.tanh.default for gm in graphs for n in gm.graph.nodes)
     with interpreter():
         torch.testing.assert_close(lap, jm.laplacian(net, x), rtol=1e-4, atol=1e-5)
