@@ -277,9 +277,10 @@ def _made(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if refused:
         return refused[0]
     entries = _debug_get_cache_entry_list(sentinel.__code__)
-    if len(entries) != 1:
-        return "TorchDynamo kept no guards for it"
-    return entries[0].guard_manager
+    manager = getattr(entries[0], "guard_manager", None) if len(entries) == 1 else None
+    if manager is None or not callable(getattr(manager, "check", None)):  # another torch: nothing guarded
+        return "TorchDynamo kept no guard manager for it"
+    return manager
 
 
 def _inputs(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
