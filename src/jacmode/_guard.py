@@ -65,7 +65,6 @@ from ._threads import SERIAL, clone_tree, hooks_in_flight
 MAX_STATES = 16  # guards made per function before its calls stop reusing anything
 
 _local = threading.local()
-_LOCK = threading.Lock()
 _NUMBERS = itertools.count(1)
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -175,28 +174,28 @@ def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optiona
         if state is not last and _passes(state[0], frame):
             seen.last = state
             return state[1]
-    with SERIAL:  # one trace at a time in the process, never while a call has hooks on the user's modules
+    # one trace at a time in the process (the counts and lists below change under this lock only), and
+    # none while a call has hooks on the user's modules
+    with SERIAL:
         if hooks_in_flight():
             return None
-        with _LOCK:
-            if seen.made >= MAX_STATES:
-                seen.reason = f"its state changed more than {MAX_STATES} times (each change is traced and guarded anew)"
-                return None
-            seen.made += 1
+        if seen.made >= MAX_STATES:
+            seen.reason = f"its state changed more than {MAX_STATES} times (each change is traced and guarded anew)"
+            return None
+        seen.made += 1
         made = _made(_view(f), args, kwargs)
         if not isinstance(made, str) and not _passes(made, frame):
             made = "the guard made on a structural clone does not pass for f itself"
-    if isinstance(made, str):
-        seen.failed += 1
-        if seen.failed >= 2:
-            seen.reason = made
-        return None
-    state = (made, next(_NUMBERS))
-    with _LOCK:
+        if isinstance(made, str):
+            seen.failed += 1
+            if seen.failed >= 2:
+                seen.reason = made
+            return None
+        state = (made, next(_NUMBERS))
         states.insert(0, state)
         del states[MAX_KIND_STATES:]
-    seen.last = state
-    return state[1]
+        seen.last = state
+        return state[1]
 
 
 def _passes(manager: Any, frame: dict[str, Any]) -> bool:

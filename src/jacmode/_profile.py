@@ -152,7 +152,6 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
     slots: list[tuple[nn.Module, str, Any]] = []
     params: dict[int, Any] = {}
     flags: list[bool] = []
-    grads: list[Any] = []
     buffers: list[tuple[nn.Module, str, Any]] = []
     for m in modules:
         flag, own, buf, hooked = _fields(m)
@@ -196,7 +195,7 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
              tuple(_module._global_backward_hooks), tuple(_module._global_backward_pre_hooks)))
     if not guard:
         return tuple(parts), None
-    return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags), grads)
+    return tuple(parts), Survey(tuple(training), slots, list(params.values()), buffers, tuple(flags))
 
 
 def key(token: int, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[nn.Module]) -> tuple[Any, ...]:
@@ -349,8 +348,7 @@ def survey(found: Profile, f: nn.Module) -> tuple[list[nn.Module], Survey]:
     slots = [(f, name, p) for name, p in c.own] + c.slots if c.own else c.slots
     buffered = [f, *c.buffered] if c.root_buffers else c.buffered
     buffers = [(m, name, b) for m in buffered for name, b in m._buffers.items() if b is not None]
-    grads: list[Any] = []  # the guard reads no .grad (see [What the guard writes back] in _state.py)
-    return [f, *c.rest], Survey(c.training, slots, c.params, buffers, c.flags, grads)
+    return [f, *c.rest], Survey(c.training, slots, c.params, buffers, c.flags)
 
 
 def remember(f: Any, token: int, found: Profile, *args: Any) -> None:

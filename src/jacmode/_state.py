@@ -253,16 +253,15 @@ class Survey:
         buffers: (module, name, buffer) of every buffer that is not None.
     """
 
-    __slots__ = ("training", "slots", "params", "buffers", "flags", "grads")
+    __slots__ = ("training", "slots", "params", "buffers", "flags")
 
     def __init__(self, training: tuple[bool, ...], slots: list[tuple[nn.Module, str, Any]],
                  params: list[Any], buffers: list[tuple[nn.Module, str, Any]],
-                 flags: Optional[tuple[bool, ...]] = None, grads: Optional[list[Any]] = None) -> None:
+                 flags: Optional[tuple[bool, ...]] = None) -> None:
+        # no .grad: jacmode never writes it, and reading it races with a backward pass that another
+        # thread runs on the model (see [What the guard writes back])
         self.training, self.slots, self.params, self.buffers = training, slots, params, buffers
         self.flags = tuple([p.requires_grad for p in params]) if flags is None else flags
-        # not read here: jacmode never writes .grad, and reading it races with a backward pass that
-        # another thread runs on the model (see [What the guard writes back])
-        self.grads = [] if grads is None else grads
 
 
 def survey(modules: list[nn.Module]) -> Survey:
@@ -278,7 +277,7 @@ class _Preserved:
     """The context of :func:`preserved_state` (see the note above): a class rather than generator
     contexts, since every call of every entry point enters one (its steps are inlined for that)."""
 
-    __slots__ = ("modules", "is_module", "training", "slots", "params", "flags", "grads", "buffers",
+    __slots__ = ("modules", "is_module", "training", "slots", "params", "flags", "buffers",
                  "copies", "versions", "patched", "survey", "grad", "grad_was", "kernels")
 
     def __init__(self, modules: list[nn.Module], is_module: bool, survey: Optional[Survey] = None,
@@ -298,7 +297,6 @@ class _Preserved:
             self.slots = found.slots
             self.params = params = found.params
             self.flags = found.flags
-            self.grads = found.grads
             self.buffers = buffers = found.buffers
             patched: list[tuple[Any, Any, Any, Any]] = []
             self.patched = patched

@@ -109,9 +109,9 @@ def trailing_inputs(option: str, looks: Callable[[Any], bool]) -> Callable[..., 
     positionally after x (:func:`legacy_trailing`): for its scope (``_guard.entry``)."""
 
     def inputs(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        if options.get(option) is not None or len(args) != 2:
-            return args, options.get("kwargs") or {}
-        return (args[:1] if _positional(f)[1] is True or looks(args[1]) else args), options.get("kwargs") or {}
+        # an ambiguous call raises here as in the entry point itself, which then runs without a scope
+        return legacy_trailing(f, args, options.get(option) is not None, looks, option, "")[0], \
+            options.get("kwargs") or {}
 
     return inputs
 
