@@ -16,13 +16,14 @@ from ._cache import clear_cache
 from ._data import jacobians
 from ._derivatives import derivative, divergence, hessian, laplacian, partial, partials
 from ._errors import BatchError, CoupledBatchError, JacmodeWarning
-from ._jacobian import jacobian, plan
+from ._jacobian import jacfn, jacobian, plan
 from ._operators import OperatorPlan, biharmonic, operator, operator_plan
 from ._planning.autotune import autotune_cache
 from ._planning.ntk import NtkPlan
 from ._planning.plan import Plan
 from ._products import ggn, ntk, ntk_plan, per_sample_grads
-from ._transform import Transformed, jacfn, transform
+from ._transform import Transformed, transform
+from . import _transform
 from ._sparse import (
     Coloring,
     SparsityPattern,
@@ -36,8 +37,10 @@ from ._vector import Linearized, hvp, jvp, linearize, vjp
 __version__ = "0.1.0"
 
 # the entry points that jm.transform accepts (see _transform.py)
-_ENTRY_POINTS = (jacobian, derivative, partial, partials, hessian, laplacian, divergence, operator, biharmonic,
-                 per_sample_grads, ggn, ntk)
+for _op in (jacobian, derivative, partial, partials, hessian, laplacian, divergence, operator, biharmonic,
+            per_sample_grads, ggn, ntk):
+    _transform.register(_op)
+del _op
 
 __all__ = [
     "BatchError",

@@ -31,6 +31,9 @@ from typing import Any, ContextManager, Iterator, Optional, TypeVar
 import torch
 from torch import Tensor, nn
 
+from . import _guard
+from ._guard import current
+
 T = TypeVar("T")
 
 # name -> the registered object (the registry itself is not a cache: see NOT_CACHES)
@@ -98,7 +101,7 @@ NOT_CACHES: dict[str, str] = {
     "jacmode._cache.NOT_CACHES": "this list",
     "jacmode.__main__._MOVED": _CONSTANT,
     "jacmode._args.params._ROWS_OF": _IN_FLIGHT + " (the arguments a module of sample rows reads, rows_bound)",
-    "jacmode._functional._BOUND": _IN_FLIGHT + " (the tensors bound into a model for the call, bind)",
+    "jacmode._state._BOUND": _IN_FLIGHT + " (the tensors bound into a model for the call, bind)",
     "jacmode._state._KERNELS": _IN_FLIGHT + " (how many calls hold the attention kernels' guard, the flags to restore)",
     "jacmode._state._MKLDNN": _IN_FLIGHT + " (how many calls hold the mkldnn guard, the flag to restore)",
     "jacmode._state._SDP_FLAGS": "torch's scaled-dot-product flags (getters and setters), read at import",
@@ -114,7 +117,6 @@ NOT_CACHES: dict[str, str] = {
     "jacmode._jacobian._DEFAULTS": "jacobian's option defaults (for the token), fixed",
     "jacmode._jacobian._NO_DATA": _NO_ARGS,
     "jacmode._probes.probes._NO_KWARGS": _NO_ARGS,
-    "jacmode._products._NO_KWARGS": _NO_ARGS,
     "jacmode._operands._TARGET_TOKEN": "the derivative operators' fixed tokens (structure, create_graph) -> int",
     "jacmode._autodiff.traceable.REASONS": _CONSTANT,
     "jacmode._autodiff.traceable._EAGER": "one compiler-disabled function per reason, made at import",
@@ -158,15 +160,21 @@ NOT_CACHES: dict[str, str] = {
 }
 
 
-# imported after the registry: the modules of _args register their caches when imported, which
-# may happen from here (this module imported first) or before (then _args imports this module)
-from ._args import Flat, signature  # noqa: E402
-from . import _guard  # noqa: E402
-from ._guard import current  # noqa: E402
 
 register(_guard._SEEN, "guards: each function's calls")
 register(_guard._STATES, "guards: the states of each kind of function")
 register(_guard._OWNERS, "guards: wrappers jacmode made of a function")
+
+
+class Keyed:
+    """A function jacmode makes per call that computes what a user's function ``f`` computes (the
+    flat function of a call of several arguments, ``_args.Flat``): the caches keep its entries
+    under ``f``, with :meth:`subkey` (the call's structure) added to their keys."""
+
+    f: Any
+
+    def subkey(self) -> tuple:
+        raise NotImplementedError
 
 
 class WeakCache:
@@ -211,10 +219,10 @@ class WeakCache:
 def _resolved(ident: Any, key: tuple) -> tuple[Any, tuple]:
     """The function a cache entry is kept under, and its full key: the generation of that function
     in the call's scope first (None: not to be cached). A flat function of a call with several
-    arguments (``_args.Flat``, new per call) is cached under the user's function, with the call's
+    arguments (:class:`Keyed`, new per call) is cached under the user's function, with the call's
     structure added to the key."""
-    if isinstance(ident, Flat):
-        return ident.f, (current(ident.f), signature(ident), *key)
+    if isinstance(ident, Keyed):
+        return ident.f, (current(ident.f), ident.subkey(), *key)
     return ident, (current(ident), *key)
 
 

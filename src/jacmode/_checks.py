@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ._cache import register
 from ._losses import SUPPORTED, is_torch_loss
+from ._state import bound_values
 from ._transforms import in_transform
 
 MODES = ("auto", "forward", "reverse", "autotune")
@@ -342,9 +343,7 @@ def check_param_selection(
 
 
 def _bound_selection(model: Any, names: Optional[Sequence[str]]) -> Optional[list[tuple[str, nn.Parameter]]]:
-    """Inside a call with ``wrt`` a dict (``_functional.bind``): the dict's tensors, in its order."""
-    from ._functional import bound_values  # noqa: PLC0415 -- _functional imports this module
-
+    """Inside a call with ``wrt`` a dict (``_state.bind``): the dict's tensors, in its order."""
     values = bound_values(model)
     if values is None or names is None or not set(names) <= set(values):
         return None

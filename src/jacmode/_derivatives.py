@@ -19,7 +19,7 @@ from ._args import Argnums, InDims
 from ._cache import WeakCache, register
 from ._checks import Options
 from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
-from . import _operands
+from . import _operands, _profile
 from ._operands import (
     SUM_PASS_BYTES,
     Target,
@@ -29,6 +29,7 @@ from ._operands import (
     validated,
 )
 from ._state import preserved_state
+from ._sparse.api import sparse_hessian
 
 Fn = Callable[[Tensor], Tensor]
 
@@ -394,15 +395,15 @@ def partials(
     # partials(f, x, [(0,), (1, 1)]) with dims of int tuples: no coordinate names an argument, the front's simple call
     plain = (len(args) == 1 and kwargs is None and has_aux is False and argnums is None and type(in_dims) is int
              and in_dims == 0 and isinstance(args[0], Tensor) and callable(f))
-    walked = None
+    looked = None
     if (plain and type(dims) in (list, tuple) and dims and (chunk_size is None or type(chunk_size) is int)
             and _int_tuples(dims)):
         # a repeated simple call: the code its profile holds ready, else the walk (for evaluate)
         known = _TARGETS.get((tuple(dims), math.prod(args[0].shape[1:])))  # dims checked before
         if known is not None:
-            walked = _operands.direct_call(f, args[0], structure, create_graph, ("partials", known, chunk_size))
-            if walked is not None and not isinstance(walked, _operands.Walked):
-                return walked
+            looked = _operands.direct_call(f, args[0], structure, create_graph, ("partials", known, chunk_size))
+            if looked is not None and not isinstance(looked, _profile.Lookup):
+                return looked
     if dims is None:
         raise TypeError("dims: missing: pass one tuple of coordinates per partial, e.g. dims=[(0,), (1, 1)] or "
                         "dims=[('t',), ('x', 'x')] for u(x, t).")
@@ -447,7 +448,7 @@ def partials(
         return "partials", (targets,), lambda flat: tuple([r.reshape(shape) for r in flat.unbind(0)])
 
     result = evaluate(fn, x, opts, body, (("partials", tuple(targets), opts.chunk_size), direct),
-                      walked if call is None else None)
+                      looked if call is None else None)
     if call is None or call.simple:
         return result
     # ---- tail: f's output pytree ----
@@ -523,8 +524,6 @@ def hessian(
 def _hessian(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: Any) -> Tensor:
     """The body of :func:`hessian` for a function of one tensor."""
     if structure == "sparse":
-        from ._sparse.api import sparse_hessian
-
         return sparse_hessian(f, x, chunk_size=chunk_size, create_graph=create_graph)
     opts = validated(f, x, "x", structure, chunk_size, create_graph)
     def body(t: Target) -> Tensor:
@@ -657,13 +656,13 @@ def laplacian(
     if (len(args) == 1 and kwargs is None and has_aux is False and type(argnums) is int and argnums == 0
             and type(in_dims) is int and in_dims == 0 and isinstance(args[0], Tensor) and callable(f)):
         # laplacian(f, x): what the front would find (a simple call), without it
-        walked = None
+        looked = None
         if weight is None and samples is None and return_std is False and (chunk_size is None or type(chunk_size) is int):
-            walked = _operands.direct_call(f, args[0], structure, create_graph, ("laplacian", chunk_size))
-            if walked is not None and not isinstance(walked, _operands.Walked):  # the code its profile holds ready
-                return walked  # type: ignore[no-any-return]
+            looked = _operands.direct_call(f, args[0], structure, create_graph, ("laplacian", chunk_size))
+            if looked is not None and not isinstance(looked, _profile.Lookup):  # the code its profile holds ready
+                return looked  # type: ignore[no-any-return]
         return _laplacian(f, args[0], weight, samples, distribution, generator, return_std, structure,
-                          chunk_size, create_graph, walked)
+                          chunk_size, create_graph, looked)
     # ---- front: the call of several arguments as one flat function (see _args/) ----
     call = _args.front(f, args, kwargs, argnums=argnums, in_dims=in_dims, has_aux=has_aux)
     result = _laplacian(call.fn, call.x, weight, samples, distribution, generator, return_std, structure,
@@ -678,8 +677,8 @@ def laplacian(
 
 def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, generator: Any, return_std: Any,
                structure: Any, chunk_size: Any, create_graph: Any,
-               walked: Optional[_operands.Walked] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
-    """The body of :func:`laplacian` for a function of one tensor (``walked``: ``evaluate``'s)."""
+               looked: Optional[_profile.Lookup] = None) -> Union[Tensor, tuple[Tensor, Tensor]]:
+    """The body of :func:`laplacian` for a function of one tensor (``looked``: the look-up of ``direct_call``)."""
     opts = validated(f, x, "x", structure, chunk_size, create_graph, devices=False)  # checked below
     compiling = torch.compiler.is_dynamo_compiling()
     if compiling or weight is not None or samples is not None or return_std:
@@ -710,7 +709,7 @@ def _laplacian(f: Fn, x: Tensor, weight: Any, samples: Any, distribution: Any, g
             return "laplacian", (chunks[0],), _same
         return "laplacian", (chunks[0],), lambda out: out.reshape(shape)
 
-    return evaluate(f, x, opts, body, (("laplacian", opts.chunk_size), direct), walked)
+    return evaluate(f, x, opts, body, (("laplacian", opts.chunk_size), direct), looked)
 
 
 @_guard.entry()

@@ -24,7 +24,7 @@ the module itself, run while the module *holds* the dict's tensors:
 * caches that key facts by parameter identity would see new tensors at every step of a
   functional optimiser, miss, and grow without bound. A bound dict's tensors count by their
   place, shape, dtype, device and flag instead: in the repeated-call signature
-  (``_profile._walk`` reads :data:`_BOUND`; a hit reads this call's tensors, ``_problem.again``,
+  (``_profile._walk`` reads ``_state._BOUND``; a hit reads this call's tensors, ``_problem.again``,
   and the cached facts keep none of them) and in the probe coverage's key (:func:`selection_key`, which also names the
   submodules holding them), whose cached coverage reads this call's tensors (:func:`refreshed`).
 
@@ -48,63 +48,15 @@ from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
-from torch.nn.utils.stateless import _reparametrize_module
 
-from ._threads import transient_hooks
-from ._threads import clone_tree
-from . import _checks
-from . import _guard
-from ._cache import register
+from . import _checks, _guard, _losses
+from ._args import _in_dim, check_argnums, check_in_dims, parameter_names
+from ._cache import register, rng_kept
+from ._state import bind, bound_values, preserved_state, used_modules
+from ._threads import clone_tree, transient_hooks
 from ._transforms import in_transform, outside, plain
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-# id(module) -> stack of the dicts bound to it by jacmode (innermost last)
-_BOUND: dict[int, list[dict[str, Tensor]]] = {}
-# Bound calls take turns across threads: the dict's tensors sit in the user's module while one
-# runs, so two at once would read each other's (re-entrant: a bound call inside one). A plain
-# forward of the model in another thread meanwhile sees them too: docs/structure.md, "Threads".
-_BINDING = threading.RLock()
-
-
-def bound_values(model: Any) -> Optional[dict[str, Tensor]]:
-    """The dict name -> tensor that jacmode bound to ``model`` for the current call, or None."""
-    stack = _BOUND.get(id(model))
-    return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def bind(model: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
-    """Run a block with ``model`` holding ``values`` in its slots; its own tensors back on exit (see the note).
-
-    Yields the bound tensors by name, in the dict's order (a tensor given for two names bound as two views).
-    """
-    seen: set[int] = set()
-    tied = _tied_names(model)
-    held: dict[str, Tensor] = {}
-    for name, t in values.items():
-        if id(t) in seen and not (tied.get(name) and any(values.get(o) is t for o in tied[name])):
-            t = t.view_as(t)  # its own object: its own columns, as jacrev over the dict gives
-        seen.add(id(t))
-        held[name] = t
-    with _BINDING, _reparametrize_module(model, dict(held), tie_weights=True):
-        _BOUND.setdefault(id(model), []).append(held)
-        try:
-            yield held
-        finally:
-            stack = _BOUND[id(model)]
-            stack.pop()
-            if not stack:
-                del _BOUND[id(model)]
-
-
-def _tied_names(model: nn.Module) -> dict[str, list[str]]:
-    """name -> the other names of the same tensor in ``model`` (tied weights), for names that have some."""
-    by_id: dict[int, list[str]] = {}
-    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
-        if t is not None:
-            by_id.setdefault(id(t), []).append(name)
-    return {n: [o for o in names if o != n] for names in by_id.values() if len(names) > 1 for n in names}
 
 
 def accepts_params_dict(entry: F) -> F:
@@ -165,7 +117,6 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
     """``per_sample_grads`` inside a torch.func transform (vmap over an ensemble's parameters, grad of a
     meta-objective): torch.func's ``vmap(grad(loss . functional_call))`` over the samples, which composes
     with the outer transform, assembled without indexed writes (see the note)."""
-    from . import _losses  # noqa: PLC0415 -- _losses imports the products' checks
 
     _checks.check_function(f)
     opts = _checks.check_product_options(wrt=wrt, chunk_size=None, max_memory=None, flatten=flatten)
@@ -229,7 +180,6 @@ def routes(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a call is in the functional style with broadcast differentiated arguments."""
     if "in_dims" not in kwargs or len(args) < 2:
         return False
-    from ._args import _in_dim, check_argnums, check_in_dims, parameter_names  # noqa: PLC0415
 
     nums, _ = check_argnums(kwargs.get("argnums", 0), len(args))
     check_in_dims(kwargs["in_dims"], len(args))
@@ -320,7 +270,6 @@ class _Prepared:
 def _prepare(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> _Prepared:
     from torch.utils._pytree import tree_flatten  # noqa: PLC0415
 
-    from ._args import _in_dim, check_argnums, parameter_names  # noqa: PLC0415
 
     if isinstance(f, nn.Module) or not callable(f):
         _checks.check_function(f)
@@ -363,7 +312,6 @@ def _prepare(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> _Prep
 def _target(f: Any, prep: _Prepared, tensor_output: bool
             ) -> tuple[nn.Module, Tensor, dict[str, Tensor], dict[str, int], Optional[_Applied]]:
     """(module, its input, wrt dict, slot -> leaf index, the wrapper or None): what the module path runs."""
-    from ._state import used_modules  # noqa: PLC0415
 
     hidden = None
     sample_dims = _spelling(f, prep)
@@ -512,8 +460,6 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
     ``functional_call(model, params, x)`` in disguise (see the note), else None."""
     from torch.utils._pytree import tree_unflatten  # noqa: PLC0415
 
-    from ._cache import rng_kept  # noqa: PLC0415
-    from ._state import preserved_state, used_modules  # noqa: PLC0415
 
     roots = [m for m in used_modules(f) if not isinstance(m, _Applied)]
     if not roots or isinstance(f, nn.Module) or torch.is_inference_mode_enabled():
@@ -625,8 +571,6 @@ def _spelling(f: Any, prep: _Prepared) -> Any:
 def _read_spelling(f: Any, prep: _Prepared) -> Any:
     from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
 
-    from ._cache import rng_kept  # noqa: PLC0415
-    from ._state import preserved_state  # noqa: PLC0415
 
     leaves, spec, n = prep.leaves, prep.spec, prep.batch
     rows = set(prep.batched)

@@ -371,26 +371,20 @@ def _run_one(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
         layout = "csr" if opts.structure == "sparse" else "dense"
         return _sparse.sparse_jacobian(f, x, mode=opts.mode, layout=layout, chunk_size=opts.chunk_size,
                                        max_memory=opts.max_memory, create_graph=opts.create_graph)
-    # a repeated call that ran without the guard last time (_direct) likely does so again: its walk
-    # takes the key alone (the guard, where it is needed after all, walks itself)
+    # a repeated call that ran without the guard last time (_direct) likely does so again: its
+    # look-up makes no survey for it (the guard, where it is needed after all, walks itself)
     columns = opts.wrt == "inputs" and out is None and not opts.create_graph and not inside
-    direct = t.__dict__.get("_direct", False)
-    if direct and not data and opts.mode != "autotune":  # the last hit's key, tested in place
-        profile = _profile.recheck(f, t.token, x)
-        if profile is not None:
-            flat = _direct(profile, f, x, opts, None, columns)
-            if flat is not None:
-                return _assemble(profile.facts[0], flat, opts, None)
-    modules = modules_of(f)
-    key, survey = (None, None) if opts.mode == "autotune" else _profile.walked(
-        t.token, (x,), data, modules, guard=not direct)
-    profile = None if key is None else _profile.find(f, key)
+    if opts.mode == "autotune":  # autotune keeps its own table of timings: no profile
+        modules, key, survey, profile = modules_of(f), None, None, None
+    else:
+        looked = _profile.lookup(f, t.token, (x,), data, guard=not t.__dict__.get("_direct", False))
+        modules, key, survey, profile = looked.modules, looked.key, looked.survey, looked.found
     if profile is not None:
         flat = _direct(profile, f, x, opts, out, columns)
         t.__dict__["_direct"] = flat is not None
         if flat is not None:  # the profile's engine alone, without the guard of the model's state
             if not data:
-                _profile.remember(f, t.token, profile, x)  # the next call tests this key in place
+                _profile.served(f, t.token, looked, x)
             return _assemble(profile.facts[0], flat, opts, out)
     if profile is None:
         _checks.check_devices(f, x)
@@ -598,3 +592,16 @@ def _assemble(p: Problem, flat: Tensor, opts: Options, out: Optional[Tensor]) ->
         name: block.reshape((*lead, *shape))
         for (name, shape), block in zip(p.params, flat.split(sizes, dim=-1))
     }
+
+
+def jacfn(f: Any, *, compile: Union[bool, str] = False, **options: Any) -> _transform.Transformed:
+    """``transform(jacobian, f, **options)``: the per-sample Jacobian of f as a function of x.
+
+    Example:
+        >>> import torch, jacmode as jm
+        >>> jac = jm.jacfn(torch.sin)
+        >>> x = torch.zeros(2, 3)
+        >>> jac(x).shape                                  # (B, *out, *in)
+        torch.Size([2, 3, 3])
+    """
+    return _transform.transform(jacobian, f, compile=compile, **options)

@@ -250,37 +250,22 @@ T = TypeVar("T")
 Direct = Callable[[Target], Optional[tuple[str, tuple[Any, ...], Callable[[Tensor], Any]]]]
 
 
-class Walked:
-    """What :func:`direct_call` found where it could not run code straight away: the modules and
-    the key it walked, and the key's profile (or None), for :func:`evaluate` right after (one walk
-    and one look-up per call)."""
-
-    __slots__ = ("modules", "key", "found")
-
-    def __init__(self, modules: list[nn.Module], key: tuple[Any, ...], found: Optional[_profile.Profile]) -> None:
-        self.modules, self.key, self.found = modules, key, found
-
-
 def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hashable) -> Any:
     """The result of a derivative operator's call ``(f, x)`` from the code its profile holds ready
     (see :func:`evaluate`), before any other work: what its key holds (x's shapes, dtype and device,
     f's modules and parameters, the options as validated by the call that made the profile) is
-    what the call's checks would check; ``name`` is :func:`evaluate`'s ``direct[0]``. Else a
-    :class:`Walked` for ``evaluate(..., walked=)``, or None where the options are not plain
-    values that a profile's token can name (the call validates them and raises).
+    what the call's checks would check; ``name`` is :func:`evaluate`'s ``direct[0]``. Else the
+    call's :class:`~jacmode._profile.Lookup` for ``evaluate(..., looked=)`` (one look-up per
+    call), or None where the options are not plain values that a profile's token can name (the
+    call validates them and raises).
     """
     if type(create_graph) is not bool or type(structure) is not str or isinstance(f, Flat):
         return None
     token = _TARGET_TOKEN.get((structure, create_graph))
     if token is None:
         return None
-    found = _profile.recheck(f, token, x)  # the last hit's key, tested in place
-    walked = None
-    if found is None:
-        modules = modules_of(f)
-        key = _profile.walked(token, (x,), {}, modules, guard=False)[0]
-        found = _profile.find(f, key)
-        walked = Walked(modules, key, found)
+    looked = _profile.lookup(f, token, (x,), guard=False)
+    found = looked.found
     if found is not None:
         was = torch.is_grad_enabled()
         torch._C._set_grad_enabled(create_graph)
@@ -289,13 +274,9 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
         finally:
             torch._C._set_grad_enabled(was)
         if out is not None:
-            if walked is not None:
-                _profile.remember(f, token, found, x)  # the next call tests this key in place
+            _profile.served(f, token, looked, x)
             return connected(out[0], f, x, True) if create_graph else out[0]
-        if walked is None:  # no code ready: the rechecked key and f's modules, as a walk would find them
-            check = found.check
-            walked = Walked([f, *check.rest], check.key, found)
-    return walked
+    return looked
 
 
 def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:
@@ -316,7 +297,7 @@ def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_gr
 
 
 def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
-             direct: Optional[tuple[Hashable, Direct]] = None, walked: Optional["Walked"] = None) -> T:
+             direct: Optional[tuple[Hashable, Direct]] = None, looked: Optional[_profile.Lookup] = None) -> T:
     """``body`` of the :class:`Target` of f; on ``Unsupported``, again on the generic path.
 
     The target's facts (engine, shapes, coupling) are profiled per f and signature: they do not
@@ -330,22 +311,19 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
     guard's survey (the guarded path of a function without a captured program walks again). A
     caller passing ``direct`` validated without the devices (``validated(..., devices=False)``):
     they are checked here where no profile is found (a profile's key holds the devices of x and of
-    every parameter, as they were when its first call checked them). ``walked``: what
-    :func:`direct_call` found for this call (with ``direct``, and f not a ``Flat``).
+    every parameter, as they were when its first call checked them). ``looked``: the look-up
+    :func:`direct_call` made for this call (with ``direct``, and f not a ``Flat``).
     """
     token = _TARGET_TOKEN[opts.structure, opts.create_graph]
-    if walked is not None and walked.key[0] == token:  # direct_call looked this key up, and found no code ready
-        modules, key, survey, tried, found = walked.modules, walked.key, None, True, walked.found
-    else:  # (inside a torch.func transform create_graph is True whatever the call said: another token)
-        modules = modules_of(f)
-        key, survey = _profile.walked(token, (x,), {}, modules, guard=direct is None)
-        tried, found = False, None
+    tried = looked is not None and looked.key[0] == token  # direct_call looked up, and found no code ready
+    if not tried:  # (inside a torch.func transform create_graph is True whatever the call said: another token)
+        looked = _profile.lookup(f, token, (x,), guard=direct is None)
+    assert looked is not None
+    modules, key, survey, found = looked.modules, looked.key, looked.survey, looked.found
     try:
         was = torch.is_grad_enabled()  # a repeated call of a captured program: no context managers
         torch._C._set_grad_enabled(opts.create_graph)
         try:
-            if not tried:
-                found = _profile.find(f, key)
             hit: Optional[Target] = None
             out = None
             if direct is not None and found is not None and not tried and not isinstance(f, Flat):

@@ -28,7 +28,8 @@ from ._capture import capture as _capture
 from ._probes import layerwise as _layerwise
 from ._capture import taylor as _taylor
 from ._probes.probes import Coverage, coverage
-from ._functional import bound_values, refreshed, selection_key
+from ._functional import refreshed, selection_key
+from ._state import bound_values
 from ._rules.local import LOCAL
 from ._transforms import in_transform
 

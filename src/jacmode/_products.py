@@ -3,19 +3,8 @@
 Each validates, checks that samples are independent (``_coupling``), keeps the model as found
 (``_state``), then runs a per-layer engine where the selected parameters live in covered layers
 (``_probes/layerio.py``) or the generic one otherwise (see ``_probes/products.py`` and
-``_probes/ntk.py``).
-
-NOTE: [Several arguments of a model]
-``x`` may be a tuple of the model's positional arguments (``model(x, mask)``), with ``kwargs=``
-passed through and ``in_dims=`` saying which tensors are batched with the samples (0, vmap's
-default) or broadcast (None), as ``_args.describe_call`` reads them. The products then run on
-:class:`Bound`, a module over the same submodules and parameters (same names, same objects) whose
-only input is the row index of each sample: ``Bound(idx)`` calls ``model(*args, **kwargs)`` with
-every batched tensor indexed by ``idx``. Every engine already takes integer inputs (token ids), so
-riders follow the samples everywhere without the engines knowing: through the coupling probe
-(which changes a sample's index to another sample's, i.e. its inputs to another sample's), the
-per-sample ``vmap(grad)`` (an index under vmap gathers that sample's rows), chunks of samples and
-the probes (their hooks read the per-layer inputs of the whole-batch forward).
+``_probes/ntk.py``). ``x`` may be a tuple of the model's positional arguments (see the note
+[Several arguments of a model] in ``_args/params.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +13,7 @@ import contextlib
 import dataclasses
 import math
 import weakref
-from typing import Any, Callable, Iterator, Optional, Union, cast
+from typing import Any, Callable, Iterator, Optional, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,151 +30,21 @@ from ._autodiff.fallback import classify
 from ._cache import register
 from ._probes.layerwise import columns
 from ._threads import original
-from ._functional import accepts_params_dict, bound_values, per_sample_grads_transformed
+from ._args.params import bind_pair, bound, release, several
+from ._functional import accepts_params_dict, per_sample_grads_transformed
+from ._jacobian import jacobian
+from ._state import bound_values
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
 from ._planning.memory import DEFAULT_FRACTION, available_bytes
 from ._problem import _has_random_layers
 from ._rules.base import NotCovered
 from ._rules.embedding import forward_gap
-from ._state import modules_of, preserved_state
+from ._state import preserved_state
 from ._transforms import in_transform
+from ._vector import ggn_vector
 
 Memory = Optional[Union[int, float, str]]
-
-
-class Bound(nn.Module):
-    """``model(*args, **kwargs)`` as a module of one input, the row indices (b,) of the samples.
-
-    Shares the model's parameters, buffers and submodules (the same dictionaries: same names, same
-    objects, functional_call swaps reach the model); see the note [Several arguments of a model].
-    """
-
-    def __init__(self, model: nn.Module, call: _args.Call) -> None:
-        super().__init__()
-        for slot in ("_parameters", "_buffers", "_modules"):
-            self.__dict__[slot] = model.__dict__[slot]
-        self.training = model.training
-        # not a submodule (names stay the model's), and weak: the cache of Bounds is keyed by the model
-        self.__dict__["_jm_model"] = weakref.ref(model)
-        self.use(call)
-
-    def use(self, call: _args.Call) -> None:
-        """Serve the call ``call`` (same structure as the one this Bound was made for)."""
-        self.__dict__["_jm_call"] = call
-        self.__dict__["_jm_rows"] = [d.index for d in call.diff] + [j for j, r in call.riders.items() if r.batched]
-
-    def release(self) -> None:
-        """Drop the call's tensors (the Bound outlives the call in the cache); :meth:`use` serves again."""
-        self.__dict__["_jm_call"] = None
-
-    def serves(self, model: nn.Module) -> bool:
-        """Whether this Bound still shares ``model``'s dictionaries (a model may replace them)."""
-        return all(self.__dict__[s] is model.__dict__[s] for s in ("_parameters", "_buffers", "_modules"))
-
-    def forward(self, idx: Tensor) -> Any:  # noqa: D102
-        call: _args.Call = self.__dict__["_jm_call"]
-        leaves = list(call.leaves)
-        for j in self.__dict__["_jm_rows"]:
-            leaves[j] = leaves[j][idx]
-        pos, kw = tree_unflatten(leaves, call.args_spec)
-        model = self.__dict__["_jm_model"]()
-        assert model is not None  # the caller holds it
-        if original(self) is not self:  # a structural clone (_threads.py): the model through its dictionaries
-            seen = object.__new__(type(model))
-            seen.__dict__.update(model.__dict__)
-            for slot in ("_parameters", "_buffers", "_modules"):
-                seen.__dict__[slot] = self.__dict__[slot]
-            model = seen
-        return model(*pos, **kw)
-
-
-# model -> {call signature: Bound}: one Bound per call form, so the caches keyed by the module
-# (coupling verdict, probe coverage and its completeness check) hit on the next call
-_BOUNDS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, Bound]]" = register(weakref.WeakKeyDictionary(),
-                                                                             "models bound to their rows")
-
-
-def several(x: Any) -> bool:
-    """Whether ``x`` is a tuple of a model's positional arguments (not one tensor, not a data set)."""
-    return isinstance(x, tuple) and any(isinstance(t, Tensor) for t in tree_flatten(x)[0])
-
-
-def bind(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any, name: str = "x") -> tuple[Any, Any]:
-    """(module, input) for the engines: ``(f, x)`` for one tensor, else ``(Bound, row indices)``."""
-    if not several(x) and not kwargs:
-        return f, x
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise TypeError(f"kwargs: expected a dict of keyword arguments for the model, got {type(kwargs).__name__}.")
-    if not isinstance(f, nn.Module):
-        raise TypeError(
-            f"f: several arguments ({name} a tuple, or kwargs) need an nn.Module whose parameters are "
-            f"differentiated, got {type(f).__name__}.")
-    args = x if isinstance(x, tuple) else (x,)
-    call = _args.describe_call(f, args, kwargs, argnums=0, in_dims=in_dims, floating=False)
-    dev = call.leaves[call.diff[0].index].device
-    forms = _BOUNDS.setdefault(f, {})
-    key = call.signature()
-    g = forms.get(key)
-    if g is None or not g.serves(f):
-        if len(forms) >= 8:
-            forms.clear()
-        g = forms[key] = Bound(f, call)
-    else:
-        g.use(call)
-        if g.training != f.training:
-            g.training = f.training
-    return g, torch.arange(call.batch, device=dev)
-
-
-@contextlib.contextmanager
-def bound(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any) -> Iterator[tuple[Any, Any]]:
-    """:func:`bind` for the block, and :func:`release` after it (also on error)."""
-    g, idx = bind(f, x, kwargs, in_dims)
-    try:
-        yield g, idx
-    finally:
-        release(g)
-
-
-def release(g: Any) -> None:
-    """Let a cached :class:`Bound` drop the tensors of the call it served (anything else: nothing)."""
-    if isinstance(g, Bound):
-        g.release()
-
-
-def bind_pair(f: Any, x1: Any, x2: Any, kwargs: Optional[dict[str, Any]],
-              in_dims: Any) -> tuple[Any, Any, Any]:
-    """:func:`bind` of two batches of the same call form: one Bound over their rows, two index sets."""
-    if x2 is None or (not several(x1) and not several(x2) and not kwargs):
-        g, i1 = bind(f, x1, kwargs, in_dims, "x1")
-        return g, i1, None
-    if several(x1) != several(x2):
-        raise TypeError("x2: give x1 and x2 in the same form (both a tensor, or both a tuple of the model's arguments).")
-    a1, s1 = tree_flatten(x1 if isinstance(x1, tuple) else (x1,))
-    a2, s2 = tree_flatten(x2 if isinstance(x2, tuple) else (x2,))
-    if s1 != s2:
-        raise ValueError(f"x2: expected the structure of x1 ({s1}), got {s2}.")
-    g1, i1 = bind(f, x1, kwargs, in_dims, "x1")
-    assert isinstance(g1, Bound)
-    call = g1.__dict__["_jm_call"]
-    b1 = call.batch
-    rows = set(g1.__dict__["_jm_rows"])
-    merged = []
-    for j, (t1, t2) in enumerate(zip(a1, a2)):
-        if j in rows:
-            if not isinstance(t2, Tensor) or t2.shape[1:] != t1.shape[1:]:
-                raise ValueError(f"x2: argument leaf {j} must be a tensor of per-sample shape {tuple(t1.shape[1:])}.")
-            merged.append(torch.cat([t1, t2]))
-        else:
-            same = t1 is t2 or (isinstance(t1, Tensor) and isinstance(t2, Tensor) and t1.shape == t2.shape
-                                and bool(torch.equal(t1, t2))) or (not isinstance(t1, Tensor) and t1 == t2)
-            if not same:
-                raise ValueError(f"x2: broadcast argument leaf {j} (in_dims=None) must be the same in x1 and x2.")
-            merged.append(t1)
-    both = tree_unflatten(merged, s1)
-    g, idx = bind(f, both, kwargs, in_dims, "x1")
-    return g, idx[:b1], idx[b1:]
 
 
 PRODUCT_WHY = "its engines record layer inputs with forward hooks and build the product outside autograd"
@@ -227,6 +86,15 @@ def _budget(opts: Options, device: torch.device, result: bool = False) -> int:
     if opts.max_memory is not None:
         return opts.max_memory
     return available_bytes(device) if result else int(DEFAULT_FRACTION * available_bytes(device))
+
+
+def _jacobian_of(f: nn.Module, names: Sequence[str], max_memory: Any) -> Callable[[Tensor], Tensor]:
+    """The (b, Y, P) per-sample Jacobian of ``f``'s parameters ``names`` at b samples, for the engines
+    that build a product from Jacobian blocks (``_probes/ntk.py``, ``ggn_generic``)."""
+    def block(xs: Tensor) -> Tensor:
+        return cast(Tensor, jacobian(f, xs, wrt=list(names), max_memory=max_memory))
+
+    return block
 
 
 def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.device = torch.device("cpu")) -> int:
@@ -329,15 +197,8 @@ def per_sample_grads(
     # x, y, the loss and the options as the call's arguments (no keywords to sort: every call does it)
     loss_key = _loss_key(loss)
     hashable = opts is None  # the key holds the options as given: the last hit's key may be tested in place
-    found = _profile.recheck(f, _PSG_TOKEN, x, y, loss_key, options) if hashable else None
-    walk = found is None
-    if found is not None:  # the last hit's key, tested in place: its modules, and the guard's survey
-        key = found.check.key
-        modules, survey = _profile.survey(found, f)
-    else:
-        modules = modules_of(f)
-        key, survey = _profile.walked(_PSG_TOKEN, (x, y, loss_key, options), _NO_KWARGS, modules)
-        found = _profile.find(f, key)
+    looked = _profile.lookup(f, _PSG_TOKEN, (x, y, loss_key, options))
+    modules, key, survey, found = looked.modules, looked.key, looked.survey, looked.found
     hot = None if found is None or bound_values(f) is not None else found.runs.get("hot")
     if hot is not None:  # a repeated call: what the first call found and checked
         opts, selected, names, params, n_params, dtype, torch_loss, rest_names, kernels = hot
@@ -419,8 +280,8 @@ def per_sample_grads(
         if found is None and not (cov is not None and len(rest) == len(selected) and rest):
             _profile.keep(f, key, _profile.Profile("per_sample_grads", (cov, cols, bool(rest),
                           selected if bound_values(f) is None else None, modifies)), modules)  # not a dict's tensors
-    if walk and hashable and hot is not None and found is not None:
-        _profile.remember(f, _PSG_TOKEN, found, x, y, loss_key, options)  # the next call tests this key in place
+    if hashable and hot is not None and found is not None:
+        _profile.served(f, _PSG_TOKEN, looked, x, y, loss_key, options)
     if flatten:
         return flat
     sizes = [p.numel() for p in params]
@@ -430,7 +291,6 @@ def per_sample_grads(
 _ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
               nn.TransformerDecoder, nn.Transformer)
 _PSG_TOKEN = -100  # per_sample_grads' profiles: the options are in the key's call part
-_NO_KWARGS: dict[str, Any] = {}
 
 
 def _loss_key(loss: Any) -> Any:
@@ -574,7 +434,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         second = x1 if x2 is None else x2
         if plan.method == "products":
             try:
-                return _ntk.products(f, x1, second, names, params, n_out, trace, plan.sample_chunk, max_memory)
+                return _ntk.products(f, _jacobian_of(f, names, max_memory), x1, second, names, params, n_out,
+                                     trace, plan.sample_chunk)
             except (NotImplementedError, RuntimeError) as exc:  # an op without a jvp formula
                 gap = classify(exc)
                 if gap is None or gap[0] != "forward":
@@ -584,8 +445,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
                                      f"but {gap[1]} has no forward-AD formula. Use method='auto' or "
                                      "'contraction'.") from exc
         keep = second.shape[0] * n_out * sum(p.numel() for p in params) * 4 <= _budget(opts, x1.device) // 2
-        return _ntk.contraction(f, x1, second, names, n_out, trace, plan.sample_chunk, keep, max_memory,
-                                _engine.result_dtype(params))
+        return _ntk.contraction(_jacobian_of(f, names, max_memory), x1, second, n_out, trace, plan.sample_chunk,
+                                keep, _engine.result_dtype(params))
 
 
 @accepts_params_dict
@@ -639,8 +500,6 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         True
     """
     if v is not None:  # the Gauss-Newton-vector product (see _vector.py)
-        from ._vector import ggn_vector
-
         _checks.check_function(f)
         _checks.check_outside_transforms("ggn", PRODUCT_WHY, PRODUCT_INSTEAD)
         _checks.check_ggn_loss(loss, diagonal)
@@ -683,7 +542,9 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
             return result
         n_rest = sum(p.numel() for _, p in rest)
         chunk = _chunk(opts, n_out * n_rest * item, x.shape[0], x.device)
-        part = _engine.ggn_generic(f, x, factor(f(x)), [n for n, _ in rest], n_rest, diagonal, chunk, max_memory)
+        names = [n for n, _ in rest]
+        part = _engine.ggn_generic(f, _jacobian_of(f, names, max_memory), x, factor(f(x)), names, n_rest, diagonal,
+                                   chunk)
         if result is None or len(rest) == len(selected):
             return part
         cols = columns(selected)

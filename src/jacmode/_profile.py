@@ -44,12 +44,12 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _module
 from torch.nn.modules.dropout import _DropoutNd
 
-from . import _functional
-from ._args import Flat
+from . import _state
 from ._cache import WeakCache, _resolved, register
 from ._guard import current
 from ._state import Survey, modules_of
 from ._transforms import _PEEK, in_transform
+from ._capture.bound import Source
 
 PER_FUNCTION = 16
 
@@ -145,9 +145,9 @@ def _walk(modules: list[nn.Module], guard: bool = True) -> tuple[tuple[Any, ...]
     module and parameter once, for both); ``guard=False``: the same key, and no survey (None)."""
     parts: list[Any] = []
     add = parts.append
-    # a dict's tensors bound in by jacmode (wrt=dict, _functional.py) are new at every step of a
+    # a dict's tensors bound in by jacmode (wrt=dict, _state.bind) are new at every step of a
     # functional optimiser: they count by their place (slot, shape, dtype, device), not identity
-    bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    bound = {id(t) for stack in _state._BOUND.values() for t in stack[-1].values()} if _state._BOUND else ()
     training: list[bool] = []
     slots: list[tuple[nn.Module, str, Any]] = []
     params: dict[int, Any] = {}
@@ -253,7 +253,7 @@ def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module])
     if k[0] is None:  # no generation in scope: nothing is kept (_guard.py)
         return
     profile.generation = k[0]
-    bound = {id(t) for stack in _functional._BOUND.values() for t in stack[-1].values()} if _functional._BOUND else ()
+    bound = {id(t) for stack in _state._BOUND.values() for t in stack[-1].values()} if _state._BOUND else ()
     params = [p for m in modules for p in m._parameters.values() if p is not None and id(p) not in bound]
     profile.holds = (*(m for m in modules if m is not f), *params)  # never f: it is the weak key
     with _LOCK:
@@ -299,6 +299,46 @@ _LAST: "weakref.WeakKeyDictionary[Any, dict[int, Profile]]" = register(weakref.W
                                                                      "profiles of the last repeated calls")
 
 
+class Lookup:
+    """One call's look-up (:func:`lookup`): the profile it found (or None), its key, f's modules and
+    the state guard's survey of them (None when the look-up was told the guard will not run)."""
+
+    __slots__ = ("found", "key", "modules", "survey", "walked")
+
+    def __init__(self, found: Optional[Profile], key: tuple[Any, ...], modules: list[nn.Module], survey: Any,
+                 walked: bool) -> None:
+        self.found, self.key, self.modules, self.survey, self.walked = found, key, modules, survey, walked
+
+
+def lookup(f: Any, token: int, args: tuple[Any, ...], kwargs: Optional[dict[str, Any]] = None,
+           guard: bool = True) -> Lookup:
+    """The one look-up of every entry point's call ``f(*args, **kwargs)`` with options ``token``.
+
+    First the key of the last call that ``f`` and ``token`` served straight away, tested in place
+    (:func:`recheck`, no keyword arguments); else one walk of f's modules (:func:`walked`) and one
+    look-up (:func:`find`). ``guard=False``: the caller expects to run without the state guard
+    (no survey is made). After the found profile served the call, :func:`served` lets the next
+    call test its key in place.
+    """
+    found = None if kwargs else recheck(f, token, *args)
+    if found is not None:
+        if guard:
+            modules, seen = survey(found, f)
+        else:
+            modules, seen = [f, *found.check.rest], None
+        return Lookup(found, found.check.key, modules, seen, False)
+    modules = modules_of(f)
+    key, seen = walked(token, args, kwargs or {}, modules, guard)
+    return Lookup(find(f, key), key, modules, seen, True)
+
+
+def served(f: Any, token: int, looked: Lookup, *args: Any) -> None:
+    """``looked.found`` served the call ``f(*args)`` (no keyword arguments): the next call of f with
+    ``token`` tests its key in place (:func:`recheck`)."""
+    if looked.walked and looked.found is not None:
+        remember(f, token, looked.found, *args)
+
+
 def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
     """The profile that ``find(f, walked(token, args, {}, modules_of(f))[0])`` would return, where it
     is the one the last such call of f and ``token`` found (:func:`remember`), else None.
@@ -310,7 +350,7 @@ def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
     one's children, the same objects in the same order), their training flags, hooks (none),
     dropout probabilities, parameters (slot names, identity, requires_grad, dtype, shape, device)
     and buffers (names, dtype, shape, device); the process-wide hooks (none), no dict of tensors
-    bound in (``_functional``), torch.func transforms, inference and grad mode. A profile dropped
+    bound in (``_state.bind``), torch.func transforms, inference and grad mode. A profile dropped
     from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not returned. None where
     anything differs: the caller then walks (the key decides).
     """
@@ -369,7 +409,7 @@ def remember(f: Any, token: int, found: Profile, *args: Any) -> None:
 def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optional[Check]:
     """The generated :class:`Check` of :func:`recheck` for the key f, ``token`` and ``args`` have now
     (which must be ``found``'s), or None."""
-    if not isinstance(f, nn.Module) or _functional._BOUND or in_transform():
+    if not isinstance(f, nn.Module) or _state._BOUND or in_transform():
         return None
     if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks
             or _module._global_backward_pre_hooks):
@@ -379,10 +419,9 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
     entries = _PROFILES._data.get(f)
     if entries is None or entries.get(_resolved(f, key)[1]) is not found:  # the key as of now is not found's
         return None
-    from ._capture.bound import Source
 
     names = [f"a{i}" for i in range(len(args))]
-    src = Source(f"check(f, {', '.join(names)})", _module=_module, _functional=_functional, _PEEK=_PEEK,
+    src = Source(f"check(f, {', '.join(names)})", _module=_module, _state=_state, _PEEK=_PEEK,
                  _is_not=operator.is_not, _inference=torch.is_inference_mode_enabled, _grad=torch.is_grad_enabled)
     emit, const, on = src.emit, src.const, src.off
     for a, v in zip(names, args):
@@ -432,7 +471,7 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
                 emit(f"if {same} or v.dtype is not {const(tensor.dtype)} or v.shape != {const(tensor.shape)} or "
                      f"{on('v', tensor.device)}: return False")
     emit("if (_module._global_forward_hooks or _module._global_forward_pre_hooks or _module._global_backward_hooks "
-         "or _module._global_backward_pre_hooks or _functional._BOUND): return False")
+         "or _module._global_backward_pre_hooks or _state._BOUND): return False")
     emit(f"return {'' if _PEEK is None else '_PEEK() is None and '}_inference() is {key[4]} and _grad() is {key[5]}")
     test = src.function("Exception", "return False  # a slot gone, a value that will not compare: the walk decides",
                         f"<jacmode profile check of {type(f).__name__}>")

@@ -25,6 +25,10 @@ and restricts ``scaled_dot_product_attention`` to its math backend, because the 
 (``_transformer_encoder_layer_fwd``, flash attention) have no forward-AD rule and no vmap rule
 (vmap falls back to a slow loop over the batch). The flags are global, so entries are counted
 across threads and the last one out restores them.
+
+A call with ``wrt`` a dict of tensors (``functional_call``'s convention, ``_functional.py``) runs
+with those tensors in the model's slots (:func:`bind`, torch's ``_reparametrize_module``), and its
+own tensors back on exit; :func:`bound_values` names them for the code that must tell them apart.
 """
 
 from __future__ import annotations
@@ -38,10 +42,12 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.utils.stateless import _reparametrize_module
 
-from ._args import Flat
+from ._cache import Keyed
+
 
 _KERNELS_LOCK = threading.Lock()
 _KERNELS: dict[str, Any] = {"users": 0, "fastpath": True, "sdpa": None}
@@ -154,7 +160,7 @@ def used_modules(fn: Any, depth: int = 3) -> list[nn.Module]:
     ``self``, a ``functools.partial``'s function and arguments, and so on through nested
     functions (``depth`` levels). Not the modules it reaches through other objects' attributes.
     """
-    if isinstance(fn, Flat):  # a call of several arguments: the user's function
+    if isinstance(fn, Keyed):  # a call of several arguments: the user's function
         fn = fn.f
     if isinstance(fn, nn.Module):
         return [fn]
@@ -398,3 +404,53 @@ class RngReplay:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state(self.cuda, self.device)
+
+
+# ---- tensors bound into a model's slots for one call (wrt a dict: _functional.py) ----
+
+# id(module) -> stack of the dicts bound to it by jacmode (innermost last)
+_BOUND: dict[int, list[dict[str, Tensor]]] = {}
+# Bound calls take turns across threads: the dict's tensors sit in the user's module while one
+# runs, so two at once would read each other's (re-entrant: a bound call inside one). A plain
+# forward of the model in another thread meanwhile sees them too: docs/structure.md, "Threads".
+_BINDING = threading.RLock()
+
+
+def bound_values(model: Any) -> Optional[dict[str, Tensor]]:
+    """The dict name -> tensor that jacmode bound to ``model`` for the current call, or None."""
+    stack = _BOUND.get(id(model))
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def bind(model: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
+    """Run a block with ``model`` holding ``values`` in its slots; its own tensors back on exit (see the note).
+
+    Yields the bound tensors by name, in the dict's order (a tensor given for two names bound as two views).
+    """
+    seen: set[int] = set()
+    tied = _tied_names(model)
+    held: dict[str, Tensor] = {}
+    for name, t in values.items():
+        if id(t) in seen and not (tied.get(name) and any(values.get(o) is t for o in tied[name])):
+            t = t.view_as(t)  # its own object: its own columns, as jacrev over the dict gives
+        seen.add(id(t))
+        held[name] = t
+    with _BINDING, _reparametrize_module(model, dict(held), tie_weights=True):
+        _BOUND.setdefault(id(model), []).append(held)
+        try:
+            yield held
+        finally:
+            stack = _BOUND[id(model)]
+            stack.pop()
+            if not stack:
+                del _BOUND[id(model)]
+
+
+def _tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """name -> the other names of the same tensor in ``model`` (tied weights), for names that have some."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        if t is not None:
+            by_id.setdefault(id(t), []).append(name)
+    return {n: [o for o in names if o != n] for names in by_id.values() if len(names) > 1 for n in names}

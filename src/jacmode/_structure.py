@@ -10,7 +10,7 @@ elementwise diagonal. Forward mode fills columns n, reverse mode fills rows y.
   fast path.
 * per-sample: vmap over samples of vmap over outputs of vjp (parameters, independent samples);
   for parameters that the per-module rules cover, the layer-wise probe engine
-  (``_probes/layerwise.py``), with the generic engine for the parameters no rule covers.
+  (``_probes/layerwise.py``, ``_probes/generated.engine``), with the generic engine for the parameters no rule covers.
 * whole-batch: the batch is one point; directions are one-hot over (b, d) or (b, y) and only the
   diagonal block of each product is kept. Exact with coupled samples. For parameters in forward
   mode, each tangent is shared by all samples and gives a whole column at once.
@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ._probes import layerwise
+from ._probes import generated
 from ._capture.capture import reject
 from ._autodiff.fallback import translated_warnings
 from ._autodiff.forward import forward_columns, layerwise_columns
@@ -99,7 +99,7 @@ def run(p: Problem, plan: Plan, out: Optional[Tensor] = None, fallback: bool = T
     rng = RngReplay(p.device) if p.random else None
     if plan.strategy == "per-sample" and p.probes is not None:
         try:
-            return layerwise.jacobian(p, plan, out)  # reads the parameters, not z (made lazily)
+            return generated.engine(p, plan, out)  # reads the parameters, not z (made lazily)
         except NotCovered:
             pass  # the generic engine below, for every parameter
     B, N, Y, z = p.batch, p.n_in, p.n_out, p.z

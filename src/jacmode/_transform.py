@@ -31,9 +31,10 @@ from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 
 from torch import Tensor, nn
 
-from . import _guard
+from . import _checks, _guard
 from ._cache import register as register_cache
 from ._errors import JacmodeWarning, user_stacklevel
+from ._operands import check_dims
 
 Run = Callable[["Transformed", Any, Tensor, dict[str, Any]], Any]  # (transform, f, x, data) -> result
 
@@ -63,7 +64,7 @@ class Spec:
     defaults: dict[str, Any] = dataclasses.field(default_factory=dict)  # the options' defaults (for the token)
 
 
-_SPECS: dict[Any, Spec] = {}
+_SPECS: dict[Any, Optional[Spec]] = {}  # the transformable entry points (register)
 _FRONT = ("argnums", "in_dims", "has_aux")
 # the entry points whose engine is Taylor mode over a captured program: compile=True runs their
 # generated code (_capture/codegen.py) through torch.compile
@@ -73,9 +74,10 @@ _TOKENS: dict[Hashable, int] = {}
 _FRESH = itertools.count(1 << 40)
 
 
-def register(op: Callable[..., Any], spec: Spec) -> None:
-    """Make ``op`` (a public entry point) transformable with ``spec``."""
-    _SPECS[op] = spec
+def register(op: Callable[..., Any], spec: Optional[Spec] = None) -> None:
+    """Make ``op`` (a public entry point) transformable with ``spec`` (None: the generic spec, made
+    from its signature on first use, unless it has one already)."""
+    _SPECS[op] = spec if spec is not None else _SPECS.get(op)
 
 
 def _freeze(v: Any) -> Hashable:
@@ -142,8 +144,6 @@ def _generic_spec(op: Callable[..., Any]) -> Spec:
 
 def _validate(name: str, sig: inspect.Signature, options: dict[str, Any]) -> None:
     """The checks of ``name``'s options that need no input, with the entry point's own errors."""
-    from . import _checks
-    from ._operands import check_dims
 
     given = {**{k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty},
              **options}
@@ -196,10 +196,8 @@ def _spec(op: Any) -> Spec:
     spec = _SPECS.get(op)
     if spec is not None:
         return spec
-    from . import _ENTRY_POINTS  # the public entry points, known once the package is imported
-
-    if op not in _ENTRY_POINTS:
-        names = ", ".join(sorted(o.__name__ for o in _ENTRY_POINTS))
+    if op not in _SPECS:
+        names = ", ".join(sorted(o.__name__ for o in _SPECS))
         raise TypeError(f"op: expected one of jacmode's entry points ({names}), got "
                         f"{getattr(op, '__name__', type(op).__name__)!r}. Pass the function itself, "
                         "e.g. jm.transform(jm.jacobian, f, wrt='params').")
@@ -355,25 +353,8 @@ def transform(op: Callable[..., Any], f: Any, *, compile: Union[bool, str] = Fal
     if not isinstance(compile, (bool, str)) or compile in ("", "yes", "no", "true", "false"):
         raise TypeError(f"compile: expected True, False or a torch.compile backend name such as 'inductor' or "
                         f"'aot_eager', got {type(compile).__name__} ({compile!r}).")
-    from ._checks import check_function
-
-    check_function(f)
+    _checks.check_function(f)
     return Transformed(spec, f, options, compile, op=op)
-
-
-def jacfn(f: Any, *, compile: Union[bool, str] = False, **options: Any) -> Transformed:
-    """``transform(jacobian, f, **options)``: the per-sample Jacobian of f as a function of x.
-
-    Example:
-        >>> import torch, jacmode as jm
-        >>> jac = jm.jacfn(torch.sin)
-        >>> x = torch.zeros(2, 3)
-        >>> jac(x).shape                                  # (B, *out, *in)
-        torch.Size([2, 3, 3])
-    """
-    from ._jacobian import jacobian
-
-    return transform(jacobian, f, compile=compile, **options)
 
 
 _EAGER: "weakref.WeakKeyDictionary[Any, dict[Hashable, Transformed]]" = register_cache(
@@ -387,7 +368,7 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
     It holds f weakly (the eager call passes f to :meth:`Transformed.call`); the options are
     validated when it is made, so a repeated call validates only its input.
     """
-    spec = _SPECS[op]
+    spec = _spec(op)
     values = tuple(options.values())  # the front passes every option, always in the same order
     frozen: Optional[Hashable] = (spec.name, values, tuple(map(type, values)))  # types: 1 is not True
     try:
@@ -406,9 +387,7 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
             t = hit.get(frozen)
             if t is not None:
                 return t
-    from ._checks import check_function
-
-    check_function(f)
+    _checks.check_function(f)
     t = Transformed(spec, None, options, False, strong=False, op=op)
     if frozen is not None:
         try:
@@ -431,6 +410,6 @@ def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...],
         hit = _EAGER.data.get(weakref.ref(f))  # type: ignore[attr-defined]
         if hit is None:
             return None
-        return hit.get((_SPECS[op].name, values, tuple(map(type, values)) if types is None else types))
+        return hit.get((_spec(op).name, values, tuple(map(type, values)) if types is None else types))
     except TypeError:  # f cannot be weakly referenced, or an unhashable option (a list of names)
         return None

@@ -5,7 +5,6 @@ lists of leaves and restore torch.func's layout; the engines are in ``_autodiff/
 its note [Vector products]).
 
 Conventions (docs/products.md, "Vector products"):
-
 * wrt="inputs": torch.func's. ``primals`` is f's positional arguments (a tensor or a tuple of
   tensors / pytrees), ``tangents`` has their structure; the products are of the whole call, so
   for a batch of independent samples row b of J v is J_b v_b, and row b of J^T u is u_b^T J_b.
@@ -37,11 +36,13 @@ from . import _checks, _losses
 from ._coupling import probe
 from ._autodiff import vector as _eng
 from ._args.flat import _fmt
+from ._args.params import bound
 from ._autodiff.bags import holds_bags, primitive_bags
 from ._problem import _has_random_layers
 from ._rules.embedding import forward_gap
 from ._state import preserved_state
 from ._transforms import in_transform
+from ._coupling import PRODUCT_WAYS_OUT
 
 Vector = Union[Tensor, dict[str, Tensor]]
 
@@ -455,8 +456,6 @@ def _split_rows(sel: Params, rows: Tensor) -> Vector:
 
 def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], in_dims: Any, sel: Params,
                        chunk_size: Optional[int]) -> _eng.PerSampleVjp:
-    from ._products import bound
-
     _check_chunk(chunk_size)
     with bound(f, args if len(args) > 1 else args[0], kw or None, in_dims) as (g, x):
         _checks.check_input(x, wrt="params", batched=True)
@@ -678,8 +677,6 @@ def output_hessian_times(loss: Any, out: Tensor, u: Tensor, y: Optional[Tensor])
 def ggn_vector(f: nn.Module, x: Any, loss: Any, y: Optional[Tensor], v: Any, wrt: Any,
                kwargs: Optional[dict[str, Any]], in_dims: Any) -> Vector:
     """G v = sum_b J_b^T H_b J_b v: one jvp, the loss Hessians, one vjp (see :func:`jacmode.ggn`)."""
-    from ._products import bound
-
     _check_grad_mode("ggn")
     kw = _kwargs(kwargs)
     sel = params_of(f, wrt, v)
@@ -691,8 +688,6 @@ def ggn_vector(f: nn.Module, x: Any, loss: Any, y: Optional[Tensor], v: Any, wrt
 
 def _ggn_vector(f: nn.Module, g: Any, xx: Tensor, loss: Any, y: Optional[Tensor], sel: Params, vs: list[Tensor],
                 args: tuple[Any, ...], kw: dict[str, Any]) -> Vector:
-    from ._coupling import PRODUCT_WAYS_OUT
-
     _checks.check_input(xx, wrt="params", batched=True)
     _checks.check_ggn_target(loss, y, xx.shape[0])
     with preserved_state(f), preserved_state(g):

@@ -49,7 +49,6 @@ from .flat import (  # noqa: F401
     inputs,
     rows_of,
     with_riders,
-    signature,
 )
 from .call import (  # noqa: F401
     Call,

@@ -17,6 +17,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 from .. import _guard
 from .._cache import register
 from .flat import Flat, Leaf, Rider, _fmt
+from .._state import preserved_state
 
 
 _OUTPUTS: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[Any, list[tuple[int, ...]]]]]" = register(
@@ -142,8 +143,6 @@ class Call:
     def _ensure(self) -> None:
         """Learn the output structure by one evaluation when no engine evaluated f (rarely needed)."""
         if self.out_spec is None:
-            from .._state import preserved_state  # noqa: PLC0415 -- _state imports this module
-
             with torch.no_grad(), preserved_state(self.f):
                 Flat(self)(self.x.detach())
 

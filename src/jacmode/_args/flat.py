@@ -12,6 +12,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .._cache import Keyed
+
 if TYPE_CHECKING:
     from .call import Call
 
@@ -44,7 +46,7 @@ class Rider:
     batched: bool
 
 
-class Flat:
+class Flat(Keyed):
     """f as a function of one flat tensor z: (b, D) -> (b, *out) or (b, Y) (see the note).
 
     Attributes:
@@ -61,6 +63,10 @@ class Flat:
         self.rows = rows  # rows of the call's batch (take), or None
         self.values = values  # replacements of the batched riders, in order (with_riders), or None
         self.__wrapped__ = call.f  # what _state.used_modules and the caches look through
+
+    def subkey(self) -> tuple:
+        """The call's structure, in the keys of the caches that keep this function's facts under f."""
+        return self.call.signature()
 
     def _riders(self, b: int) -> list[Any]:
         call = self.call
@@ -175,8 +181,3 @@ def with_riders(fn: Any, values: Sequence[Tensor]) -> Any:
     if not isinstance(fn, Flat) or not values:
         return fn
     return Flat(fn.call, None, list(values))
-
-
-def signature(fn: Any) -> tuple:
-    """What a flat function's structure is, for cache keys: () for a function of one tensor."""
-    return fn.call.signature() if isinstance(fn, Flat) else ()

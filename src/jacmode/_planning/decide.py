@@ -25,7 +25,8 @@ from . import autotune as _autotune
 from . import footprint as _footprint
 from . import memory as _memory
 from .footprint import Footprint
-from .plan import MODES, Plan, make_plan, minimum_workspace, strategies
+from .engines import strategies
+from .plan import MODES, Plan, make_plan, minimum_workspace
 
 
 @dataclass

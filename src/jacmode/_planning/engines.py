@@ -159,12 +159,25 @@ def probe_seconds(p: Problem, fp: Footprint, sample_chunk: Optional[int], generi
     return seconds
 
 
+def strategies(p: Problem) -> dict[str, tuple[str, int]]:
+    """For each mode: (strategy, number of directions)."""
+    B, N, Y = p.batch, p.n_in, p.n_out
+    if p.structure == "diagonal":
+        return {"forward": ("diagonal", 1), "reverse": ("diagonal", 1)}
+    if not p.batched:
+        return {"forward": ("full", N), "reverse": ("full", Y)}
+    if p.kind == "params":
+        reverse = ("whole-batch", B * Y) if p.structure == "coupled" else ("per-sample", Y)
+        return {"forward": ("whole-batch", N), "reverse": reverse}
+    if p.structure == "coupled":
+        return {"forward": ("whole-batch", B * N), "reverse": ("whole-batch", B * Y)}
+    return {"forward": ("broadcast", N), "reverse": ("broadcast", Y)}
+
+
 def candidates(p: Problem, sized: dict[str, tuple], chosen: str, allowed: tuple[str, ...],
                why_not: str = "") -> tuple[Candidate, ...]:
     """Every engine considered: the serving one of each sized mode with its price, the others with
     why not. ``sized``: mode -> (strategy, directions, chunk, samples, workspace, seconds, cut, engine)."""
-    from .plan import strategies
-
     out = []
     best = sized[chosen][5]
     for mode in ("forward", "reverse"):

@@ -50,7 +50,7 @@ from .._problem import Problem
 from . import engines as _engines
 from .calibrated import SPILL_BYTES
 from .chunking import chunks, engine, pass_workspace, samples_per_direction
-from .engines import Candidate
+from .engines import Candidate, strategies
 from .footprint import Footprint
 from .memory import fmt_bytes
 
@@ -120,21 +120,6 @@ class Plan:
 
 def _dirs(n: int) -> str:
     return f"{n} direction{'' if n == 1 else 's'}"
-
-
-def strategies(p: Problem) -> dict[str, tuple[str, int]]:
-    """For each mode: (strategy, number of directions)."""
-    B, N, Y = p.batch, p.n_in, p.n_out
-    if p.structure == "diagonal":
-        return {"forward": ("diagonal", 1), "reverse": ("diagonal", 1)}
-    if not p.batched:
-        return {"forward": ("full", N), "reverse": ("full", Y)}
-    if p.kind == "params":
-        reverse = ("whole-batch", B * Y) if p.structure == "coupled" else ("per-sample", Y)
-        return {"forward": ("whole-batch", N), "reverse": reverse}
-    if p.structure == "coupled":
-        return {"forward": ("whole-batch", B * N), "reverse": ("whole-batch", B * Y)}
-    return {"forward": ("broadcast", N), "reverse": ("broadcast", Y)}
 
 
 def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int, chunk: int,

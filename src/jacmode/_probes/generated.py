@@ -51,18 +51,24 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 from torch import Tensor, nn
 
+from .._autodiff.reverse import per_sample_rows
 from .._capture import bindings, codegen, rewrites
 from .._threads import SERIAL, clone_tree
 from .._capture.bound import Source
 from .._transforms import in_transform
 from . import layerwise
 from .probes import Coverage
+from .._capture.capture import program_for
+
+if TYPE_CHECKING:
+    from .._planning.plan import Plan
+    from .._problem import Problem
 
 ENABLED = True  # internal switch: False always interprets (tests compare the two)
 MAX_SIGNATURES = 16
@@ -95,7 +101,6 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
         found = hot.run(x, out)
         if found is not None:
             return found
-    from .._capture.capture import program_for
 
     program = program_for(model)
     if isinstance(program, str):
@@ -442,3 +447,47 @@ def _collapse_views(graph: fx.Graph) -> None:
 def disabled() -> contextlib.AbstractContextManager[None]:
     """Inside the block the probe engine always interprets (tests compare the two paths)."""
     return codegen.switched_off(sys.modules[__name__])
+
+
+def engine(p: "Problem", plan: "Plan", out: Optional[Tensor]) -> Tensor:
+    """The probe engine's per-sample parameter Jacobian (B, Y, P) of a problem: the generated code
+    (:func:`jacobian`) where it serves, else the rules over one probed pass per chunk of samples
+    (``layerwise.fill``); the generic engine for the parameters no rule covers."""
+    assert p.probes is not None and p.model is not None and p.subset_fn is not None
+    B, Y, N = p.batch, p.n_out, p.n_in
+    named = [(n, t) for (n, _), t in zip(p.params, p.tensors)]
+    if torch.is_grad_enabled():  # create_graph: differentiable blocks, every parameter covered
+        flat = layerwise.blocks(p.model, p.x, named, p.probes)
+        return out.copy_(flat) if out is not None else flat
+    step_b = plan.sample_chunk or B
+    repeat = not p.random and B > 1 and plan.costs.get("reverse", 1.0) < layerwise.REPEAT_COST
+    if step_b >= B and not p.random:
+        found = jacobian(p.model, p.x, named, p.probes, out, p.dtype, p.device, (B, Y, N), repeat,
+                                   p.__dict__.get("runs"))
+        if found is not None:  # see [Generated probe code]
+            return found
+    result = out if out is not None else torch.empty(B, Y, N, dtype=p.dtype, device=p.device)  # not p.z: made lazily
+    for b0 in range(0, B, step_b):  # chunks of samples: max_memory
+        layerwise.fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b], repeat=repeat)
+    rest = [n for n, _ in named if n in p.probes.uncovered]
+    if rest:
+        starts, cols = 0, []
+        for n, t in named:
+            if n in p.probes.uncovered:
+                cols.append(torch.arange(starts, starts + t.numel(), device=result.device))
+            starts += t.numel()
+        idx = torch.cat(cols)
+        zk, one = p.subset_fn(rest)
+
+        def place(b0: int, b1: int, y0: int, y1: int, blk: Tensor) -> None:
+            result[b0:b1, y0:y1, idx] = blk
+
+        try:
+            per_sample_rows(one, zk, p.x, Y, place, step_b, Y)
+        except RuntimeError:  # vmap cannot run these parameters' layers: autograd, sample by sample
+            with torch.enable_grad():
+                zg = zk.detach().requires_grad_(True)
+                for b in range(B):
+                    row = one(zg, p.x[b])
+                    place(b, b + 1, 0, Y, torch.stack([torch.autograd.grad(o, zg, retain_graph=True)[0] for o in row])[None])
+    return result

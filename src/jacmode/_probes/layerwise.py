@@ -17,7 +17,7 @@ layer whose leading dim is not the batch means the generic engine for the whole 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -25,11 +25,6 @@ from torch import Tensor, nn
 from .._rules.base import NotCovered
 from .._rules.local import LOCAL
 from .probes import Call, Coverage, Recording, record
-from .._autodiff.reverse import per_sample_rows
-
-if TYPE_CHECKING:
-    from .._planning.plan import Plan
-    from .._problem import Problem
 
 def _check_calls(rec: Recording, batch: int) -> None:
     for c in rec.calls:
@@ -283,47 +278,3 @@ def complete(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
             if not torch.allclose(s, g, rtol=tol, atol=tol * scale):
                 return False
     return True
-
-
-def jacobian(p: Problem, plan: Plan, out: Optional[Tensor]) -> Tensor:
-    """Per-sample parameter Jacobian by probes and rules; the generic engine for the uncovered rest."""
-    assert p.probes is not None and p.model is not None and p.subset_fn is not None
-    B, Y, N = p.batch, p.n_out, p.n_in
-    named = [(n, t) for (n, _), t in zip(p.params, p.tensors)]
-    if torch.is_grad_enabled():  # create_graph: differentiable blocks, every parameter covered
-        flat = blocks(p.model, p.x, named, p.probes)
-        return out.copy_(flat) if out is not None else flat
-    step_b = plan.sample_chunk or B
-    repeat = not p.random and B > 1 and plan.costs.get("reverse", 1.0) < REPEAT_COST
-    if step_b >= B and not p.random:
-        from . import generated  # (it imports this module)
-
-        found = generated.jacobian(p.model, p.x, named, p.probes, out, p.dtype, p.device, (B, Y, N), repeat,
-                                   p.__dict__.get("runs"))
-        if found is not None:  # see [Generated probe code]
-            return found
-    result = out if out is not None else torch.empty(B, Y, N, dtype=p.dtype, device=p.device)  # not p.z: made lazily
-    for b0 in range(0, B, step_b):  # chunks of samples: max_memory
-        fill(p.model, p.x[b0 : b0 + step_b], named, p.probes, result[b0 : b0 + step_b], repeat=repeat)
-    rest = [n for n, _ in named if n in p.probes.uncovered]
-    if rest:
-        starts, cols = 0, []
-        for n, t in named:
-            if n in p.probes.uncovered:
-                cols.append(torch.arange(starts, starts + t.numel(), device=result.device))
-            starts += t.numel()
-        idx = torch.cat(cols)
-        zk, one = p.subset_fn(rest)
-
-        def place(b0: int, b1: int, y0: int, y1: int, blk: Tensor) -> None:
-            result[b0:b1, y0:y1, idx] = blk
-
-        try:
-            per_sample_rows(one, zk, p.x, Y, place, step_b, Y)
-        except RuntimeError:  # vmap cannot run these parameters' layers: autograd, sample by sample
-            with torch.enable_grad():
-                zg = zk.detach().requires_grad_(True)
-                for b in range(B):
-                    row = one(zg, p.x[b])
-                    place(b, b + 1, 0, Y, torch.stack([torch.autograd.grad(o, zg, retain_graph=True)[0] for o in row])[None])
-    return result

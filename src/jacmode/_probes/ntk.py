@@ -19,7 +19,7 @@ The three agree to rounding; ``_planning/ntk.py`` picks one from the sizes.
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -29,14 +29,14 @@ from .._threads import clone_tree, jvp  # jvp one thread at a time: see [Threads
 from . import layerio, probes
 
 
-def _jacobians(model: nn.Module, x: Tensor, names: Sequence[str], chunk: int,
-               max_memory: Any) -> Iterator[tuple[int, Tensor]]:
-    from .._jacobian import jacobian
+# the per-sample parameter Jacobian (b, Y, P) of the selected parameters at a chunk of x (b, *in):
+# the caller's (``jm.jacobian`` with its wrt and max_memory)
+Jacobian = Callable[[Tensor], Tensor]
 
+
+def _jacobians(jacobian: Jacobian, x: Tensor, chunk: int) -> Iterator[tuple[int, Tensor]]:
     for b0 in range(0, x.shape[0], chunk):
-        jac = jacobian(model, x[b0:b0 + chunk], wrt=list(names), max_memory=max_memory)
-        assert isinstance(jac, Tensor)
-        yield b0, jac
+        yield b0, jacobian(x[b0:b0 + chunk])
 
 
 def _empty(x1: Tensor, b2: int, y: int, trace: bool, dtype: torch.dtype) -> Tensor:
@@ -44,17 +44,17 @@ def _empty(x1: Tensor, b2: int, y: int, trace: bool, dtype: torch.dtype) -> Tens
     return torch.zeros((x1.shape[0], b2) if trace else (x1.shape[0], b2, y, y), dtype=dtype, device=x1.device)
 
 
-def contraction(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], n_out: int,
-                trace: bool, chunk: int, keep_second: bool, max_memory: Any, dtype: torch.dtype) -> Tensor:
+def contraction(jacobian: Jacobian, x1: Tensor, x2: Tensor, n_out: int, trace: bool, chunk: int,
+                keep_second: bool, dtype: torch.dtype) -> Tensor:
     """K from Jacobian blocks; the second batch's blocks are kept if ``keep_second``, else redone.
 
     With ``x2 is x1`` and kept blocks, each block is formed once.
     """
     result = _empty(x1, x2.shape[0], n_out, trace, dtype)
-    second = list(_jacobians(model, x2, names, chunk, max_memory)) if keep_second else None
-    first = second if second is not None and x2 is x1 else _jacobians(model, x1, names, chunk, max_memory)
+    second = list(_jacobians(jacobian, x2, chunk)) if keep_second else None
+    first = second if second is not None and x2 is x1 else _jacobians(jacobian, x1, chunk)
     for b0, j1 in first:
-        for c0, j2 in second if second is not None else _jacobians(model, x2, names, chunk, max_memory):
+        for c0, j2 in second if second is not None else _jacobians(jacobian, x2, chunk):
             b1, c1 = b0 + j1.shape[0], c0 + j2.shape[0]
             if trace:
                 result[b0:b1, c0:c1] = torch.einsum("byp,cyp->bc", j1, j2)
@@ -64,8 +64,8 @@ def contraction(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], 
     return result
 
 
-def products(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], params: Sequence[Tensor],
-             n_out: int, trace: bool, chunk: int, max_memory: Any) -> Tensor:
+def products(model: nn.Module, jacobian: Jacobian, x1: Tensor, x2: Tensor, names: Sequence[str],
+             params: Sequence[Tensor], n_out: int, trace: bool, chunk: int) -> Tensor:
     """K from rows of J(x1) pushed forward through f(x2), ``chunk`` samples of x1 at a time."""
     sizes = [p.numel() for p in params]
     z = torch.cat([p.detach().reshape(-1) for p in params])
@@ -76,7 +76,7 @@ def products(model: nn.Module, x1: Tensor, x2: Tensor, names: Sequence[str], par
 
     push = vmap(lambda row: jvp(f2, (z,), (row,))[1], randomness="different")
     result = _empty(x1, x2.shape[0], n_out, trace, z.dtype)
-    for b0, j1 in _jacobians(model, x1, names, chunk, max_memory):
+    for b0, j1 in _jacobians(jacobian, x1, chunk):
         cols = push(j1.reshape(-1, z.numel())).view(j1.shape[0], n_out, x2.shape[0], n_out)
         b1 = b0 + j1.shape[0]
         if trace:

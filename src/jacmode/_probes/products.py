@@ -171,17 +171,15 @@ def ggn_diagonal_layers(model: nn.Module, cov: probes.Coverage, x: Tensor,
     return torch.cat([sums[n].reshape(-1) if n in sums else p.new_zeros(p.numel()) for n, p in named])
 
 
-def ggn_generic(model: nn.Module, x: Tensor, factor: Factor, names: Sequence[str],
-                n_params: int, diagonal: bool, chunk: int, max_memory: Any) -> Tensor:
-    """(P,) diagonal or (P, P) GGN from Jacobian chunks of ``chunk`` samples (any model)."""
-    from .._jacobian import jacobian
-
+def ggn_generic(model: nn.Module, jacobian: Callable[[Tensor], Tensor], x: Tensor, factor: Factor,
+                names: Sequence[str], n_params: int, diagonal: bool, chunk: int) -> Tensor:
+    """(P,) diagonal or (P, P) GGN from Jacobian chunks of ``chunk`` samples (any model);
+    ``jacobian``: the (b, Y, P) per-sample Jacobian of the parameters ``names`` at b samples."""
     lf, signs = factor
     dtype = result_dtype([p for n, p in model.named_parameters() if n in set(names)])
     result = torch.zeros((n_params,) if diagonal else (n_params, n_params), dtype=dtype, device=lf.device)
     for b0 in range(0, x.shape[0], chunk):
-        jac = jacobian(model, x[b0:b0 + chunk], wrt=list(names), max_memory=max_memory)
-        assert isinstance(jac, Tensor)
+        jac = jacobian(x[b0:b0 + chunk])
         jl = torch.einsum("byp,byk->bkp", jac.to(dtype), lf[b0:b0 + chunk].to(dtype))  # (b, K, P): rows J_b^T l_bk
         weighted = jl if signs is None else jl * signs[b0:b0 + chunk, :, None].to(dtype)
         if diagonal:
