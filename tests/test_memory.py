@@ -160,3 +160,122 @@ def test_cuda_budget_comes_from_free_device_memory():
     J = jm.jacobian(net, x, wrt="params", max_memory="1MB")
     assert J.device.type == "cuda"
     torch.testing.assert_close(J.cpu(), jm.jacobian(net.cpu(), x.cpu(), wrt="params"), rtol=1e-4, atol=1e-5)
+
+
+# --- one meaning of max_memory in every entry point: the workspace on top of the result ---
+
+BUDGET = 60_000  # bytes: below every result of the calls below, above the workspace of one of their passes
+
+
+def _conv(z: torch.Tensor) -> torch.Tensor:
+    """A banded Jacobian: 15 nonzeros per row, 15 colours."""
+    return torch.tanh(torch.nn.functional.conv1d(z.reshape(1, 1, -1), torch.linspace(-1, 1, 15, dtype=z.dtype)
+                                                 .reshape(1, 1, -1)).reshape(-1))
+
+
+def _spy(monkeypatch, module, name: str, chunks: list):
+    """Record the samples per pass (the ``chunk`` argument) that an engine function receives."""
+    import inspect
+
+    original = getattr(module, name)
+    signature = inspect.signature(original)
+
+    def spy(*a, **k):
+        chunks.append(signature.bind(*a, **k).arguments["chunk"])
+        return original(*a, **k)
+
+    monkeypatch.setattr(module, name, spy)
+
+
+def test_the_same_max_memory_bounds_the_workspace_of_every_entry_point(monkeypatch):
+    from jacmode._probes import products as _engine
+    from jacmode._sparse.api import result_bytes
+
+    torch.manual_seed(0)
+    net = Generic(5, 16, 3).double()  # the generic engines, which chunk samples by the budget
+    P = sum(p.numel() for p in net.parameters())
+    x = torch.randn(80, 5, dtype=torch.float64)
+    sq = lambda out: (out ** 2).sum(1)  # noqa: E731
+
+    # jacobian: the (B, Y, P) result is larger than the budget, one pass's workspace is not
+    p = jm.plan(net, x[:40], wrt="params", max_memory=BUDGET, mode="reverse")
+    assert p.result_bytes > BUDGET and p.workspace_bytes <= p.budget_bytes == BUDGET
+    assert p.sample_chunk < jm.plan(net, x[:40], wrt="params", mode="reverse").sample_chunk
+    torch.testing.assert_close(jm.jacobian(net, x[:40], wrt="params", max_memory=BUDGET, mode="reverse"),
+                               jm.jacobian(net, x[:40], wrt="params"))
+
+    # per_sample_grads: (B, P) result over the budget; fewer samples per vmap(grad) pass
+    assert 80 * P * 8 > BUDGET
+    chunks: list = []
+    _spy(monkeypatch, _engine, "per_sample_grads_generic", chunks)
+    tight = jm.per_sample_grads(net, x, sq, max_memory=BUDGET)
+    torch.testing.assert_close(tight, jm.per_sample_grads(net, x, sq))
+    assert chunks[0] < chunks[1] == 80
+
+    # ntk: (B1, B2, Y, Y) result over the budget; fewer samples per Jacobian block
+    assert 40 * 40 * 3 * 3 * 8 > BUDGET
+    tight_plan = jm.ntk_plan(net, x[:40], method="contraction", max_memory=BUDGET)
+    assert tight_plan.sample_chunk < jm.ntk_plan(net, x[:40], method="contraction").sample_chunk == 40
+    torch.testing.assert_close(jm.ntk(net, x[:40], method="contraction", max_memory=BUDGET),
+                               jm.ntk(net, x[:40], method="contraction"))
+
+    # ggn: (P, P) result over the budget; fewer samples per Jacobian block
+    assert P * P * 8 > BUDGET
+    chunks.clear()
+    _spy(monkeypatch, _engine, "ggn_generic", chunks)
+    torch.testing.assert_close(jm.ggn(net, x, max_memory=BUDGET), jm.ggn(net, x))
+    assert chunks[0] < chunks[1] == 80
+
+    # sparse_jacobian: the nonzeros over the budget; fewer colours per pass
+    z = torch.rand(400, dtype=torch.float64)
+    assert result_bytes(jm.sparsity(_conv, z), z) > BUDGET
+    sp = jm.plan(_conv, z, batched=False, structure="sparse", max_memory=BUDGET)
+    assert sp.budget_bytes == BUDGET and sp.workspace_bytes <= BUDGET
+    assert sp.chunk_size < jm.plan(_conv, z, batched=False, structure="sparse").chunk_size == sp.directions
+    torch.testing.assert_close(jm.sparse_jacobian(_conv, z, max_memory=BUDGET, layout="dense"),
+                               jm.jacobian(_conv, z, batched=False))
+
+
+def test_the_default_budget_is_the_same_in_every_entry_point(monkeypatch):
+    from jacmode._sparse.api import result_bytes
+
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: 1_000_000)
+    cpu = torch.device("cpu")
+    assert _memory.budget(None, cpu, 100_000) == 400_000  # half of the free memory less the result
+    assert _memory.budget(None, cpu, 100_000, out_given=True) == 500_000  # out= is the caller's
+    assert _memory.budget(123, cpu, 100_000) == 123  # max_memory bounds the workspace only
+    assert _memory.budget(123, cpu, 2_000_000) is None  # the result cannot fit the free memory
+    assert _memory.budget(123, cpu, 2_000_000, out_given=True) == 123
+    z = torch.rand(400, dtype=torch.float64)
+    sp = jm.plan(_conv, z, batched=False, structure="sparse")
+    assert sp.budget_bytes == 500_000 - result_bytes(jm.sparsity(_conv, z), z)
+    net = Generic(5, 16, 3).double()
+    x = torch.randn(80, 5, dtype=torch.float64)
+    per_sample = 3 * 147 * 8  # a Jacobian block of one sample, (Y, P)
+    assert jm.ntk_plan(net, x, method="contraction").sample_chunk == (500_000 - 80 * 80 * 9 * 8) // (4 * per_sample)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda net, x: jm.per_sample_grads(net, x, lambda out: out.sum(1)),
+     r"per_sample_grads: the \(B, P\) result needs .* \(\(80, 147\) torch.float64\) but only 1000 B is free "
+     r"on cpu: it cannot fit, so nothing was computed. Pass a smaller batch or fewer parameters"),
+    (lambda net, x: jm.ntk(net, x),
+     r"ntk: the \(B1, B2, Y, Y\) result needs .* \(\(80, 80, 3, 3\) torch.float64\).*cannot fit.*trace=True"),
+    (lambda net, x: jm.ggn(net, x),
+     r"ggn: the \(P, P\) matrix needs .* \(\(147, 147\) torch.float64\).*cannot fit.*diagonal=True"),
+    (lambda net, x: jm.ggn(net, x, diagonal=True),
+     r"ggn: the \(P,\) diagonal needs .* \(\(147,\) torch.float64\).*cannot fit.*wrt=\[...\]"),
+    (lambda net, x: jm.jacobian(net, x, wrt="params", max_memory="1GB"),
+     r"the result needs .* \(\(80, 3, 147\) torch.float64\).*cannot fit.*out="),
+    (lambda net, x: jm.sparse_jacobian(_conv, x[:, 0], layout="dense"),
+     r"the result needs .* \(\(66, 80\) torch.float64, dense, 990 nonzeros\).*cannot fit.*layout='csr'"),
+    (lambda net, x: jm.sparse_jacobian(_conv, x[:, 0], max_memory="1GB"),
+     r"the result needs .* \(\(66, 80\) torch.float64, csr, 990 nonzeros\).*cannot fit.*smaller x"),
+])
+def test_a_result_larger_than_the_free_memory_raises_in_every_entry_point(monkeypatch, call, match):
+    net = Generic(5, 16, 3).double()
+    x = torch.randn(80, 5, dtype=torch.float64)
+    jm.sparsity(_conv, x[:, 0])  # the pattern, detected with the real free memory
+    monkeypatch.setattr(_memory, "available_bytes", lambda device: 1000)
+    with pytest.raises(MemoryError, match=match):
+        call(net, x)

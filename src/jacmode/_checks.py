@@ -684,14 +684,6 @@ def check_hessians(value: Any, batch: int, n_out: int) -> Tensor:
     return value
 
 
-def check_fits(needed: int, budget: int, what: str, fix: str) -> None:
-    """Refuse, before allocating, a result larger than the memory budget."""
-    if needed > budget:
-        raise MemoryError(
-            f"{what} needs {needed / 2**20:.1f} MiB but the memory budget is {budget / 2**20:.1f} MiB. {fix}"
-        )
-
-
 # --- sparse Jacobians and Hessians (jacmode._sparse) ---
 
 SPARSE_LAYOUTS = ("csr", "coo", "dense")

@@ -528,12 +528,8 @@ def _fits(result_bytes: int, device: torch.device, decision: Decision, opts: Opt
     """The memory budget of a repeated call with a result of ``result_bytes`` on ``device``, or None
     where the result or the plan's workspace no longer fits (``describe`` and ``decide`` then
     raise the MemoryError or plan anew). The free memory is re-read (at most every ``memory.RECENT_S``)."""
-    free = _memory.available_bytes(device)
-    if not out_given and result_bytes > free:
-        return None
-    budget = opts.max_memory if opts.max_memory is not None else max(
-        0, int(_memory.DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
-    return None if decision.plan.workspace_bytes > budget else budget
+    budget = _memory.budget(opts.max_memory, device, result_bytes, out_given)
+    return None if budget is None or decision.plan.workspace_bytes > budget else budget
 
 
 def _direct(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,

@@ -36,7 +36,7 @@ from ._jacobian import jacobian
 from ._state import bound_values
 from ._planning import ntk as _ntk_plan
 from ._planning.footprint import footprint
-from ._planning.memory import DEFAULT_FRACTION, available_bytes
+from ._planning import memory as _memory
 from ._problem import _has_random_layers
 from ._rules.base import NotCovered
 from ._rules.embedding import forward_gap
@@ -81,13 +81,6 @@ def _out_shape(f: Any, x: Tensor) -> tuple[int, ...]:
                  validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
 
 
-def _budget(opts: Options, device: torch.device, result: bool = False) -> int:
-    """``max_memory``, else half the free memory for a workspace (all of it for a result, as jacobian)."""
-    if opts.max_memory is not None:
-        return opts.max_memory
-    return available_bytes(device) if result else int(DEFAULT_FRACTION * available_bytes(device))
-
-
 def _jacobian_of(f: nn.Module, names: Sequence[str], max_memory: Any) -> Callable[[Tensor], Tensor]:
     """The (b, Y, P) per-sample Jacobian of ``f``'s parameters ``names`` at b samples, for the engines
     that build a product from Jacobian blocks (``_probes/ntk.py``, ``ggn_generic``)."""
@@ -97,10 +90,12 @@ def _jacobian_of(f: nn.Module, names: Sequence[str], max_memory: Any) -> Callabl
     return block
 
 
-def _chunk(opts: Options, per_sample_bytes: int, batch: int, device: torch.device = torch.device("cpu")) -> int:
+def _chunk(opts: Options, per_sample_bytes: int, batch: int, budget: int) -> int:
+    """Samples per pass of a generic engine: ``chunk_size``, else as many as fit the workspace ``budget``
+    (``memory.budget``: on top of the result)."""
     if opts.chunk_size is not None:
         return opts.chunk_size
-    return max(1, min(batch, _budget(opts, device) // max(1, 4 * per_sample_bytes)))
+    return max(1, min(batch, budget // max(1, 4 * per_sample_bytes)))
 
 
 @accepts_params_dict
@@ -135,7 +130,8 @@ def per_sample_grads(
             module at those values, as ``functional_call``; see docs/functional.md).
         flatten: False returns a dict name -> (B, *param.shape).
         chunk_size: samples per vectorised pass of the generic engine.
-        max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
+        max_memory: workspace budget on top of the result, in bytes or as "2GB", as in
+            :func:`jacmode.jacobian` (docs/memory.md); the result itself must fit the free memory.
         progress: for a data set, None shows a progress bar on a terminal, True always, False never.
         kwargs: keyword arguments of the model, passed through (not differentiated).
         in_dims: with x a tuple of the model's positional arguments (``model(x, mask)``), how each
@@ -145,6 +141,9 @@ def per_sample_grads(
     Returns:
         (B, P), the parameters flattened and concatenated in ``named_parameters()`` order, in
         the parameters' dtype (promoted where they differ), whatever x's dtype (token ids).
+
+    Raises:
+        MemoryError: the result is larger than the free memory, before anything is allocated.
 
     Example:
         >>> import torch, jacmode as jm
@@ -228,10 +227,11 @@ def per_sample_grads(
             found.runs["hot"] = (opts, selected, names, params, n_params, dtype, torch_loss, rest_names,
                                  kernels)
     assert opts is not None  # validated above, or on the first call of a hit's key
-    needed, budget = batch * n_params * dtype.itemsize, _budget(opts, x.device, result=True)
-    if needed > budget:  # (the message is formatted only then)
-        _checks.check_fits(needed, budget, f"per_sample_grads: the (B, P) = ({batch}, {n_params}) result",
-                           "Pass a smaller batch, fewer parameters (wrt=[...]) or a larger max_memory.")
+    needed = batch * n_params * dtype.itemsize
+    budget = _memory.budget(opts.max_memory, x.device, needed)
+    if budget is None:  # (the message is formatted only then)
+        raise _memory.too_large(needed, x.device, "per_sample_grads: the (B, P) result",
+                                f"({batch}, {n_params}) {dtype}", "Pass a smaller batch or fewer parameters (wrt=[...]).")
 
     def losses(out: Tensor) -> Tensor:
         return _checks.check_losses(loss(out) if y is None else loss(out, y), out.shape[0])
@@ -276,7 +276,7 @@ def per_sample_grads(
                 head = f(x[:1])
                 _checks.check_losses(loss(head) if y is None else loss(head, y[:1]), 1)
             n_rest = sum(p.numel() for _, p in rest)
-            _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch, x.device))
+            _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch, budget))
         if found is None and not (cov is not None and len(rest) == len(selected) and rest):
             _profile.keep(f, key, _profile.Profile("per_sample_grads", (cov, cols, bool(rest),
                           selected if bound_values(f) is None else None, modifies)), modules)  # not a dict's tensors
@@ -305,7 +305,8 @@ def _loss_key(loss: Any) -> Any:
 
 
 def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chunk_size: Any,
-               max_memory: Any) -> tuple[Options, list[tuple[str, nn.Parameter]], int, Any, _ntk_plan.NtkPlan]:
+               max_memory: Any) -> tuple[Options, list[tuple[str, nn.Parameter]], int, Any, int, _ntk_plan.NtkPlan]:
+    """The checked options, the selection, Y, the layers' coverage, the workspace budget and the plan of ntk."""
     opts, selected = _setup(f, x1, wrt, chunk_size, max_memory, name="x1", product="ntk")
     _checks.check_not_arguments(x2, "x2")
     _checks.check_second_input(x1, x2)
@@ -328,10 +329,14 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     fp = footprint(f, ("ntk", tuple(x1.shape[1:]), x1.dtype, str(x1.device)), f, x1[:1].detach(), 1)
     sizes = _ntk_plan.Sizes(x1.shape[0], b2, n_out, n_params, fp.flops + fp.conv_flops,
                             None if cov is None else _ntk_plan.pair_work(cov, n_out))
-    item = _engine.result_dtype(params).itemsize
-    result = x1.shape[0] * b2 * (1 if trace else n_out * n_out) * item
-    _checks.check_fits(result, _budget(opts, x1.device, result=True), f"ntk: the ({x1.shape[0]}, {b2}{'' if trace else f', {n_out}, {n_out}'}) result",
-                       "Pass trace=True, smaller batches, or a larger max_memory.")
+    dtype = _engine.result_dtype(params)
+    shape = (x1.shape[0], b2) if trace else (x1.shape[0], b2, n_out, n_out)
+    result = math.prod(shape) * dtype.itemsize
+    budget = _memory.budget(opts.max_memory, x1.device, result)
+    if budget is None:
+        raise _memory.too_large(result, x1.device, f"ntk: the {'(B1, B2)' if trace else '(B1, B2, Y, Y)'} result",
+                                f"{shape} {dtype}", "Pass trace=True for the (B1, B2) kernel, or smaller batches.")
+    item = dtype.itemsize
     per_sample = n_out * n_params * item  # a Jacobian block; products also pushes Y tangents over B2 samples
     no_forward = forward_gap(f, [n for n, _ in selected])
     if method == "products" and no_forward is not None:
@@ -340,8 +345,8 @@ def _ntk_setup(f: Any, x1: Any, x2: Any, wrt: Wrt, method: Any, trace: Any, chun
     plan = _ntk_plan.choose(sizes, method, 1, no_forward)
     if plan.method == "products":
         per_sample += int(3 * n_out * b2 * fp.act)
-    chunk = _chunk(opts, per_sample, max(x1.shape[0], b2), x1.device)
-    return opts, selected, n_out, cov, dataclasses.replace(plan, sample_chunk=chunk)
+    chunk = _chunk(opts, per_sample, max(x1.shape[0], b2), budget)
+    return opts, selected, n_out, cov, budget, dataclasses.replace(plan, sample_chunk=chunk)
 
 
 @accepts_params_dict
@@ -392,7 +397,8 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
             time; see :func:`ntk_plan` and docs/products.md).
         trace: sum over the output diagonal: K[b1, b2] = sum_y J(x1)_b1y . J(x2)_b2y.
         chunk_size: samples per Jacobian block (contraction, products).
-        max_memory: workspace budget in bytes or as "2GB"; the result must fit it too.
+        max_memory: workspace budget on top of the result, in bytes or as "2GB", as in
+            :func:`jacmode.jacobian` (docs/memory.md); the result itself must fit the free memory.
         progress: for data sets, None shows a progress bar on a terminal, True always, False never.
         kwargs: keyword arguments of the model, passed through (broadcast: the same for x1 and x2).
         in_dims: with x1 and x2 tuples of the model's positional arguments, 0 (batched) or None
@@ -400,6 +406,9 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
 
     Returns:
         (B1, B2, Y, Y), or (B1, B2) with ``trace=True``.
+
+    Raises:
+        MemoryError: the result is larger than the free memory, before anything is allocated.
 
     Example:
         >>> import torch, jacmode as jm
@@ -426,7 +435,7 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         return _data.ntk_over(ntk, f, x1, x2, method=method, trace=trace, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)
     with preserved_state(f), torch.no_grad():
-        opts, selected, n_out, cov, plan = _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)
+        opts, selected, n_out, cov, budget, plan = _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)
         names, params = [n for n, _ in selected], [p for _, p in selected]
         if plan.method == "structured" and cov is not None:
             with contextlib.suppress(NotCovered):
@@ -444,7 +453,7 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
                     raise ValueError(f"method: 'products' pushes rows of J(x1) forward through f(x2) with jvps, "
                                      f"but {gap[1]} has no forward-AD formula. Use method='auto' or "
                                      "'contraction'.") from exc
-        keep = second.shape[0] * n_out * sum(p.numel() for p in params) * 4 <= _budget(opts, x1.device) // 2
+        keep = second.shape[0] * n_out * sum(p.numel() for p in params) * 4 <= budget // 2
         return _ntk.contraction(_jacobian_of(f, names, max_memory), x1, second, n_out, trace, plan.sample_chunk,
                                 keep, _engine.result_dtype(params))
 
@@ -473,7 +482,8 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         wrt: "params" or a list of parameter names.
         diagonal: return the diagonal (P,) without ever forming (P, P).
         chunk_size: samples per Jacobian block of the generic engine.
-        max_memory: workspace budget in bytes or as "2GB"; the full (P, P) matrix must fit it.
+        max_memory: workspace budget on top of the result, in bytes or as "2GB", as in
+            :func:`jacmode.jacobian` (docs/memory.md); the result itself must fit the free memory.
         progress: for a data set, None shows a progress bar on a terminal, True always, False never.
         v: a parameter vector (a dict name -> tensor, or a flat (P,) tensor): return the
             Gauss-Newton-vector product G v instead, shaped like v, from one jvp, the loss
@@ -487,7 +497,8 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         G v shaped like ``v``.
 
     Raises:
-        MemoryError: the (P, P) matrix exceeds the memory budget (pass diagonal=True).
+        MemoryError: the result is larger than the free memory, before anything is allocated
+            (for (P, P), pass diagonal=True).
 
     Example:
         >>> import torch, jacmode as jm
@@ -523,10 +534,16 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
     _checks.check_ggn_target(loss, y, x.shape[0])
     params = [p for _, p in selected]
     n_params = sum(p.numel() for p in params)
-    item = _engine.result_dtype(params).itemsize
-    if not diagonal:
-        _checks.check_fits(n_params * n_params * item, _budget(opts, x.device, result=True), f"ggn: the (P, P) = ({n_params}, {n_params}) matrix",
-                           "Pass diagonal=True for the diagonal (P,), select fewer parameters with wrt=[...], or raise max_memory.")
+    dtype = _engine.result_dtype(params)
+    item = dtype.itemsize
+    shape = (n_params,) if diagonal else (n_params, n_params)
+    result_bytes = math.prod(shape) * item
+    budget = _memory.budget(opts.max_memory, x.device, result_bytes)
+    if budget is None:
+        raise _memory.too_large(
+            result_bytes, x.device, f"ggn: the {'(P,) diagonal' if diagonal else '(P, P) matrix'}", f"{shape} {dtype}",
+            "Select fewer parameters with wrt=[...]." if diagonal
+            else "Pass diagonal=True for the diagonal (P,), or select fewer parameters with wrt=[...].")
     with preserved_state(f), torch.no_grad():
         n_out = math.prod(_out_shape(f, x))
         factor = _engine.factor_for(loss, n_out, y)
@@ -541,7 +558,7 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
         if not rest and result is not None:
             return result
         n_rest = sum(p.numel() for _, p in rest)
-        chunk = _chunk(opts, n_out * n_rest * item, x.shape[0], x.device)
+        chunk = _chunk(opts, n_out * n_rest * item, x.shape[0], budget)
         names = [n for n, _ in rest]
         part = _engine.ggn_generic(f, _jacobian_of(f, names, max_memory), x, factor(f(x)), names, n_rest, diagonal,
                                    chunk)

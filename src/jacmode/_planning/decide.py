@@ -68,16 +68,11 @@ def decide(f: Any, p: Problem, opts: Options, out_given: bool, timing: bool = Tr
     caps = _fallback.capabilities(f, key, p)
     itemsize = p.z.element_size()
     result_bytes = itemsize * (p.n_in if p.structure == "diagonal" else p.batch * p.n_out * p.n_in)
-    free = _memory.available_bytes(p.device)
-    if not out_given and result_bytes > free:
-        raise MemoryError(
-            f"the result needs {_memory.fmt_bytes(result_bytes)} ({_shape(p)} {p.dtype}) but only "
-            f"{_memory.fmt_bytes(free)} is free on {p.device}: it cannot fit, so nothing was "
-            "computed. Ask for fewer samples per call (split x), a parameter subset (wrt=[...]), "
-            "or pass a preallocated out= (e.g. a memory-mapped tensor)."
-        )
-    budget = opts.max_memory if opts.max_memory is not None else max(
-        0, int(_memory.DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
+    budget = _memory.budget(opts.max_memory, p.device, result_bytes, out_given)
+    if budget is None:
+        raise _memory.too_large(result_bytes, p.device, "the result", f"{_shape(p)} {p.dtype}",
+                                "Ask for fewer samples per call (split x), a parameter subset (wrt=[...]), "
+                                "or pass a preallocated out= (e.g. a memory-mapped tensor).")
     return Decision(_plan(f, key, p, opts, fp, caps, budget, timing), key, fp, caps, budget)
 
 

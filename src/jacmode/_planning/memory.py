@@ -14,8 +14,9 @@ the footprint of ``f`` (see ``_planning/footprint.py``: bytes produced per sampl
   alive) and add ``param_copies`` copies of k * s * P gradient entries.
 
 The multipliers are measured (peak resident memory of subprocesses, see ``bench.calibrate``);
-chunk sizes are the largest whose estimate fits the budget. Without ``max_memory`` the budget is
-half of the memory available on the device (psutil, /proc/meminfo or sysconf on the host;
+chunk sizes are the largest whose estimate fits the budget. The budget is :func:`budget`'s, the
+same for every entry point that takes ``max_memory``: the workspace on top of the result, by
+default half of the memory available on the device (psutil, /proc/meminfo or sysconf on the host;
 ``torch.cuda.mem_get_info`` on CUDA) less the result.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -69,6 +70,56 @@ def _read_available(device: torch.device) -> int:
         return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - exotic platforms
         return 2**62
+
+
+def budget(max_memory: Optional[int], device: torch.device, result_bytes: int,
+           out_given: bool = False) -> Optional[int]:
+    """The workspace budget of a call, on top of its result; None when the result cannot fit.
+
+    One meaning for every entry point: ``max_memory`` bounds the workspace, never the result;
+    without it the budget is ``DEFAULT_FRACTION`` of the free memory on ``device`` less the result
+    (nothing subtracted for a result written into the caller's ``out=``). None means the result
+    alone is larger than the free memory: the caller raises :func:`too_large` before allocating,
+    or (a repeated call's fast path) plans anew. Cheap: the free memory is read at most every
+    ``RECENT_S``, and nothing is formatted.
+
+    Args:
+        max_memory: the user's ``max_memory`` in bytes (validated), or None for the default.
+        device: where the result and the workspace live.
+        result_bytes: the size of the result.
+        out_given: the result goes into a buffer the caller allocated (``out=``).
+
+    Example:
+        >>> cpu = torch.device("cpu")
+        >>> budget(1000, cpu, 10), budget(None, cpu, 0) > 0, budget(None, cpu, 2**62)
+        (1000, True, None)
+    """
+    free = available_bytes(device)
+    if not out_given and result_bytes > free:
+        return None
+    if max_memory is not None:
+        return max_memory
+    return max(0, int(DEFAULT_FRACTION * free) - (0 if out_given else result_bytes))
+
+
+def too_large(result_bytes: int, device: torch.device, what: str, layout: str, fix: str) -> MemoryError:
+    """The error for a result larger than the free memory (raise it before allocating).
+
+    Args:
+        result_bytes: the size of the result.
+        device: where it would live.
+        what: the result, named for the user ("the result", "ntk: the (B1, B2) result").
+        layout: its shape and dtype, e.g. "(100, 4, 544) torch.float32".
+        fix: what to pass instead.
+
+    Example:
+        >>> str(too_large(2**40, torch.device("cpu"), "the result", "(2, 3) torch.float32", "Split x."))[:44]
+        'the result needs 1024.0 GiB ((2, 3) torch.fl'
+    """
+    return MemoryError(
+        f"{what} needs {fmt_bytes(result_bytes)} ({layout}) but only {fmt_bytes(available_bytes(device))} is "
+        f"free on {device}: it cannot fit, so nothing was computed. {fix}"
+    )
 
 
 def fmt_bytes(n: float) -> str:

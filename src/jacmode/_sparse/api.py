@@ -25,7 +25,8 @@ from .. import _guard
 from .. import _checks
 from .._cache import register
 from .._errors import JacmodeWarning
-from .._planning.memory import DEFAULT_FRACTION, available_bytes, fmt_bytes
+from .._planning import memory as _memory
+from .._planning.memory import fmt_bytes
 from .._planning.plan import Plan
 from .._state import preserved_state
 from .._transforms import in_transform
@@ -149,17 +150,18 @@ _PARTITION = {"auto": "auto", "autotune": "auto", "forward": "column", "reverse"
 
 
 def prepare(f: Fn, x: Tensor, mode: str, pattern: Optional[SparsityPattern],
-            coloring_: Optional[Coloring], hessian: bool) -> Coloring:
-    """The colouring to evaluate with: the given one, or one of the (given or detected) pattern."""
+            coloring_: Optional[Coloring], hessian: bool, layout: str = "csr") -> Coloring:
+    """The colouring to evaluate with: the given one, or one of the (given or detected) pattern
+    (for a result in ``layout``: the timing of ``mode="auto"`` refuses one that cannot fit)."""
     if coloring_ is not None:
         return coloring_
     p = pattern if pattern is not None else _detect.detect(f, x, hessian=hessian)
     if hessian or _PARTITION[mode] != "auto":
         return _color(p, "star" if hessian else _PARTITION[mode])
-    return _timed(f, x, p)
+    return _timed(f, x, p, layout)
 
 
-def _timed(f: Fn, x: Tensor, p: SparsityPattern) -> Coloring:
+def _timed(f: Fn, x: Tensor, p: SparsityPattern, layout: str = "csr") -> Coloring:
     """mode="auto": the cheapest colouring by colours; the ones within a factor ``TIE`` of it are
     timed, one compressed evaluation each, and the fastest kept (once per pattern: on CPU a vjp
     pass is often cheaper than a jvp pass, whose rules for shape ops are slower under vmap)."""
@@ -175,7 +177,7 @@ def _timed(f: Fn, x: Tensor, p: SparsityPattern) -> Coloring:
         seconds = []
         xd = x.detach()
         for c in close:
-            chunk, _ = _chunk(c, x, None, None)
+            chunk, _ = _chunk(c, x, None, None, layout)
             t0 = time.perf_counter()
             evaluate.values(f, xd, c, chunk, p.out_shape)
             seconds.append(time.perf_counter() - t0)
@@ -184,10 +186,29 @@ def _timed(f: Fn, x: Tensor, p: SparsityPattern) -> Coloring:
     return best
 
 
-def _chunk(c: Coloring, x: Tensor, chunk_size: Optional[int], max_memory: Optional[int]) -> tuple[int, int]:
-    """Colours per vectorised pass, and the budget they were chosen for."""
-    budget = max_memory if max_memory is not None else int(DEFAULT_FRACTION * available_bytes(x.device))
-    per = max(2 * c.pattern.pass_bytes, 1)
+def result_bytes(p: SparsityPattern, x: Tensor, layout: str = "csr") -> int:
+    """The size of the result in ``layout``: the nonzeros and their indices, or the dense matrix."""
+    item = x.element_size()
+    if layout == "dense":
+        return p.shape[0] * p.shape[1] * item
+    if layout == "coo":
+        return p.nnz * (item + 16)
+    return p.nnz * (item + 8) + (p.shape[0] + 1) * 8
+
+
+def _chunk(c: Coloring, x: Tensor, chunk_size: Optional[int], max_memory: Optional[int],
+           layout: str = "csr") -> tuple[int, int]:
+    """Colours per vectorised pass, and the workspace budget on top of the result they were chosen for
+    (``memory.budget``); a MemoryError, before anything is evaluated, where the result cannot fit."""
+    p = c.pattern
+    needed = result_bytes(p, x, layout)
+    budget = _memory.budget(max_memory, x.device, needed)
+    if budget is None:
+        raise _memory.too_large(
+            needed, x.device, "the result", f"({p.shape[0]}, {p.shape[1]}) {x.dtype}, {layout}, {p.nnz:,} nonzeros",
+            "Pass layout='csr' (sparse_jacobian, sparse_hessian) or structure='sparse' (jacobian, hessian), "
+            "which keep the nonzeros only." if layout == "dense" else "Differentiate at a smaller x (split it).")
+    per = max(2 * p.pass_bytes, 1)
     if chunk_size is not None:
         return max(1, min(chunk_size, max(c.n_colors, 1))), budget
     if max_memory is not None and per > budget:
@@ -202,7 +223,7 @@ def run(f: Fn, x: Tensor, c: Coloring, layout: str, chunk_size: Optional[int],
     """Evaluate compressed, check once, decompress (inside the caller's state guard)."""
     p = c.pattern
     xin = x if create_graph else x.detach()
-    chunk, _ = _chunk(c, x, chunk_size, max_memory)
+    chunk, _ = _chunk(c, x, chunk_size, max_memory, layout)
     vals = evaluate.values(f, xin, c, chunk, p.out_shape)
     if c not in _VERIFIED and not p.random:
         err = evaluate.probe_check(f, x, c, vals)
@@ -279,11 +300,16 @@ def sparse_jacobian(
         pattern: a pattern from :func:`sparsity` to reuse.
         coloring: a colouring from :func:`coloring` to reuse.
         chunk_size: colours per vectorised pass.
-        max_memory: workspace budget, bytes or a string such as "2GB".
+        max_memory: workspace budget on top of the result, in bytes or as "2GB", as in
+            :func:`jacmode.jacobian` (docs/memory.md).
         create_graph: keep the values differentiable with respect to x and parameters.
 
     Returns:
         The Jacobian, (Y, N) sparse (CSR or COO) or (*out, *x.shape) dense.
+
+    Raises:
+        MemoryError: the result is larger than the free memory, before anything is evaluated.
+        ValueError: not even one colour per pass fits ``max_memory``.
 
     Example:
         >>> import torch, jacmode as jm
@@ -306,7 +332,7 @@ def sparse_jacobian(
     _check_given(x, pattern, coloring, mode, hessian=False)
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     with preserved_state(f), grad_mode:
-        c = prepare(f, x, mode, pattern, coloring, hessian=False)
+        c = prepare(f, x, mode, pattern, coloring, hessian=False, layout=layout)
         return run(f, x, c, layout, opts.chunk_size, opts.max_memory, opts.create_graph)
 
 
@@ -335,11 +361,16 @@ def sparse_hessian(
         pattern: a Hessian pattern from ``jm.sparsity(f, x, hessian=True)`` to reuse.
         coloring: a star colouring from :func:`coloring` to reuse.
         chunk_size: colours per vectorised pass.
-        max_memory: workspace budget, bytes or a string such as "2GB".
+        max_memory: workspace budget on top of the result, in bytes or as "2GB", as in
+            :func:`jacmode.jacobian` (docs/memory.md).
         create_graph: keep the values differentiable.
 
     Returns:
         The Hessian, (N, N) sparse (CSR or COO) or (*x.shape, *x.shape) dense.
+
+    Raises:
+        MemoryError: the result is larger than the free memory, before anything is evaluated.
+        ValueError: not even one colour per pass fits ``max_memory``.
 
     Example:
         >>> import torch, jacmode as jm
@@ -366,7 +397,7 @@ def sparse_hessian(
     grad_mode = torch.enable_grad() if opts.create_graph else torch.no_grad()
     with preserved_state(f), grad_mode:
         _check_scalar(f, x)
-        c = prepare(f, x, "auto", pattern, coloring, hessian=True)
+        c = prepare(f, x, "auto", pattern, coloring, hessian=True, layout=layout)
         return run(f, x, c, layout, opts.chunk_size, opts.max_memory, opts.create_graph)
 
 
@@ -409,7 +440,7 @@ def plan(f: Fn, x: Tensor, mode: str, chunk_size: Optional[int], max_memory: Opt
               f"{c.order!r}) for {p.shape[0]:,} x {p.shape[1]:,} with {p.nnz:,} nonzeros; "
               f"{p.scope} pattern" + (f" ({p.reason})" if p.reason else ""))
     return Plan(mode=mode_name, strategy="sparse", directions=c.n_colors, chunk_size=chunk,
-                sample_chunk=None, costs=costs, result_bytes=p.nnz * (x.element_size() + 8),
+                sample_chunk=None, costs=costs, result_bytes=result_bytes(p, x),
                 workspace_bytes=chunk * 2 * p.pass_bytes, budget_bytes=budget, reason=reason,
                 coloring=c)
 
