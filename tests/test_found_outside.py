@@ -360,3 +360,36 @@ def test_generated_probe_code_folds_no_constant_computed_from_a_written_node() -
     want = torch.func.vmap(one)(x)
     for _ in range(6):  # generated code from the fourth call on
         torch.testing.assert_close(jm.jacobian(m, x, wrt="params"), want, rtol=1e-10, atol=1e-12)
+
+
+def test_a_model_of_several_arguments_with_hooks_of_its_own_gets_its_hooks_on_its_arguments() -> None:
+    """``jacobian(model, x, m, wrt="params")`` runs the model's own forward hooks and pre-hooks on the
+    model's arguments (they used to receive the engines' sample indices: a raw IndexError), three calls in
+    a row, and per_sample_grads agrees with torch.func."""
+    from torch.func import functional_call, grad, jacrev, vmap
+
+    class Masked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 2)
+
+        def forward(self, x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) * m
+
+    torch.manual_seed(0)
+    net = Masked().double()
+    net.register_forward_hook(lambda mod, inp, out: out * 2)
+    net.register_forward_pre_hook(lambda mod, inp: (inp[0] + 1, inp[1]))
+    x, m = torch.randn(4, 3, dtype=torch.float64), torch.rand(4, 2, dtype=torch.float64)
+    params = {k: v.detach() for k, v in net.named_parameters()}
+
+    def one(p: dict, xb: torch.Tensor, mb: torch.Tensor) -> torch.Tensor:
+        return functional_call(net, p, (xb[None], mb[None]))[0]
+
+    want = vmap(jacrev(one), in_dims=(None, 0, 0))(params, x, m)
+    want = torch.cat([want[k].reshape(4, 2, -1) for k in params], -1)
+    for _ in range(3):
+        torch.testing.assert_close(jm.jacobian(net, x, m, wrt="params"), want)
+    grads = vmap(grad(lambda p, xb, mb: one(p, xb, mb).sum()), in_dims=(None, 0, 0))(params, x, m)
+    torch.testing.assert_close(jm.per_sample_grads(net, (x, m), lambda out: out.sum(1)),
+                               torch.cat([grads[k].reshape(4, -1) for k in params], -1))

@@ -50,8 +50,29 @@ def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
         if r.batched:
             leaves[j] = r.value.index_select(0, rows.to(r.value.device))
     pos, kw = tree_unflatten(leaves, call.args_spec)
-    out = type(call.f).forward(self, *pos, **kw)  # type: ignore[attr-defined]
+    d = self.__dict__
+    if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]:
+        # the model's own hooks (its dictionaries are this module's) see the model's arguments, never the
+        # rows: the model is called as itself (a structural clone, _threads.py: an object of the model's
+        # class over the clone's dictionaries)
+        model = call.f if original(self) is self else _as_model(self, call.f)
+        out = model(*pos, **kw)
+    else:
+        out = type(call.f).forward(self, *pos, **kw)  # type: ignore[attr-defined]
     return call.flat_output(out, rows.shape[0] if call.batched else None)
+
+
+def _call_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
+    """``__call__`` of :func:`module_of_rows`: its forward, without the hooks (they are the model's,
+    and run inside the forward on the model's arguments)."""
+    return _forward_rows(self, rows)
+
+
+def _as_model(module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Module:
+    """An object of ``model``'s class over ``module``'s dictionaries (a structural clone's)."""
+    seen = object.__new__(type(model))
+    seen.__dict__.update(module.__dict__)
+    return seen
 
 
 def params_call(f: Any, args: tuple[Any, ...], kwargs: Any, *, in_dims: Any, has_aux: bool,
@@ -106,8 +127,8 @@ def module_of_rows(call: Call) -> torch.nn.Module:
         return known[key]
     cls = _SUBCLASSES.get(base)
     if cls is None:
-        cls = type(base.__name__, (base,), {"forward": _forward_rows, "__module__": base.__module__,
-                                            "__qualname__": base.__qualname__})
+        cls = type(base.__name__, (base,), {"forward": _forward_rows, "__call__": _call_rows,
+                                            "__module__": base.__module__, "__qualname__": base.__qualname__})
         _SUBCLASSES[base] = cls
     h: torch.nn.Module = base.__new__(cls)  # type: ignore[call-overload]
     object.__setattr__(h, "__dict__", model.__dict__)
