@@ -310,3 +310,45 @@ def test_clear_cache_forgets_the_guards() -> None:
     assert len(_guard._SEEN) > 0
     jm.clear_cache()
     assert len(_guard._SEEN) == 0 and len(_guard._STATES) == 0
+
+
+class _Act(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.out = nn.Linear(2, 16), nn.Linear(16, 3)
+        self.act = torch.tanh
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.act(self.fc1(x)))
+
+
+@pytest.mark.parametrize("entry", ["laplacian", "jacobian"])
+def test_calls_inside_vmap_reuse_and_follow_the_state(entry: str) -> None:
+    """``vmap(lambda xx: jm.<entry>(net, xx))`` (an ensemble of input batches): the calls inside the
+    transform are guarded like the calls outside it, so each of eight calls follows the model's
+    state (a function attribute swapped, a weight scaled in place) and repeated calls reuse."""
+    torch.manual_seed(0)
+    net = _Act().double()
+    xs = torch.randn(3, 5, 2, dtype=torch.float64)
+
+    def want() -> Tensor:
+        if entry == "jacobian":
+            return vmap(vmap(jacrev(lambda p: net(p[None])[0])))(xs)
+        h = vmap(vmap(hessian(lambda p: net(p[None])[0])))(xs)  # (3, 5, 3, 2, 2)
+        return h.diagonal(dim1=-2, dim2=-1).sum(-1)
+
+    op = getattr(jm, entry)
+    run = vmap(lambda xx: op(net, xx))
+    for i in range(8):
+        if i == 4:
+            net.act = torch.sin
+        if i == 6:
+            with torch.no_grad():
+                net.fc1.weight.mul_(2)
+        got = run(xs)
+        torch.testing.assert_close(got.reshape(want().shape), want(), msg=f"call {i + 1}")
+    assert _guard.why_not(net) == ""
+    assert _guard.current(net) is None  # no scope left behind
+    from jacmode import _profile
+
+    assert _profile.count(net) >= 1  # reused: the calls inside the transform kept what they found

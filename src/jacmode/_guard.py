@@ -33,7 +33,11 @@ Scopes: a public entry point enters a scope for its ``f`` and the arguments f is
 settings. Nested entry points on the same f share the outer scope; a wrapper jacmode makes of f
 (a module of sample rows, a functional call as a module) follows f's generation (:func:`derived`);
 a cache consulted for any other function finds no generation and is bypassed. Scopes are per
-thread.
+thread. Inside a torch.func transform (``vmap`` over an ensemble's inputs, ``grad`` of a
+meta-objective) the generation is the same as outside: the transforms' stack is cleared while
+the guard is traced or checked, and each tensor the transforms wrap is read as the tensor it
+wraps (:func:`_in_transform`); where f holds a wrapped tensor itself (``functional_call``
+inside the transform), nothing is reused.
 
 Sharing: a guard made for one instance of a class passes for another exactly when everything its
 forward reads is the same, so the states are kept per class (per code object for a plain
@@ -148,8 +152,10 @@ def why_not(f: Any) -> str:
 
 def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
     """The generation of the state ``f(*args, **kwargs)`` reads (see the note), or None."""
-    if torch.compiler.is_dynamo_compiling() or torch._C._functorch.peek_interpreter_stack() is not None:
-        return None  # inside torch.compile or a torch.func transform: the tensors are not the caller's
+    if torch.compiler.is_dynamo_compiling():
+        return None  # inside torch.compile: the tensors are the caller's fakes
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return _in_transform(f, args, kwargs)
     try:
         seen = _SEEN.get(f)
     except TypeError:  # not weakly referenceable
@@ -196,6 +202,37 @@ def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optiona
         del states[MAX_KIND_STATES:]
         seen.last = state
         return state[1]
+
+
+def _in_transform(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
+    """The generation of a call inside a torch.func transform (vmap over an ensemble's inputs, grad
+    of a meta-objective): the same as outside, for f and the tensors the transforms wrap (each
+    read as the tensor it wraps), with the transforms' stack cleared while the guard is traced or
+    checked. None where f holds a wrapped tensor itself (a ``functional_call`` inside the
+    transform swaps them into its slots): the caller's tensors, new at every call."""
+    from torch._functorch.pyfunctorch import temporarily_clear_interpreter_stack
+
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if isinstance(f, torch.nn.Module):
+        for m in f.modules():
+            for table in (m._parameters, m._buffers):
+                for t in table.values():
+                    if t is not None and wrapped(t):
+                        return None
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            while wrapped(v):
+                v = torch._C._functorch.get_unwrapped(v)
+            return v
+        if isinstance(v, (tuple, list)):
+            return type(v)(plain(e) for e in v)
+        if isinstance(v, dict):
+            return {k: plain(e) for k, e in v.items()}
+        return v
+
+    with temporarily_clear_interpreter_stack():
+        return generation(f, plain(args), plain(kwargs))
 
 
 def _passes(manager: Any, frame: dict[str, Any]) -> bool:
