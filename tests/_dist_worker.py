@@ -109,15 +109,20 @@ def results_then_failing() -> dict[str, torch.Tensor]:
 CASES = {"results": results_then_failing, "dying": dying}
 
 
-def main(rank: int, world: int, port: int, case: str, outdir: str) -> None:
+def main(rank: int, world: int, port: int, cases: str, outdir: str) -> None:
+    """Run the cases named in ``cases`` ("results+dying": in turn, in one process group, so that
+    the tests pay for one launch), each writing ``<rank>.<case>.pt`` or ``<rank>.<case>.err``; a
+    case that fails ends the run ("dying" last: rank 1 does not come back from it)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=8))
-    try:
-        torch.save(CASES[case](), os.path.join(outdir, f"{rank}.pt"))
-    except BaseException as err:
-        with open(os.path.join(outdir, f"{rank}.err"), "w") as fh:
-            fh.write(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
-    finally:
-        if case != "dying":
-            dist.destroy_process_group()
+    names = cases.split("+")
+    for name in names:
+        try:
+            torch.save(CASES[name](), os.path.join(outdir, f"{rank}.{name}.pt"))
+        except BaseException as err:
+            with open(os.path.join(outdir, f"{rank}.{name}.err"), "w") as fh:
+                fh.write(f"{type(err).__name__}: {err}\n{traceback.format_exc()}")
+            break
+    if "dying" not in names:
+        dist.destroy_process_group()

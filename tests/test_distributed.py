@@ -27,11 +27,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(case: str, tmp_path: object, timeout: float = 60.0) -> tuple[list[str], float]:
-    """Start 2 ranks, wait (bounded) for both, return their error texts and the wall time."""
+def _launch(cases: str, outdir: str, timeout: float = 90.0) -> tuple[dict[str, list[str]], float]:
+    """Start 2 ranks on ``cases`` (see _dist_worker.main), wait (bounded) for both, return each
+    case's error texts per rank and the wall time."""
     ctx = mp.get_context("spawn")
-    port, outdir = _free_port(), str(tmp_path)
-    procs = [ctx.Process(target=_dist_worker.main, args=(r, 2, port, case, outdir)) for r in range(2)]
+    port = _free_port()
+    procs = [ctx.Process(target=_dist_worker.main, args=(r, 2, port, cases, outdir)) for r in range(2)]
     start = time.perf_counter()
     for p in procs:
         p.start()
@@ -42,16 +43,25 @@ def _launch(case: str, tmp_path: object, timeout: float = 60.0) -> tuple[list[st
         if p.is_alive():
             p.kill()
             p.join()
-    errors = []
-    for r in range(2):
-        path = os.path.join(outdir, f"{r}.err")
-        errors.append(open(path).read() if os.path.exists(path) else "")
+    errors = {}
+    for name in cases.split("+"):
+        paths = [os.path.join(outdir, f"{r}.{name}.err") for r in range(2)]
+        errors[name] = [open(path).read() if os.path.exists(path) else "" for path in paths]
     return errors, elapsed
 
 
-def test_two_ranks_return_what_one_process_returns_and_fail_together(tmp_path: object) -> None:
-    errors, _ = _launch("results", tmp_path)
-    assert errors == ["", ""], errors
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, list[str]], float]:
+    """One launch of 2 ranks for both tests (each launch spawns two fresh Pythons that import
+    torch and jacmode): the results first, then the case where rank 1 dies."""
+    outdir = str(tmp_path_factory.mktemp("dist"))
+    errors, elapsed = _launch("results+dying", outdir)
+    return outdir, errors, elapsed
+
+
+def test_two_ranks_return_what_one_process_returns_and_fail_together(launched: tuple) -> None:
+    outdir, errors, _ = launched
+    assert errors["results"] == ["", ""], errors["results"]
     one = _dist_worker.results()
     net, data = _dist_worker.problem()
     x = data.tensors[0]
@@ -60,7 +70,7 @@ def test_two_ranks_return_what_one_process_returns_and_fail_together(tmp_path: o
     torch.testing.assert_close(one["ggn_diag"], jm.ggn(net, x, diagonal=True), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(one["ntk"], jm.ntk(net, x, x[:9]), rtol=1e-10, atol=1e-12)
     for r in range(2):
-        got = torch.load(os.path.join(str(tmp_path), f"{r}.pt"))
+        got = torch.load(os.path.join(outdir, f"{r}.results.pt"))
         error = bytes(got.pop("error").tolist()).decode()  # rank 1 failed on batch 3, round 1
         assert error.startswith("batch 3 on rank 1 failed: " + (
             "OSError: unreadable sample 12" if r == 1 else "an error on rank 1 (see its traceback)"))
@@ -72,7 +82,8 @@ def test_two_ranks_return_what_one_process_returns_and_fail_together(tmp_path: o
             torch.testing.assert_close(got[key], one[key], rtol=1e-10, atol=1e-12, msg=key)
 
 
-def test_a_dead_rank_ends_the_others_within_the_timeout(tmp_path: object) -> None:
-    errors, elapsed = _launch("dying", tmp_path)
-    assert "another rank probably died" in errors[0]
-    assert elapsed < 60
+def test_a_dead_rank_ends_the_others_within_the_timeout(launched: tuple) -> None:
+    _, errors, elapsed = launched
+    assert errors["results"] == ["", ""], "the launch failed before rank 1 died"
+    assert "another rank probably died" in errors["dying"][0]  # rank 0 raised: it was not killed at the timeout
+    assert elapsed < 90

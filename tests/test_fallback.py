@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import jacmode as jm
-from jacmode import JacmodeWarning
+from jacmode import JacmodeWarning, _cache, _guard
 from jacmode._autodiff.fallback import classify
 from conftest import ref_input_jacobian, ref_param_jacobian
 
@@ -71,36 +71,40 @@ class Branchy(nn.Module):
 
 
 def _no_warnings(call):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        return call()
+    """call(), asserting that jacmode warns nothing (torch's own warnings, e.g. those of the guard's
+    TorchDynamo trace, are not jacmode's to silence, and as errors they would fail the trace)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = call()
+    given = [str(w.message) for w in caught if issubclass(w.category, JacmodeWarning)]
+    assert not given, given
+    return out
 
 
-def _falls_back(f, x, match, ref, **kw):
-    """auto warns on the first call (match) and is right (ref); the fallback is remembered from the
-    second call (a function's first call caches nothing: _guard.py), which may warn again."""
+def _falls_back_once(f, x, match, ref, **kw):
+    """auto warns on the first call (match) and is right (ref); the second call (the first that
+    remembers the fallback: _guard.py) and later ones stay quiet, and so does plan(), whether or not
+    f can be guarded; clear_cache forgets the warning with everything else. Returns the plan and
+    why f's calls reuse nothing (_guard.why_not; empty when f is guarded)."""
     jm.clear_cache()
     with pytest.warns(JacmodeWarning, match=match):
         J = jm.jacobian(f, x, **kw)
     torch.testing.assert_close(J, ref)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", JacmodeWarning)
+    for _ in range(3):  # the second call, the third (the first to reuse), a later one
+        torch.testing.assert_close(_no_warnings(lambda: jm.jacobian(f, x, **kw)), J)
+    plan = _no_warnings(lambda: jm.plan(f, x, **kw))
+    unguarded = _guard.why_not(f)
+    jm.clear_cache()
+    with pytest.warns(JacmodeWarning, match=match):
         torch.testing.assert_close(jm.jacobian(f, x, **kw), J)
-    return J
-
-
-def _falls_back_once(f, x, match, ref, **kw):
-    """auto warns (match), is right (ref), stays quiet on the calls after the one that remembers the
-    fallback (the second: _guard.py); returns its plan."""
-    J = _falls_back(f, x, match, ref, **kw)
-    torch.testing.assert_close(_no_warnings(lambda: jm.jacobian(f, x, **kw)), J)
-    return _no_warnings(lambda: jm.plan(f, x, **kw))
+    return plan, unguarded
 
 
 def test_no_jvp_function_auto_falls_back_to_reverse_and_warns_once():
     model, x = Wide(NoJvpExp.apply), torch.randn(8, 1, dtype=torch.float64)
-    plan = _falls_back_once(model, x, r"no forward-AD formula for custom autograd.Function NoJvpExp",
-                            ref_input_jacobian(model, x))
+    plan, unguarded = _falls_back_once(model, x, r"no forward-AD formula for custom autograd.Function NoJvpExp",
+                                       ref_input_jacobian(model, x))
+    assert not unguarded  # the guarded path: the fallback is cached from the second call
     assert plan.mode == "reverse" and "NoJvpExp" in plan.reason
 
 
@@ -124,23 +128,58 @@ def test_aten_operation_without_forward_ad_is_named():
         jm.jacobian(f, x, mode="forward")
 
 
-def test_item_control_flow_auto_loops_over_samples_and_warns():
+def test_item_control_flow_auto_loops_over_samples_and_warns_once():
+    """Branchy cannot be guarded (TorchDynamo cannot trace .item() whole), so every call is a first
+    call (_guard.py); the warning is still given once (_cache.warn_once)."""
     model = Branchy()
     x = torch.randn(4, 3000, dtype=torch.float64)
-    _falls_back(model, x, r"\.item\(\) or Python control flow", ref_param_jacobian(model, x), wrt="params")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", JacmodeWarning)  # see the next test
-        plan = jm.plan(model, x, wrt="params")
+    plan, unguarded = _falls_back_once(model, x, r"\.item\(\) or Python control flow", ref_param_jacobian(model, x),
+                                       wrt="params")
     assert plan.loop == "samples"
+    assert "cannot trace it whole" in unguarded  # the path that caches nothing, not the cached one
 
 
-@pytest.mark.xfail(strict=True, reason="library issue: TorchDynamo cannot trace .item() whole, so nothing is "
-                   "cached for Branchy (_guard.py) and every call probes and warns again, where docs/modes.md "
-                   "says the fallback is remembered and the warning comes once")
-def test_item_control_flow_auto_warns_once():
-    model = Branchy()
-    x = torch.randn(4, 3000, dtype=torch.float64)
-    _falls_back_once(model, x, r"\.item\(\) or Python control flow", ref_param_jacobian(model, x), wrt="params")
+def test_untraceable_function_warns_once():
+    """A plain function Dynamo cannot trace (print) that falls back: one warning, from its first call."""
+    anchors = torch.randn(300, 1, dtype=torch.float64)
+
+    def f(x):
+        print(end="")
+        return torch.cdist(x, anchors)
+
+    x = torch.randn(8, 1, dtype=torch.float64)
+    exact = torch.sign(x - anchors.T).unsqueeze(-1)
+    _, unguarded = _falls_back_once(f, x, r"no forward-AD formula for aten::", exact)
+    assert "cannot trace it whole" in unguarded
+
+
+def test_warn_once_per_function_and_message():
+    """Per function and message; a function that cannot be weakly referenced is warned every time."""
+
+    class Slotted:
+        __slots__ = ()
+
+        def __call__(self, x):
+            return x
+
+    def f(x):
+        return x
+
+    def given(g, message, n=3):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(n):
+                _cache.warn_once(g, message)
+        return [str(w.message) for w in caught if issubclass(w.category, JacmodeWarning)]
+
+    jm.clear_cache()
+    assert given(f, "jacmode: one") == ["jacmode: one"]
+    assert given(f, "jacmode: two") == ["jacmode: two"]
+    assert given(f, "jacmode: one") == []
+    assert given(lambda x: x, "jacmode: one") == ["jacmode: one"]  # another function
+    assert given(Slotted(), "jacmode: three") == ["jacmode: three"] * 3
+    jm.clear_cache()
+    assert given(f, "jacmode: one") == ["jacmode: one"]
 
 
 def test_item_control_flow_explicit_reverse_raises():
@@ -154,7 +193,7 @@ def test_item_control_flow_explicit_reverse_raises():
 
 def test_old_style_function_uses_autograd_loops():
     model, x = Wide(OldStyleExp.apply), torch.randn(3, 1, dtype=torch.float64)
-    plan = _falls_back_once(model, x, r"torch.autograd.grad loops.*OldStyleExp", ref_input_jacobian(model, x))
+    plan, _ = _falls_back_once(model, x, r"torch.autograd.grad loops.*OldStyleExp", ref_input_jacobian(model, x))
     assert plan.loop == "autograd"
     for mode in ("forward", "reverse"):
         with pytest.raises(ValueError, match=r"setup_context"):
@@ -167,8 +206,7 @@ def test_old_style_function_params_and_unbatched():
     with pytest.warns(JacmodeWarning, match="OldStyleExp"):
         Jp = jm.jacobian(model, x, wrt="params")
     torch.testing.assert_close(Jp, ref_param_jacobian(model, x))
-    with pytest.warns(JacmodeWarning, match="OldStyleExp"):
-        Ju = jm.jacobian(model, x[0], batched=False)
+    Ju = _no_warnings(lambda: jm.jacobian(model, x[0], batched=False))  # the same gap of the same f: said once
     torch.testing.assert_close(Ju, ref_input_jacobian(model, x[0], batched=False))
 
 

@@ -7,6 +7,8 @@ samples (each sample evaluated alone, as a user's loop would), never jacmode's o
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Callable, Optional
 
 import pytest
@@ -243,8 +245,10 @@ def test_products_of_recurrent_layers_match_autograd(cell: type) -> None:
     with pytest.warns(jm.JacmodeWarning, match="per_sample_grads cannot vectorise f over samples"):
         g = jm.per_sample_grads(model, x, lambda out, y: 0.5 * ((out - y) ** 2).sum(1), y=y)
     torch.testing.assert_close(g, ref_grads(model, x, mse_b(None, y)), **CLOSE)  # type: ignore[arg-type]
-    sub = jm.per_sample_grads(model, x, lambda out, y: 0.5 * ((out - y) ** 2).sum(1), y=y, wrt=["rnn.bias_hh_l0"],
-                              flatten=False)
+    with warnings.catch_warnings():  # said once per model (_cache.warn_once), though the loop runs again
+        warnings.simplefilter("error", jm.JacmodeWarning)
+        sub = jm.per_sample_grads(model, x, lambda out, y: 0.5 * ((out - y) ** 2).sum(1), y=y,
+                                  wrt=["rnn.bias_hh_l0"], flatten=False)
     ref = ref_grads(model, x, mse_b(None, y))
     lo = sum(p.numel() for n, p in model.named_parameters() if n in ("rnn.weight_ih_l0", "rnn.weight_hh_l0", "rnn.bias_ih_l0"))
     torch.testing.assert_close(sub["rnn.bias_hh_l0"], ref[:, lo:lo + model.rnn.bias_hh_l0.numel()], **CLOSE)

@@ -350,6 +350,13 @@ def test_a_python_number_read_from_a_differentiated_value_falls_back():
     with pytest.warns(jm.JacmodeWarning, match=r"item\(\) of a value computed from x"):
         p = jm.sparsity(f, x)
     assert p.scope == "dense"
+    with warnings.catch_warnings():  # the fallback runs on every call, the warning is given once per f
+        warnings.simplefilter("error", jm.JacmodeWarning)
+        for _ in range(3):
+            assert jm.sparsity(f, x).scope == "dense"
+    jm.clear_cache()
+    with pytest.warns(jm.JacmodeWarning, match=r"item\(\) of a value computed from x"):
+        jm.sparsity(f, x)
 
 
 def test_data_dependent_shapes_are_local_and_exact():

@@ -1,8 +1,8 @@
 """Several threads on one model: jacmode calls in parallel, and a plain training step beside them.
 
-Each case runs in a child process with a timeout, so that a crash or a hang fails the test instead
-of taking pytest down. Every round starts from ``jm.clear_cache()`` behind a barrier, so that the
-threads capture, trace and generate code at the same time; a fifth thread runs
+The cases run in one child process (one after the other) with a timeout, so that a crash or a hang
+fails the tests instead of taking pytest down. Every round starts from ``jm.clear_cache()`` behind
+a barrier, so that the threads capture, trace and generate code at the same time; a fifth thread runs
 ``net(x).sum().backward()`` throughout, without jacmode. The child checks every result against a
 torch.func oracle computed before the threads start, and the model afterwards (the same Parameter
 objects, the same values, no fake or wrapped tensor left in it), and prints a JSON summary.
@@ -156,18 +156,36 @@ finish(net, before)
 """
 
 
-def _child(body: str, rounds: int, calls: int) -> dict:
-    script = textwrap.dedent(_PRELUDE.format(rounds=rounds, calls=calls)) + textwrap.dedent(body)
+# Between two cases of one child: the lists and the stop event of the prelude start empty again.
+_RESET = """
+errors.clear(); mismatches.clear(); plain_errors.clear(); stop.clear()
+"""
+
+
+def _child(bodies: list[str], rounds: int, calls: int) -> list[dict]:
+    """The RESULT of each body, run one after the other in one child process (one import of torch
+    and jacmode for all: seconds on a busy machine)."""
+    script = textwrap.dedent(_PRELUDE.format(rounds=rounds, calls=calls)) + _RESET.join(
+        textwrap.dedent(b) for b in bodies)
     env = {**os.environ, "PYTHONPATH": _SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1"}
+    timeout = _TIMEOUT * len(bodies)
     try:
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=_TIMEOUT,
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout,
                               env=env)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the threads did not finish within {_TIMEOUT} s (a hang)")
+        pytest.fail(f"the threads did not finish within {timeout} s (a hang)")
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")]
-    if done.returncode != 0 or not lines:
-        pytest.fail(f"the child process died (exit code {done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    if done.returncode != 0 or len(lines) != len(bodies):
+        pytest.fail(f"the child process died (exit code {done.returncode}) after {len(lines)} of {len(bodies)} "
+                    f"cases:\n{done.stderr[-3000:]}")
+    return [json.loads(ln[len("RESULT "):]) for ln in lines]
+
+
+@pytest.fixture(scope="module")
+def found() -> dict[str, dict]:
+    """Both cases in one child (see _child): the Taylor operators first, then the parameter Jacobians."""
+    taylor, params = _child([_TAYLOR, _PARAMS], rounds=3, calls=5)
+    return {"taylor": taylor, "params": params}
 
 
 def _check(found: dict) -> None:
@@ -176,13 +194,13 @@ def _check(found: dict) -> None:
         {k: v[:5] for k, v in found.items()}, indent=1)
 
 
-def test_taylor_operators_and_plain_backward_in_threads() -> None:
+def test_taylor_operators_and_plain_backward_in_threads(found: dict[str, dict]) -> None:
     """laplacian, jacobian and partials from four threads at once, traces and generated code made
     concurrently, beside a plain forward/backward: right results, the model untouched."""
-    _check(_child(_TAYLOR, rounds=3, calls=5))
+    _check(found["taylor"])
 
 
-def test_parameter_jacobians_and_plain_backward_in_threads() -> None:
+def test_parameter_jacobians_and_plain_backward_in_threads(found: dict[str, dict]) -> None:
     """jacobian(wrt="params") and per_sample_grads from four threads at once, beside a plain
     forward/backward: the results of torch.func, the model untouched."""
-    _check(_child(_PARAMS, rounds=3, calls=5))
+    _check(found["params"])

@@ -25,6 +25,7 @@ that cannot be guarded or weakly referenced) neither reads nor writes any cache.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from typing import Any, ContextManager, Iterator, Optional, TypeVar
 
@@ -164,6 +165,69 @@ NOT_CACHES: dict[str, str] = {
 register(_guard._SEEN, "guards: each function's calls")
 register(_guard._STATES, "guards: the states of each kind of function")
 register(_guard._OWNERS, "guards: wrappers jacmode made of a function")
+
+# function (weakly) -> the messages already given for it (see warn_once)
+_WARNED: "weakref.WeakKeyDictionary[Any, set[str]]" = register(weakref.WeakKeyDictionary(),
+                                                               "warnings given, per function")
+
+
+def warn_once(f: Any, message: str) -> None:
+    """Give ``message`` as a :class:`~jacmode.JacmodeWarning` once per function ``f``.
+
+    NOTE: [Warnings once per function]
+    A warning is a message to the user, not a fact found about ``f`` that a change of its state
+    could make stale, so it is remembered outside the generation-keyed caches: per function
+    (weakly; a flat function of several arguments and a wrapper jacmode made of ``f`` count as
+    ``f``) and message, from the first call on, whether or not ``f`` can be guarded (a function
+    TorchDynamo cannot trace whole is warned about once too). A message that differs (another
+    operation, another gap) is given again. ``clear_cache`` forgets what was given, so the next
+    call warns as the first call of a fresh process does. A function that cannot be weakly
+    referenced is warned about on every call: remembering it by ``id`` would either keep it
+    alive or, once it is gone, silence the warnings of an unrelated function given its ``id``
+    (Python's own filter still shows a warning once per line of the caller's code by default).
+
+    Example:
+        >>> import warnings
+        >>> from jacmode import _cache
+        >>> def f(x): return x
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     for _ in range(3):
+        ...         _cache.warn_once(f, "jacmode: an example")
+        >>> len(caught)
+        1
+        >>> _cache.clear_cache()
+    """
+    owner = _owner(f)
+    try:
+        given = _WARNED.get(owner)
+        if given is None:
+            given = _WARNED.setdefault(owner, set())
+    except TypeError:  # not weakly referenceable: warned every time (see the note)
+        given = None
+    if given is not None:
+        if message in given:
+            return
+        given.add(message)
+    from ._errors import JacmodeWarning, user_stacklevel
+
+    warnings.warn(message, JacmodeWarning, stacklevel=user_stacklevel())
+
+
+def _owner(f: Any) -> Any:
+    """The user's function behind ``f``: the function of a flat call, the owner of a wrapper."""
+    if isinstance(f, Flat):
+        f = f.f
+    for _ in range(8):  # a wrapper of a wrapper; bounded against a cycle
+        try:
+            ref = _guard._OWNERS.get(f)
+        except TypeError:
+            return f
+        owner = None if ref is None else ref()
+        if owner is None:
+            return f
+        f = owner
+    return f
 
 
 class Keyed:

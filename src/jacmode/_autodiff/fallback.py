@@ -15,8 +15,10 @@ answer:
 ``capabilities`` finds these before computing, by one jvp, one vjp and (for per-sample parameter
 Jacobians) one vmap over two samples, on one sample, cached per function. Errors the probe could
 not foresee are classified when the engines raise them (``classify``). ``mode="auto"`` then takes
-the slower path with a one-time ``JacmodeWarning``; an explicit mode raises a ``ValueError`` that
-names the operation (and where in ``f`` it is called) and says which mode to use instead.
+the slower path with a ``JacmodeWarning``, given once per function and gap (``_cache.warn_once``,
+from the first call on and whether or not f can be guarded); an explicit mode raises a
+``ValueError`` that names the operation (and where in ``f`` it is called) and says which mode to
+use instead.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import os
 import re
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -50,13 +52,13 @@ _HERE = os.path.dirname(__file__)
 
 @dataclass
 class Caps:
-    """Why each engine cannot run ``f`` (None: it can), and which warnings were already given."""
+    """Why each engine cannot run ``f`` (None: it can). The warnings already given are kept apart
+    from it (``_cache.warn_once``): a warning given is not a fact about f's state."""
 
     forward: Optional[str] = None
     vmap_samples: Optional[str] = None
     vmap_directions: Optional[str] = None
     functorch: Optional[str] = None
-    warned: set[str] = field(default_factory=set)
 
 
 def _where(exc: BaseException) -> str:
@@ -212,13 +214,6 @@ def explicit_error(mode: str, kind: str, what: str) -> ValueError:
         f"mode: {mode!r} vectorises over samples with vmap, which cannot run {what}. Use mode='auto' "
         f"(it falls back to a loop over samples, slower) or mode='forward'{rewrite}."
     )
-
-
-def warn_once(caps: Caps, what: str, message: str) -> None:
-    """A ``JacmodeWarning`` given once per function, key and gap."""
-    if what not in caps.warned:
-        caps.warned.add(what)
-        warnings.warn(message, JacmodeWarning, stacklevel=user_stacklevel())
 
 
 _PERF = re.compile(r"performance drop because we have not yet implemented the batching rule for (\S+?)\.?\s")

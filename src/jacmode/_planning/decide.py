@@ -14,7 +14,7 @@ from typing import Any, Optional
 from torch import Tensor
 
 from .._args import take
-from .._cache import problem_key, rng_kept
+from .._cache import problem_key, rng_kept, warn_once
 from .._checks import Options
 from .._autodiff import fallback as _fallback
 from .._autodiff import loops as _loops
@@ -121,7 +121,7 @@ def _plan(f: Any, key: tuple, p: Problem, opts: Options, fp: Footprint, caps: Ca
         )
     slower = plan.loop or caps.vmap_directions or (caps.forward and _would_pick_forward(p, fp, opts, budget))
     if why and auto and slower:
-        _fallback.warn_once(caps, why, f"jacmode: {why}. The result is exact, only slower.")
+        warn_once(f, f"jacmode: {why}. The result is exact, only slower.")
     if mode == "autotune" and plan.loop is None and len(allowed) > 1:
         plan = _autotune.tuned(f, key, p, opts, plan, lambda m: make_plan(
             p, fp, m, chunk_size, budget, allowed=allowed, loops=loops, why=why), timing)

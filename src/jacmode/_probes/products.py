@@ -30,7 +30,6 @@ it only runs for the parameters the probes do not cover.
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -40,7 +39,7 @@ from torch.func import functional_call, grad, vmap
 from .._threads import clone_tree
 from .. import _losses
 from .._checks import check_hessians
-from .._errors import JacmodeWarning
+from .._cache import warn_once
 from .._rules.base import NotCovered
 from . import layerio, layerwise, probes
 from .._autodiff.reverse import recording
@@ -125,8 +124,9 @@ def per_sample_grads_generic(model: nn.Module, x: Tensor, y: Optional[Tensor], l
                 g = step(primal, x[b0:b0 + chunk], None if y is None else y[b0:b0 + chunk])
                 g = {n: kept(t) for n, t in g.items()}
         except RuntimeError as exc:  # vmap cannot batch f (fused RNN kernels, .item(), ...): loop instead
-            warnings.warn(f"jacmode: per_sample_grads cannot vectorise f over samples ({str(exc).splitlines()[0][:120]}), "
-                          "so it loops over samples with autograd: exact, only slower.", JacmodeWarning, stacklevel=4)
+            warn_once(model, f"jacmode: per_sample_grads cannot vectorise f over samples "  # once per f: _cache.py
+                             f"({str(exc).splitlines()[0][:120]}), so it loops over samples with autograd: exact, "
+                             "only slower.")
             _loop(model, x[b0:], None if y is None else y[b0:], loss, named, cols, result[b0:])
             return
         for n in primal:

@@ -17,7 +17,8 @@ That is what decides the scope of the pattern:
   input; recomputed per call.
 * **dense**: an operation could not be handled at all (no rule and no Jacobian of its own, a
   differentiated value read as a Python number, an in-place operation on a view): the exact
-  fallback takes the nonzeros of the dense Jacobian at this input, with a ``JacmodeWarning``.
+  fallback takes the nonzeros of the dense Jacobian at this input, with a ``JacmodeWarning`` (once per
+  function and reason: ``_cache.warn_once``).
 
 The second-order pass (Hessians of scalar functions) additionally carries, per tensor, the input
 pairs its Hessian can touch (see ``rules.py``).
@@ -26,7 +27,6 @@ pairs its Hessian can touch (see ``rules.py``).
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -35,8 +35,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .._cache import WeakCache
-from .._errors import JacmodeWarning
+from .._cache import WeakCache, warn_once
 from .. import _threads
 from .._state import preserved_state
 from . import rules, sets
@@ -262,11 +261,10 @@ def _hessian_pattern(pairs: Index, first: Rows, n: int, in_shape: tuple[int, ...
 
 def _dense_fallback(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool, why: str) -> SparsityPattern:
     """The exact fallback: the nonzeros of the dense Jacobian (or Hessian) at this input."""
-    warnings.warn(
-        f"jacmode: no sparsity pattern could be detected for f ({why}); using the nonzeros of the "
-        "dense " + ("Hessian" if hessian else "Jacobian") + " at this input instead (exact here, "
-        "N times the work). Write f with supported operations (see docs/sparse.md) to avoid this.",
-        JacmodeWarning, stacklevel=4)
+    warn_once(f,  # once per f and reason (_cache.py), though the fallback runs on every call
+              f"jacmode: no sparsity pattern could be detected for f ({why}); using the nonzeros of the "
+              "dense " + ("Hessian" if hessian else "Jacobian") + " at this input instead (exact here, "
+              "N times the work). Write f with supported operations (see docs/sparse.md) to avoid this.")
     xx = x.detach()
     with preserved_state(f):
         if hessian:
