@@ -131,7 +131,7 @@ def draw(n: int, seed: int = 0, max_entries: int = 4 * 10**7) -> list[Case]:
         norm = str(rng.choice(["none", "none", "layer", "batch"]))
         residual = bool(rng.random() < 0.3)
         sequential = bool(rng.random() < 0.4)
-        batched = bool(rng.random() < 0.85)
+        batched = bool(rng.random() < 0.85) or norm == "batch"  # BatchNorm1d refuses one 1-d sample
         wrt_kind = str(rng.choice(["inputs", "inputs", "params", "first", "middle", "last"]))
         case = Case(d, widths, y, b if batched else 1, str(rng.choice(list(ACTS))), norm, residual, conv,
                     sequential, "inputs", batched, int(rng.integers(1 << 30)))

@@ -153,6 +153,22 @@ def test_untraceable_function_warns_once():
     assert "cannot trace it whole" in unguarded
 
 
+def test_function_of_several_arguments_warns_once():
+    """The flat function jacmode makes of a call of several arguments is new at every call; the
+    warning belongs to the user's function behind it, so it is given once."""
+    anchors = torch.randn(300, 1, dtype=torch.float64)
+    f = lambda x, s: torch.cdist(x, anchors) * s  # noqa: E731
+    x = torch.randn(8, 1, dtype=torch.float64)
+    s = torch.tensor(2.0, dtype=torch.float64)
+    exact = 2.0 * torch.sign(x - anchors.T).unsqueeze(-1)
+    jm.clear_cache()
+    with pytest.warns(JacmodeWarning, match=r"no forward-AD formula for aten::"):
+        J = jm.jacobian(f, x, s, argnums=0, in_dims=(0, None))
+    torch.testing.assert_close(J, exact)
+    for _ in range(3):
+        torch.testing.assert_close(_no_warnings(lambda: jm.jacobian(f, x, s, argnums=0, in_dims=(0, None))), exact)
+
+
 def test_warn_once_per_function_and_message():
     """Per function and message; a function that cannot be weakly referenced is warned every time."""
 

@@ -216,7 +216,7 @@ def warn_once(f: Any, message: str) -> None:
 
 def _owner(f: Any) -> Any:
     """The user's function behind ``f``: the function of a flat call, the owner of a wrapper."""
-    if isinstance(f, Flat):
+    if isinstance(f, Keyed):
         f = f.f
     for _ in range(8):  # a wrapper of a wrapper; bounded against a cycle
         try:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -55,7 +55,8 @@ def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
         # the model's own hooks (its dictionaries are this module's) see the model's arguments, never the
         # rows: the model is called as itself (a structural clone, _threads.py: an object of the model's
         # class over the clone's dictionaries)
-        model = call.f if original(self) is self else _as_model(self, call.f)
+        f = cast(torch.nn.Module, call.f)  # the module of rows is made of a model only
+        model = f if original(self) is self else _as_model(self, f)
         out = model(*pos, **kw)
     else:
         out = type(call.f).forward(self, *pos, **kw)  # type: ignore[attr-defined]
