@@ -69,6 +69,42 @@ def test_generated_code_equals_interpreter_and_oracle(create_graph):
     assert d3.shape == (7, 1)
 
 
+def test_input_jacobians_run_generated_code_and_follow_the_parameters():
+    """jacobian wrt inputs over a captured program (forward mode, layer by layer) runs generated code
+    from its third call, equal to the interpreter and to float64 torch.func, also after a step."""
+    torch.manual_seed(8)
+    net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 16), nn.Sigmoid(), nn.Linear(16, 40)).double()
+    x = torch.rand(9, 3, dtype=torch.float64)
+    for step in range(2):
+        for _ in range(codegen.AFTER_CALLS + 1):
+            got = jm.jacobian(net, x)
+        assert jm.plan(net, x).engine == "forward-layerwise"
+        assert len(_generated(net, x)) == 1
+        with interpreter():
+            torch.testing.assert_close(got, jm.jacobian(net, x), rtol=1e-12, atol=1e-12)
+        want = torch.vmap(torch.func.jacrev(net))(x)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+        with torch.no_grad():
+            net[2].weight.mul_(1.5)  # the code reads the parameters on every call
+
+
+def test_compiled_input_jacobian_transform(monkeypatch):
+    """``jm.transform(jm.jacobian, f, compile=backend)`` compiles the input Jacobian's generated code."""
+    from jacmode._capture import compiled as _compiled
+
+    made = []
+    real = _compiled.compiled
+    monkeypatch.setattr(_compiled, "compiled", lambda gm, *a, **k: made.append(gm) or real(gm, *a, **k))
+    torch.manual_seed(9)
+    net = nn.Sequential(nn.Linear(2, 12), nn.Tanh(), nn.Linear(12, 30)).double()
+    x = torch.rand(5, 2, dtype=torch.float64)
+    jac = jm.transform(jm.jacobian, net, compile="aot_eager")
+    for _ in range(3):
+        got = jac(x)
+    assert made, "no code was compiled"
+    torch.testing.assert_close(got, torch.vmap(torch.func.jacrev(net))(x), rtol=1e-10, atol=1e-12)
+
+
 def test_create_graph_gradients_through_generated_code_and_an_optimizer_step():
     torch.manual_seed(1)
     net = Pinn().double()

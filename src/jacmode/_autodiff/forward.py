@@ -36,7 +36,7 @@ from torch.func import vmap
 from .._state import RngReplay
 from .._threads import SERIAL, dual_level, jvp
 from .._transforms import in_transform
-from .._capture import taylor as _taylor
+from .._capture import codegen as _codegen
 from .._capture.capture import Program
 from .reverse import Place, Seeds, chunks
 
@@ -91,9 +91,10 @@ def layerwise_columns(
     """Forward mode over a captured graph (``_capture/capture.py``) whose operations all have rules.
 
     The tangents e_d, shared by all samples, are pushed op by op with plain torch operations
-    (``_taylor.first``): no dual tensors, no vmap, and the first layer's product W e_d stays one
-    row broadcast over the batch. Same contract as ``forward_columns`` with broadcast seeds, for
+    (``taylor.first``, as generated code from the third call and compiled under ``compile=True``:
+    ``_capture/codegen.py``): no dual tensors, no vmap, and the first layer's product W e_d stays
+    one row broadcast over the batch. Same contract as ``forward_columns`` with broadcast seeds, for
     ``primal`` of shape (B, D); the products placed have shape (k, B, Y).
     """
     for start, stop in chunks(n, chunk_size):
-        place(start, stop, _taylor.first(program, primal, in_shape, range(start, stop)))
+        place(start, stop, _codegen.run("first", program, primal, in_shape, range(start, stop)))
