@@ -22,7 +22,7 @@ class Narrow(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.a(x))
-        h = self.b(h).reshape(x.shape[0], 8, 5).flatten(1)  # a wide layer (40 > LAST_MAX_OUT) after a narrow one
+        h = self.b(h).reshape(x.shape[0], 8, 5).flatten(1)  # a wider layer after a narrow one
         return self.c(torch.relu(h) * 2.0)
 
 
@@ -39,7 +39,12 @@ def _mlp(d: int) -> nn.Module:
     return nn.Sequential(nn.Linear(d, 20), nn.ReLU(), nn.Linear(20, 10))
 
 
-MODELS = {"mlp": _mlp, "narrow": Narrow, "functional": Functional}
+def _wide(d: int) -> nn.Module:
+    """A wide output (300) after a hidden layer wider than many inputs' directions."""
+    return nn.Sequential(nn.Linear(d, 48), nn.GELU(), nn.Linear(48, 300))
+
+
+MODELS = {"mlp": _mlp, "narrow": Narrow, "functional": Functional, "wide": _wide}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -97,7 +102,7 @@ def test_chunked_directions_and_create_graph() -> None:
 
 
 def test_few_directions_keep_the_plain_product() -> None:
-    """Below LAST_MIN_DIRECTIONS (or more samples than directions) the coefficients stay (k, B, Y)."""
+    """Below LAST_MIN_DIRECTIONS the coefficients stay (k, B, Y)."""
     assert _linear.LAST_MIN_DIRECTIONS > 8
     torch.manual_seed(2)
     f = _mlp(8).double()
