@@ -11,6 +11,8 @@ faster explicit mode on a second grid that was not used for fitting.
 Commands:
     python -m bench.calibrate [--write] [--plot FILE.png] [--json FILE]
     python -m bench.calibrate --probes [--write] [--json FILE]   (the probe engine's constants alone)
+    python -m bench.calibrate --every [--drawn 96] [--seed 1] [--write] [--json FILE] [--refit FILE]
+        (every engine at once, also on drawn module classes: see ``grids``)
     python -m bench.calibrate --regret [--json FILE]
     python -m bench.calibrate --memory-check [--json FILE]
 """
@@ -60,25 +62,29 @@ def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float 
     return {m: statistics.median(v) for m, v in times.items()}
 
 
-def terms(case: Case, mode: str) -> dict[str, float]:
+def _call_kwargs(case: Any) -> dict[str, Any]:
+    """The keywords of a case's ``jm.jacobian`` call: a grid's (wrt) or a drawn case's (wrt, batched)."""
+    return case.kwargs() if hasattr(case, "kwargs") else {"wrt": case.wrt}
+
+
+def terms(case: Any, mode: str) -> dict[str, float]:
     """The cost-model terms of a case in ``mode``, for the chunk sizes jacobian would use.
 
     The key "engine" names the calibrated engine that runs it (see ``_plan.engine``).
     """
-    import jacmode as jm
     from jacmode._checks import check_options
     from jacmode._planning import plan as _plan
     from jacmode._planning.decide import decide
     from jacmode._problem import describe
 
     model, x = case.build()
-    opts = check_options(wrt=case.wrt, mode=mode, batched=True, structure="auto", chunk_size=None,
-                         create_graph=False, flatten=True)
+    kw = _call_kwargs(case)
+    opts = check_options(wrt=kw["wrt"], mode=mode, batched=kw.get("batched", True), structure="auto",
+                         chunk_size=None, create_graph=False, flatten=True)
     with torch.no_grad():
         p = describe(model, x, opts)
         d = decide(model, p, opts, out_given=False)
     q = d.plan
-    del jm
     name = _plan.engine(p, q.mode, q.strategy)
     out: dict[str, Any]
     if name == "reverse-probes":  # its own terms (see [One cost per engine] in _planning/engines.py)
@@ -89,6 +95,72 @@ def terms(case: Case, mode: str) -> dict[str, float]:
         out = _plan.features(p, d.fp, q.mode, q.strategy, q.directions, q.chunk_size, q.sample_chunk)
     out["engine"] = name  # type: ignore[assignment]
     return out
+
+
+def grids(drawn: int = 96, seed: int = 1) -> dict[str, list[Any]]:
+    """The grids ``--every`` fits on: the fit grid (MLPs, elementwise nets, a CNN; both modes), the
+    probe grid (the probe engine) and ``drawn`` cases of ``bench.regret``'s draw with ``seed`` (module
+    classes with norms, residuals, conv fronts, parameter subsets, unbatched points). The regret
+    benchmark draws with seed 0: its cases are not fitted on."""
+    from .regret import draw
+
+    return {"fit": fit_grid(), "probe": probe_grid(), f"drawn:{seed}": draw(drawn, seed)}
+
+
+def _grid(name: str, size: int) -> list[Any]:
+    if name.startswith("drawn:"):
+        return grids(size, int(name.split(":")[1]))[name]
+    return {"fit": fit_grid, "probe": probe_grid}[name]()
+
+
+def calibrate_every(drawn: int = 96, seed: int = 1, log: Any = print) -> tuple[dict[str, dict[str, float]], list[dict]]:
+    """Time every engine on the three grids (``grids``) and fit each engine's constants on every
+    record it ran. A record is one (case, mode): its engine, median seconds and terms. A mode the
+    cost model prices 100x slower than the other on a drawn case is not timed (``regret.HOPELESS``)."""
+    import jacmode as jm
+
+    from . import regret
+
+    records: list[dict[str, Any]] = []
+    for name, cases in grids(drawn, seed).items():
+        for i, case in enumerate(cases):
+            modes: tuple[str, ...] = ("reverse",) if name == "probe" else ("forward", "reverse")
+            if name.startswith("drawn"):
+                model, x = case.build()
+                costs = jm.plan(model, x, **_call_kwargs(case)).costs
+                modes = tuple(m for m in modes if costs.get(m, math.inf) <= regret.HOPELESS * min(costs.values()))
+            if name.startswith("drawn"):
+                t = regret.time_modes(case, modes)
+            else:
+                t = time_modes(case, modes, reps=7, warm=6)
+            for m, sec in t.items():
+                tm = terms(case, m)
+                records.append({"grid": name, "index": i, "size": len(cases), "case": case.label, "mode": m,
+                                "engine": tm["engine"], "seconds": sec, "terms": tm})
+            shown = ", ".join(f"{m} {sec * 1e3:.3g} ms" for m, sec in t.items())
+            log(f"[{name} {i + 1}/{len(cases)}] {case.label}: {shown}")
+    return fit_records(records), records
+
+
+def fit_records(records: list[dict]) -> dict[str, dict[str, float]]:
+    """One set of constants per engine, each fitted on the records that engine ran."""
+    by_engine: dict[str, tuple[list, list]] = {}
+    for r in records:
+        rows, secs = by_engine.setdefault(r["engine"], ([], []))
+        rows.append(r["terms"])
+        secs.append(r["seconds"])
+    return {e: nnls_relative(rows, secs) for e, (rows, secs) in sorted(by_engine.items())}
+
+
+def refit_every(records: list[dict]) -> dict[str, dict[str, float]]:
+    """Fit again on the timings of an earlier ``--every --json`` run, the terms recomputed by the
+    current cost model (the cases rebuilt from their grid and index)."""
+    built: dict[str, list[Any]] = {}
+    for r in records:
+        cases = built.setdefault(r["grid"], _grid(r["grid"], r["size"]))
+        r["terms"] = terms(cases[r["index"]], r["mode"])
+        r["engine"] = r["terms"]["engine"]
+    return fit_records(records)
 
 
 def calibrate_probes(cases: list[Case], log: Any = print) -> tuple[dict[str, float], list[dict]]:
@@ -271,6 +343,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--regret", action="store_true", help="judge mode='auto' on the regret grid")
     parser.add_argument("--probes", action="store_true",
                         help="fit the probe engine's constants alone (COST['reverse-probes']) on the probe grid")
+    parser.add_argument("--every", action="store_true",
+                        help="fit every engine's constants on the fit grid, the probe grid and drawn cases")
+    parser.add_argument("--drawn", type=int, default=96, help="with --every: how many drawn cases")
+    parser.add_argument("--seed", type=int, default=1, help="with --every: the draw's seed (the regret uses 0)")
     parser.add_argument("--memory-check", action="store_true",
                         help="peak memory of a large parameter Jacobian under max_memory='200MB'")
     parser.add_argument("--write", action="store_true", help="write the fitted constants to jacmode/_planning/calibrated.json")
@@ -286,6 +362,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     if args.memory_check:
         records = [memory_check()]
+    elif args.every:
+        from jacmode._planning import calibrated as _calibrated
+
+        if args.refit:
+            with open(args.refit) as fh:
+                records = json.load(fh)
+            costs = refit_every(records)
+        else:
+            costs, records = calibrate_every(args.drawn, args.seed)
+        costs = {**_calibrated.COST, **costs}  # an engine no record ran keeps its constants
+        print(json.dumps(costs, indent=1))
+        if args.write:
+            print("wrote", write_constants(costs, dict(_calibrated.MEMORY)))
     elif args.probes:
         from jacmode._planning import calibrated as _calibrated
 

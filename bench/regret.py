@@ -7,7 +7,9 @@ Y, what is differentiated (the inputs, all parameters, or a subset: the first, a
 layer, its weight or bias) and the entry point (a batched or unbatched ``jm.jacobian``). Each case
 times ``mode="auto"``, ``"forward"`` and ``"reverse"`` side by side (interleaved rounds, medians,
 1 thread) and reports the regret -- auto's time over the faster explicit mode -- and the
-prediction error of the engine auto chose (predicted seconds over measured).
+prediction error of the engine auto chose (predicted seconds over measured). A mode the cost model
+predicts ``HOPELESS`` (100) times slower than the other is not timed: one call of it can take
+minutes, and it cannot be the faster mode unless the model is wrong a hundredfold.
 
 Commands:
     python -m bench.regret [--cases 64] [--seed 0] [--json FILE]
@@ -206,26 +208,35 @@ def results_agree(case: Case) -> Optional[str]:
     return None
 
 
+HOPELESS = 100.0  # predictions are within a few times of the truth; 100x slower cannot be the best mode
+
+
 def measure(cases: Sequence[Case], log: Any = print, recheck: float = 1.1) -> list[dict[str, Any]]:
     """Regret and prediction error per case; doubtful points are timed again, longer."""
     import jacmode as jm
 
     out = []
     for i, case in enumerate(cases):
-        t = time_modes(case)
-        regret = t["auto"] / min(t["forward"], t["reverse"])
-        if regret > recheck:  # a loaded machine: look again before believing it
-            t = time_modes(case, reps=21, budget_s=8.0)
-            regret = t["auto"] / min(t["forward"], t["reverse"])
         model, x = case.build()
         plan = jm.plan(model, x, **case.kwargs())
+        best = min(plan.costs.values())
+        # a mode predicted HOPELESS times slower than the other is not timed (one call can take minutes)
+        modes = ("auto", *(m for m in ("forward", "reverse") if plan.costs.get(m, math.inf) <= HOPELESS * best))
+        t = time_modes(case, modes)
+        regret = t["auto"] / min(t[m] for m in modes[1:])
+        if regret > recheck:  # a loaded machine: look again before believing it
+            t = time_modes(case, modes, reps=21, budget_s=8.0)
+            regret = t["auto"] / min(t[m] for m in modes[1:])
         predicted = plan.costs.get(plan.mode, math.nan)
         engine = getattr(plan, "engine", plan.mode)
+        engines = {c.mode: c.engine for c in plan.candidates if c.feasible}
         out.append({"case": case.label, "seconds": t, "regret": regret, "mode": plan.mode, "engine": engine,
-                    "predicted": predicted, "error": predicted / t["auto"]})
+                    "engines": engines, "predicted": predicted, "predicted_modes": dict(plan.costs),
+                    "error": predicted / t["auto"]})
+        shown = ", ".join(f"{m} {t[m] * 1e3:.3g}" if m in t else f"{m} not timed (predicted "
+                          f"{plan.costs[m] / best:.0f}x)" for m in ("forward", "reverse"))
         log(f"[{i + 1}/{len(cases)}] {case.label}: auto={engine} {t['auto'] * 1e3:.3g} ms (predicted "
-            f"{predicted * 1e3:.3g}), forward {t['forward'] * 1e3:.3g}, reverse {t['reverse'] * 1e3:.3g} "
-            f"-> regret {regret:.3f}")
+            f"{predicted * 1e3:.3g}), {shown} -> regret {regret:.3f}")
     return out
 
 
