@@ -218,3 +218,29 @@ def test_conv_rule_any_setting(dims, groups, kernel, stride, padding, dilation, 
     ref = reference(conv, x, V, list(blocks))
     for n in blocks:
         torch.testing.assert_close(blocks[n], ref[n])
+
+
+@pytest.mark.parametrize("act", [nn.Tanh, nn.GELU, nn.SiLU])
+def test_the_pull_back_of_many_directions_is_one_batched_pass(act):
+    """The Y output directions are pulled back by one batched pass: the backward ops run about as
+    often for 90 directions as for 30 (the paths differ: 60 rows take one plain reverse pass of
+    repeated rows, 180 the batched pass), not once per direction (torch's older vmap behind
+    ``is_grads_batched`` loops over the directions for tanh_backward, gelu_backward,
+    silu_backward), with the same blocks as the oracle."""
+    import jacmode as jm
+    from conftest import ref_param_jacobian
+    from torch.profiler import profile
+
+    def backward_calls(y: int) -> dict[str, int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(3, 8), act(), nn.Linear(8, 8), act(), nn.Linear(8, y)).double()
+        x = torch.randn(2, 3, dtype=torch.float64)
+        jm.clear_cache()
+        with profile() as prof:
+            J = jm.jacobian(model, x, wrt="params", mode="reverse")
+        assert jm.plan(model, x, wrt="params").engine == "reverse-probes"
+        torch.testing.assert_close(J, ref_param_jacobian(model, x))
+        return {e.key: e.count for e in prof.key_averages() if e.key.endswith("_backward")}
+
+    few, many = backward_calls(30), backward_calls(90)
+    assert few and few.keys() == many.keys() and all(many[k] <= 2 * few[k] for k in few), (few, many)

@@ -48,9 +48,11 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.func import vmap
 from torch.nn.utils import parametrize
 
 from .._threads import transient_hooks
+from .._transforms import in_transform
 from .._rules.base import NotCovered, Rule
 from .._rules.local import LOCAL
 from .._rules.modules import rule_for
@@ -180,7 +182,16 @@ class Recording:
         retain_graph = retain_graph or create_graph
         if not probes:
             return []
-        if batched and V.shape[0] > 1:
+        if batched and V.shape[0] > 1 and not create_graph and not in_transform():
+            # torch.func.vmap, not is_grads_batched: the latter runs torch's older vmap, which has no
+            # batching rule for tanh_backward, gelu_backward, silu_backward, layer norm's backward
+            # and more, and loops over the K directions for each of them (300 calls at K = 300)
+            def pull(v: Tensor) -> tuple[Tensor, ...]:
+                gs = torch.autograd.grad(self.output, probes, v, retain_graph=retain_graph, allow_unused=True)
+                return tuple(g if g is not None else v.new_zeros(p.shape) for g, p in zip(gs, probes))
+
+            grads = vmap(pull)(V)
+        elif batched and V.shape[0] > 1:
             grads = torch.autograd.grad(
                 self.output, probes, V, retain_graph=retain_graph, create_graph=create_graph,
                 allow_unused=True, is_grads_batched=True,
