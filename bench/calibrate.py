@@ -149,7 +149,10 @@ def fit_records(records: list[dict]) -> dict[str, dict[str, float]]:
         rows, secs = by_engine.setdefault(r["engine"], ([], []))
         rows.append(r["terms"])
         secs.append(r["seconds"])
-    return {e: nnls_relative(rows, secs) for e, (rows, secs) in sorted(by_engine.items())}
+    fitted = {e: nnls_relative(rows, secs) for e, (rows, secs) in sorted(by_engine.items())}
+    # the generic engines keep the terms of their cost model (plan.py); the probe engine all of them
+    return {e: c if e == "reverse-probes" else {k: v for k, v in c.items() if any(k in r for r in by_engine[e][0])}
+            for e, c in fitted.items()}
 
 
 def refit_every(records: list[dict]) -> dict[str, dict[str, float]]:

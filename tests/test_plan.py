@@ -85,10 +85,11 @@ def test_the_two_problems_choose_the_known_winners():
     assert (p1.mode, p1.strategy) == ("reverse", "per-sample")
     assert p1.costs["forward"] > 10 * p1.costs["reverse"]
     # problem 2: dy/dt, D = 1 input, Y = 4 outputs: one shared seed either way (1 tangent or 4
-    # cotangents); on the calibration machine the 4 vmapped cotangents measured slightly faster
+    # cotangents); on the calibration machine forward mode (generated Taylor code) measured 2.5x
+    # faster at B = 1,000 (0.35 vs 0.89 ms) and 3.6x at B = 100,000 (28 vs 103 ms)
     p2 = jm.plan(mlp_1_4(), torch.randn(1000, 1))
-    assert p2.strategy == "broadcast" and p2.directions == {"forward": 1, "reverse": 4}[p2.mode]
-    assert 0.5 < p2.costs["forward"] / p2.costs["reverse"] < 2
+    assert (p2.mode, p2.strategy, p2.directions) == ("forward", "broadcast", 1)
+    assert 0.2 < p2.costs["forward"] / p2.costs["reverse"] < 0.8
 
 
 def test_repr_gives_costs_memory_and_reason():

@@ -152,11 +152,14 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
 
 
 def _seed_elements(p: Problem, mode: str, strategy: str, directions: int, S: int) -> float:
-    """Forward mode over a captured graph: the entries (directions x N) of the one-hot seed when a
-    first operation reads it as a tensor (an elementwise map, a norm; the (k, S, N) tangents it then
-    makes cost more per byte at large N than the fit grid's nets show), 0 when the linear maps that
-    read the input take their columns instead (``_capture/taylor.py``, [Seeds as columns] in
-    ``_rules/base.py``)."""
+    """The entries of the one-hot seeds forward mode builds: directions x P for parameter tangents
+    (each direction a one-hot of every parameter: P x P in all, which dominates at large P); over
+    a captured graph, directions x N when a first operation reads the seed as a tensor (an
+    elementwise map, a norm; the (k, S, N) tangents it then makes cost more per byte at large N
+    than the fit grid's nets show), 0 when the linear maps that read the input take their columns
+    instead (``_capture/taylor.py``, [Seeds as columns] in ``_rules/base.py``)."""
+    if mode == "forward" and p.kind == "params":
+        return float(directions * p.n_in)
     program = getattr(p, "program", None)
     if program is None or mode != "forward" or strategy != "broadcast":
         return 0.0
