@@ -10,7 +10,7 @@ from torch import nn
 
 import jacmode as jm
 from jacmode._planning import decide as _decide
-from conftest import mlp_1_4, mnist_mlp, ref_input_jacobian, ref_param_jacobian
+from conftest import Opaque, mlp_1_4, mnist_mlp, ref_input_jacobian, ref_param_jacobian
 
 
 @pytest.fixture
@@ -103,12 +103,18 @@ def test_repr_gives_costs_memory_and_reason():
 
 
 def test_costs_grow_with_the_directions_of_each_mode():
-    small = jm.plan(nn.Linear(10, 10), torch.randn(256, 10))
-    wide_in = jm.plan(nn.Linear(400, 10), torch.randn(256, 400))
-    wide_out = jm.plan(nn.Linear(10, 400), torch.randn(256, 10))
+    """With the generic engines (vmap over jvp / vjp; a callable jacmode does not capture) the
+    number of directions decides: measured, D = 400 -> Y = 10 reverse 1.9 vs forward 123 ms and
+    D = 10 -> Y = 400 forward 4.8 vs reverse 142 ms at B = 256. Through a captured Linear, forward
+    mode copies the weight's columns and wins both (0.17 vs 0.83 ms and 0.27 vs 1.5 ms)."""
+    small = jm.plan(Opaque(nn.Linear(10, 10)), torch.randn(256, 10))
+    wide_in = jm.plan(Opaque(nn.Linear(400, 10)), torch.randn(256, 400))
+    wide_out = jm.plan(Opaque(nn.Linear(10, 400)), torch.randn(256, 10))
     assert wide_in.costs["forward"] > small.costs["forward"]
     assert wide_out.costs["reverse"] > small.costs["reverse"]
     assert wide_in.mode == "reverse" and wide_out.mode == "forward"
+    captured = jm.plan(nn.Linear(400, 10), torch.randn(256, 400))
+    assert (captured.mode, captured.engine) == ("forward", "forward-layerwise")
 
 
 @settings(max_examples=15, deadline=None)

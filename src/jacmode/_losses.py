@@ -140,6 +140,9 @@ def closed_factor(module: nn.Module, out: Tensor, y: Tensor) -> Optional[tuple[T
         eye = torch.eye(n_out, dtype=out.dtype, device=out.device) * math.sqrt(2.0 * s)
         return eye.expand(batch, n_out, n_out), None
     if type(module) is nn.CrossEntropyLoss and out.shape[1] > 1:
+        if (module.weight is None and module.label_smoothing == 0.0 and not y.is_floating_point()
+                and not bool((y == module.ignore_index).any())):  # Q_bt = 1: the string's factor, scaled
+            return cross_entropy_factor(out) * math.sqrt(_scale(module, out, y)), None
         unreduced = copy.copy(module)
         setattr(unreduced, "reduction", "none")  # noqa: B010 -- a torch loss module attribute
         classes = out.shape[1]
