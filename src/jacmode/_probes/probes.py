@@ -12,8 +12,9 @@ Interface (used by the parameter Jacobian and by per-sample gradients, NTK and G
   twice gives two calls, whose blocks add up).
 * ``rec.pullback(V)`` -- cotangents V (K, B, *out) (K = Y one-hot rows for a Jacobian, 1 for a loss
   gradient, Y columns of a GGN factor) pulled back in ONE reverse pass vectorised over K
-  (``autograd.grad(..., is_grads_batched=True)``) to every probe; returns one G (K, B, *out_layer)
-  per call, aligned with ``rec.calls``.
+  (``torch.func.vmap`` over ``autograd.grad``; ``is_grads_batched=True`` with ``create_graph`` or
+  inside a transform) to every probe; returns one G (K, B, *out_layer) per call, aligned with
+  ``rec.calls``.
 * ``call.rule.per_sample(call.module, call.inputs, G)`` -> {attr: (B, K, *param.shape)} and
   ``call.rule.write(...)`` (into views of a result) turn them into per-sample blocks (``_rules/``).
   ``cov.rules`` gives each covered module's rule: a closed-form one (``_rules/modules.py``), or the
