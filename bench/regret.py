@@ -120,7 +120,7 @@ def draw(n: int, seed: int = 0, max_entries: int = 4 * 10**7) -> list[Case]:
     """``n`` cases drawn with numpy's RNG from ``seed`` (see the module docstring), each with a
     result of at most ``max_entries`` (B * Y * N) entries."""
     rng = np.random.default_rng(seed)
-    cases = []
+    cases: list[Case] = []
     while len(cases) < n:
         depth = int(rng.integers(1, 5))
         widths = tuple(int(rng.choice([4, 8, 16, 32, 64, 128])) for _ in range(depth))
@@ -201,7 +201,8 @@ def results_agree(case: Case) -> Optional[str]:
 
     model, x = case.build()
     model, x = model.double(), x.double()
-    got = {m: jm.jacobian(model, x, mode=m, **case.kwargs()) for m in ("auto", "forward", "reverse")}
+    got: dict[str, torch.Tensor] = {m: jm.jacobian(model, x, mode=m, **case.kwargs())  # type: ignore[misc]
+                                    for m in ("auto", "forward", "reverse")}  # one tensor: one argument
     for m in ("forward", "reverse"):
         if not torch.allclose(got["auto"], got[m], rtol=1e-9, atol=1e-11):
             return f"{case.label}: auto differs from {m} by {float((got['auto'] - got[m]).abs().max()):.3g}"
