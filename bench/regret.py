@@ -5,8 +5,8 @@ as ``nn.Sequential``, 1 to 4 hidden layers of drawn widths, an activation, Layer
 in eval mode, a residual connection, a convolutional front), a batch B, input features D, outputs
 Y, what is differentiated (the inputs, all parameters, or a subset: the first, a middle or the last
 layer, its weight or bias) and the entry point (a batched or unbatched ``jm.jacobian``). Each case
-times ``mode="auto"``, ``"forward"`` and ``"reverse"`` side by side (interleaved rounds, medians,
-1 thread) and reports the regret -- auto's time over the faster explicit mode -- and the
+times ``mode="auto"``, ``"forward"`` and ``"reverse"`` side by side (rounds of blocks of repeated
+calls, medians, 1 thread: see ``time_modes``) and reports the regret -- auto's time over the faster explicit mode -- and the
 prediction error of the engine auto chose (predicted seconds over measured). A mode the cost model
 predicts ``HOPELESS`` (100) times slower than the other is not timed: one call of it can take
 minutes, and it cannot be the faster mode unless the model is wrong a hundredfold.
@@ -163,18 +163,26 @@ def _n_in(case: Case) -> int:
 
 def time_modes(case: Case, modes: Sequence[str] = ("auto", "forward", "reverse"), reps: int = 9,
                budget_s: float = 3.0) -> dict[str, float]:
-    """Median seconds per call of ``jm.jacobian`` in each mode, the modes interleaved."""
+    """Median seconds per call of ``jm.jacobian`` in each mode: rounds of blocks of repeated calls.
+
+    Each round runs every mode (in alternating order) as a block of consecutive calls of about 20 ms
+    (1 to 10 calls) and keeps the block's mean: the steady state of a loop that repeats one call,
+    as a training loop does. Single interleaved calls would time each small call right after
+    another mode's large one, whose freed memory and evicted caches it then pays for.
+    """
     import jacmode as jm
 
     model, x = case.build()
     calls = {m: (lambda m=m: jm.jacobian(model, x, mode=m, **case.kwargs())) for m in modes}
     slow: dict[str, float] = {}  # a mode whose one call takes over 1 s: timed once, not in the rounds
+    block: dict[str, int] = {}
     for m, call in calls.items():  # first calls: captures, caches, generated code (third call, steady by the sixth)
         t0 = time.perf_counter()
         for _ in range(6):
             t1 = time.perf_counter()
             call()
-            if time.perf_counter() - t1 > 1.0:  # once more: a first call's one-time work is no verdict
+            one = time.perf_counter() - t1
+            if one > 1.0:  # once more: a first call's one-time work is no verdict
                 t2 = time.perf_counter()
                 call()
                 if time.perf_counter() - t2 > 1.0:
@@ -182,14 +190,16 @@ def time_modes(case: Case, modes: Sequence[str] = ("auto", "forward", "reverse")
                     break
             if time.perf_counter() - t0 > 2.0:
                 break
+        block[m] = max(1, min(10, int(0.02 / max(one, 1e-6))))
     modes = [m for m in modes if m not in slow]
     times: dict[str, list[float]] = {m: [] for m in modes}
     start = time.perf_counter()
     for r in range(reps):
         for m in (modes if r % 2 == 0 else list(reversed(modes))):
             t0 = time.perf_counter()
-            calls[m]()
-            times[m].append(time.perf_counter() - t0)
+            for _ in range(block[m]):
+                calls[m]()
+            times[m].append((time.perf_counter() - t0) / block[m])
         if r >= 2 and time.perf_counter() - start > budget_s:
             break
     return {**{m: statistics.median(v) for m, v in times.items()}, **slow}
