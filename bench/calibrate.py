@@ -108,8 +108,11 @@ def grids(drawn: int = 96, seed: int = 1) -> dict[str, list[Any]]:
 
 
 def _grid(name: str, size: int) -> list[Any]:
+    """The cases of the grid ``name`` (of ``grids``), ``size`` of them for a drawn one."""
     if name.startswith("drawn:"):
-        return grids(size, int(name.split(":")[1]))[name]
+        from .regret import draw
+
+        return draw(size, int(name.split(":")[1]))
     return {"fit": fit_grid, "probe": probe_grid}[name]()
 
 
@@ -247,14 +250,9 @@ def calibrate_costs(cases: list[Case], log: Any = print) -> tuple[dict[str, dict
 
 
 def fit_engines(records: list[dict]) -> dict[str, dict[str, float]]:
-    """One set of constants per engine, each fitted on the records that engine ran."""
-    by_engine: dict[str, tuple[list, list]] = {}
-    for r in records:
-        for m in ("forward", "reverse"):
-            rows, secs = by_engine.setdefault(r["terms"][m].get("engine", m), ([], []))
-            rows.append(r["terms"][m])
-            secs.append(r["seconds"][m])
-    return {e: nnls_relative(rows, secs) for e, (rows, secs) in sorted(by_engine.items())}
+    """:func:`fit_records` on the records of :func:`calibrate_costs` (both modes in one record)."""
+    return fit_records([{"engine": r["terms"][m].get("engine", m), "terms": r["terms"][m], "seconds": r["seconds"][m]}
+                        for r in records for m in ("forward", "reverse")])
 
 
 def write_data(updates: dict[str, Any], path: Optional[str] = None) -> str:

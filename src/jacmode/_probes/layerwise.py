@@ -80,7 +80,7 @@ def _repeated_rows(model: nn.Module, x: Tensor, cov: Coverage, n_out: int) -> Op
     Samples are independent, so the rows of ``model(x.repeat(Y, ...))`` are Y copies of each
     sample's output; the cotangent e_k on copy k of every sample (row k*B + b) pulls back, in ONE
     ordinary reverse pass, to G[k, b] at every probe. For small Y*B this beats the vectorised pass
-    over Y (``is_grads_batched`` pays a fixed cost of about 0.1 ms for its batching machinery);
+    over Y (``Recording.pullback``: its batching machinery has a fixed cost of about 0.1 ms);
     the rules read the first copy of each layer's input. Not with random layers (each copy would
     draw its own mask), and not for a batch of one sample: the coupling probe needs two samples, so
     at B = 1 nothing has shown that f treats dim 0 as samples (``h - h.mean(0)`` is 0 on one sample,
