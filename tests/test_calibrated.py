@@ -11,13 +11,14 @@ from bench.calibrate import FIT_TERMS
 from jacmode._planning import calibrated, engines, memory, ntk, plan
 
 TERMS = {"call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
-         "dir_bytes", "dir_spill", "result", "seed"}
+         "dir_bytes", "dir_spill", "result", "seed", "conv_out", "pages"}
 
 
 def test_the_loader_and_the_data_file_agree() -> None:
     raw = json.loads((Path(calibrated.__file__).parent / "calibrated.json").read_text())
     assert calibrated.path() == Path(calibrated.__file__).parent / "calibrated.json"
     assert calibrated.MACHINE == raw["MACHINE"] and calibrated.SPILL_BYTES == raw["SPILL_BYTES"]
+    assert calibrated.FRESH_BYTES == raw["FRESH_BYTES"]
     assert calibrated.COST == raw["COST"] and calibrated.MEMORY == raw["MEMORY"]
     assert calibrated.NTK_COST == {m: tuple(c) for m, c in raw["NTK_COST"].items()}
     assert isinstance(calibrated.SPILL_BYTES, int)
@@ -27,8 +28,9 @@ def test_the_loader_and_the_data_file_agree() -> None:
 def test_the_planner_reads_the_loaded_constants() -> None:
     """One set of numbers: the cost, memory and NTK models hold the loader's objects, with every term."""
     assert engines.COST is calibrated.COST and plan.SPILL_BYTES == calibrated.SPILL_BYTES
+    assert plan.FRESH_BYTES == engines.FRESH_BYTES == calibrated.FRESH_BYTES
     assert memory.MEMORY is calibrated.MEMORY and ntk.NTK_COST is calibrated.NTK_COST
-    assert set(calibrated.COST) == {"forward", "reverse", "forward-layerwise", "reverse-layerwise", "reverse-probes"}
+    assert set(calibrated.COST) == set(engines.WHAT)  # one set of constants per engine, none for a gone one
     assert all(set(c) == TERMS for e, c in calibrated.COST.items() if e != "reverse-probes")
     assert set(calibrated.COST["reverse-probes"]) == set(FIT_TERMS)  # its own terms besides (engines.py)
     assert set(calibrated.NTK_COST) == set(ntk.METHODS) and all(len(c) == 4 for c in calibrated.NTK_COST.values())

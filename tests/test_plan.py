@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -181,3 +184,25 @@ def test_an_engine_that_does_not_fit_the_budget_says_so():
     assert by["reverse-probes"].chosen
     with pytest.raises(ValueError, match="even one direction per pass needs"):
         jm.plan(mnist_mlp(), torch.randn(4, 784), wrt="params", mode="forward", max_memory="1KB")
+
+
+def test_the_cost_terms_of_narrow_convolutions_and_of_fresh_results() -> None:
+    """A convolution's entries are counted per sample (its own term: narrow ones run far below their
+    flop rate), and a result of FRESH_BYTES or more is priced for its pages, a smaller one not."""
+    from jacmode._planning import footprint as _footprint
+    from jacmode._planning.calibrated import FRESH_BYTES
+    from jacmode._planning.plan import fresh_pages
+
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 5 * 7, 3))
+    fp = _footprint.measure(conv, torch.randn(4, 1, 5, 7), 4, hooked=[conv[3]])
+    assert fp.conv_out == 2 * 5 * 7 and fp.tail is not None and fp.tail.conv_out == 0.0
+    mlp = nn.Sequential(nn.Linear(3, 4))
+    assert _footprint.measure(mlp, torch.randn(2, 3), 2).conv_out == 0.0
+
+    def problem(b: int, y: int, n: int, dtype: torch.dtype) -> Any:
+        return SimpleNamespace(batch=b, n_out=y, n_in=n, dtype=dtype)
+
+    small = problem(1, 1, FRESH_BYTES // 4 - 1, torch.float32)
+    assert fresh_pages(small) == 0.0  # type: ignore[arg-type]
+    large = problem(2, 1, FRESH_BYTES // 8, torch.float64)
+    assert fresh_pages(large) == 2.0 * FRESH_BYTES  # type: ignore[arg-type]

@@ -6,13 +6,15 @@ repository's ``bench/``: ``python -m bench.calibrate --write`` (``COST``, ``MEMO
 
 - ``MACHINE``: where the constants were fitted (text).
 - ``SPILL_BYTES``: activations of one pass beyond which bytes cost more (1/4 of L3).
-- ``COST``: per calibrated engine ("forward", "reverse" and their "-layerwise" kin), seconds per unit
+- ``FRESH_BYTES``: results at least this large come from the operating system afresh on every call
+  (glibc's largest ``mmap`` threshold), so the first write to each page pays a page fault (optional, 32 MiB).
+- ``COST``: per engine ("forward", "forward-layerwise", "reverse", "reverse-probes"), seconds per unit
   of each term of the cost model (``_planning/plan.py``).
 - ``MEMORY``: the workspace multipliers of the memory model (``_planning/memory.py``).
 - ``NTK_COST``: per NTK method, the constants (c0, c1, c2, c3) of its time (``_planning/ntk.py``).
 
 Example:
-    >>> sorted(COST) == ["forward", "forward-layerwise", "reverse", "reverse-layerwise", "reverse-probes"]
+    >>> sorted(COST) == ["forward", "forward-layerwise", "reverse", "reverse-probes"]
     True
     >>> load(DATA_FILE)["MEMORY"] == MEMORY
     True
@@ -54,6 +56,7 @@ def load(source: Union[str, Path] = DATA_FILE) -> dict[str, Any]:
 _DATA = load()
 MACHINE: str = str(_DATA["MACHINE"])
 SPILL_BYTES: int = int(_DATA["SPILL_BYTES"])
+FRESH_BYTES: int = int(_DATA.get("FRESH_BYTES", 32 << 20))
 COST: dict[str, dict[str, float]] = {m: {k: float(v) for k, v in c.items()} for m, c in _DATA["COST"].items()}
 MEMORY: dict[str, float] = {k: float(v) for k, v in _DATA["MEMORY"].items()}
 NTK_COST: dict[str, tuple[float, ...]] = {m: tuple(float(v) for v in c) for m, c in _DATA["NTK_COST"].items()}

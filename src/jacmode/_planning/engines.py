@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .._problem import Problem
-from .calibrated import COST, SPILL_BYTES
+from .calibrated import COST, FRESH_BYTES, SPILL_BYTES
 from .footprint import Footprint
 from .memory import fmt_bytes
 
@@ -118,6 +118,7 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
     t_conv = tail.conv_flops if tail is not None else fp.conv_flops
     t_act = tail.act if tail is not None else fp.act
     t_ops = tail.ops if tail is not None else fp.ops
+    t_conv_out = tail.conv_out if tail is not None else fp.conv_out
     s = sample_chunk or B
     n_chunks = math.ceil(B / s)
     pass_bytes = Y * s * t_act
@@ -132,11 +133,13 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
         "pass_bytes": B * fp.act,
         "dir_flops": Y * B * t_flops,
         "dir_conv": Y * B * t_conv,
+        "conv_out": B * (fp.conv_out + Y * t_conv_out),
         "dir_bytes": Y * B * t_act,
         "dir_spill": Y * B * t_act * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
         "result": float(B * Y * (covered - vectors)),  # blocks of weights: outer products
         "bias": float(B * Y * vectors),  # blocks of biases (and other vectors): copies of the cotangents
         "fresh": result * max(0.0, math.log2(result * p.dtype.itemsize / SPILL_BYTES)) if result else 0.0,
+        "pages": result * p.dtype.itemsize if result * p.dtype.itemsize >= FRESH_BYTES else 0.0,
     }
 
 

@@ -5,7 +5,7 @@ The cost model and the memory planner need numbers per sample that the shapes al
 give: the floating-point work of one forward pass (counted with the formulas of
 ``torch.utils.flop_counter``'s registry, in the dispatch mode below rather than through
 ``FlopCounterMode``, whose module tracker hangs hooks on every module of the process: another
-thread's forward pass would run them): ``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate), the bytes of every tensor the pass
+thread's forward pass would run them): ``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate, and ``conv_out``, the entries they write), the bytes of every tensor the pass
 produces (``act``: an upper bound of the tape that reverse mode keeps) and of the largest one
 (``peak``: what forward mode keeps alive at a time), and the number of aten calls (``ops``: the
 fixed per-pass overhead that dominates small problems). They are counted with a dispatch mode on
@@ -44,6 +44,7 @@ class Tail:
     conv_flops: float
     act: float
     calls: int  # calls of the hooked modules
+    conv_out: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,14 @@ class Footprint:
     act: float
     peak: float
     conv_flops: float = 0.0
+    conv_out: float = 0.0  # entries the convolutions write: narrow convolutions cost per entry, not per flop
     tail: Optional[Tail] = None  # measured with hooked modules (the probe engine's), else None
 
 
 class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops, self.bytes, self.peak, self.flops, self.conv = 0, 0, 0, 0.0, 0.0
+        self.ops, self.bytes, self.peak, self.flops, self.conv, self.conv_out = 0, 0, 0, 0.0, 0.0, 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -71,6 +73,7 @@ class _Counter(TorchDispatchMode):
             n = count(*args, **(kwargs or {}), out_val=out)
             if "conv" in str(func):
                 self.conv += n
+                self.conv_out += sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, Tensor))
             else:
                 self.flops += n
         if not getattr(func, "is_view", False):
@@ -98,7 +101,7 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int, hooked: Sequen
         (768.0, 0.0, 1)
     """
     counter = _Counter()
-    first: list[tuple[int, float, float, int]] = []  # counters when the first hooked call ended
+    first: list[tuple[int, float, float, int, float]] = []  # counters when the first hooked call ended
     calls = [0]
     me = threading.get_ident()
 
@@ -107,7 +110,7 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int, hooked: Sequen
             return
         calls[0] += 1
         if not first:
-            first.append((counter.ops, counter.flops, counter.conv, counter.bytes))
+            first.append((counter.ops, counter.flops, counter.conv, counter.bytes, counter.conv_out))
 
     with transient_hooks():
         handles = [m.register_forward_hook(hook) for m in hooked]
@@ -121,11 +124,11 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int, hooked: Sequen
     mm, conv = counter.flops, counter.conv
     tail = None
     if first:
-        ops0, mm0, conv0, bytes0 = first[0]
+        ops0, mm0, conv0, bytes0, out0 = first[0]
         tail = Tail(ops=counter.ops - ops0, flops=(mm - mm0) / k, conv_flops=(conv - conv0) / k,
-                    act=(counter.bytes - bytes0) / k, calls=calls[0])
+                    act=(counter.bytes - bytes0) / k, calls=calls[0], conv_out=(counter.conv_out - out0) / k)
     return Footprint(ops=counter.ops, flops=mm / k, act=counter.bytes / k, peak=counter.peak / k, conv_flops=conv / k,
-                     tail=tail)
+                     conv_out=counter.conv_out / k, tail=tail)
 
 
 def footprint(ident: Any, key: tuple, fn: Callable[[Tensor], Any], x: Tensor, samples: int,

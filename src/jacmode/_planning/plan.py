@@ -11,14 +11,19 @@ direction, the estimated time is
         + S * (pass_flops * flops + pass_conv * conv + pass_bytes * act) * primal passes
         + S * (dir_flops * flops + dir_conv * conv + dir_bytes * act) * directions
         + S * dir_spill * act * directions * max(0, log2(bytes of one pass / SPILL_BYTES))
-        + result * B*Y*N + seed * N*directions (a built one-hot seed, forward over a captured graph)
+        + S * conv_out * (entries the convolutions write) * (directions + primal passes)
+        + result * B*Y*N + pages * (bytes of a result of at least FRESH_BYTES)
+        + seed * N*directions (a built one-hot seed, forward over a captured graph)
 
 with one set of constants per engine (forward, forward layer by layer, reverse; see ``engine``),
 fitted to timings over a grid of MLPs, elementwise-heavy nets and a small CNN (wrt inputs and
 parameters, N/Y from 1/1000 to 1000/1, B from 1 to 1024) by ``python -m bench.calibrate``; they
 live in ``_planning/calibrated.json`` (read by ``calibrated.py``). Small problems are dominated by the fixed and per-pass terms, large
 ones by the per-direction work, which costs more per byte as the activations of one pass outgrow
-the caches (``dir_spill``: logarithmic in the pass size above ``SPILL_BYTES``). docs/modes.md
+the caches (``dir_spill``: logarithmic in the pass size above ``SPILL_BYTES``). Convolutions
+with few channels run far below their flop rate, so they also cost per entry written
+(``conv_out``); and a result of ``FRESH_BYTES`` or more is new memory on every call, whose pages
+fault on first write (``pages``; a caller's ``out=`` avoids it). docs/modes.md
 shows the fitted constants, the crossover and the regret of the choice. The strategy fixes how
 many directions there are:
 
@@ -48,7 +53,7 @@ from typing import Any, Optional
 from .._capture.taylor import seed_built
 from .._problem import Problem
 from . import engines as _engines
-from .calibrated import SPILL_BYTES
+from .calibrated import FRESH_BYTES, SPILL_BYTES
 from .chunking import chunks, engine, pass_workspace, samples_per_direction
 from .engines import Candidate, strategies
 from .footprint import Footprint
@@ -146,9 +151,17 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
         "dir_conv": S * fp.conv_flops * directions,
         "dir_bytes": S * fp.act * directions,
         "dir_spill": S * fp.act * directions * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
+        "conv_out": S * fp.conv_out * (directions + primal),
         "result": float(p.batch * p.n_out * p.n_in),
+        "pages": fresh_pages(p),
         "seed": _seed_elements(p, mode, strategy, directions, S),
     }
+
+
+def fresh_pages(p: Problem) -> float:
+    """The result's bytes where it is new memory on every call (``FRESH_BYTES`` or more), else 0."""
+    size = float(p.batch * p.n_out * p.n_in * p.dtype.itemsize)
+    return size if size >= FRESH_BYTES else 0.0
 
 
 def _seed_elements(p: Problem, mode: str, strategy: str, directions: int, S: int) -> float:
