@@ -18,9 +18,13 @@ from jacmode._problem import again, own_input
 from conftest import ref_input_jacobian
 
 
-def _facts(f: nn.Module) -> tuple:
+def _facts_profile(f: nn.Module) -> _profile.Profile:
     [prof] = _profile._PROFILES._data.get(f, {}).values()
-    return prof.facts
+    return prof
+
+
+def _facts(f: nn.Module) -> tuple:
+    return _facts_profile(f).facts  # type: ignore[no-any-return]
 
 
 class InPlaceFirst(nn.Module):
@@ -161,13 +165,17 @@ def test_guard_free_hits_keep_grad_mode_and_the_model() -> None:
     assert x.grad is None
 
 
-def test_a_rule_failing_on_a_guard_free_hit_falls_back_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("code", ["interpreted", "generated"])
+def test_a_rule_failing_on_a_guard_free_hit_falls_back_exactly(monkeypatch: pytest.MonkeyPatch, code: str) -> None:
+    """Interpreted: the engine's Taylor mode raises; generated: the code the profile keeps ready
+    (from the call that generates it) raises. Either way the guarded path answers exactly."""
     import jacmode._structure as structure
+    from jacmode._capture import codegen
     from jacmode._rules.base import Unsupported
 
     f = _mlp()
     x = torch.randn(3, 70, dtype=torch.float64)
-    for _ in range(4):  # profiled by the second call (_guard.py), hits from the third
+    for _ in range(5):  # profiled by the second call (_guard.py), hits from the third, code ready from the fourth
         jm.jacobian(f, x)
     calls = []
 
@@ -175,7 +183,12 @@ def test_a_rule_failing_on_a_guard_free_hit_falls_back_exactly(monkeypatch: pyte
         calls.append(1)
         raise Unsupported("a rule's assumption broke")
 
-    monkeypatch.setattr(structure, "layerwise_columns", broken)
+    if code == "interpreted":
+        monkeypatch.setattr(codegen, "ENABLED", False)
+        monkeypatch.setattr(structure, "layerwise_columns", broken)
+    else:
+        assert isinstance(_facts_profile(f).runs.get("columns_code"), codegen.Ready)
+        monkeypatch.setattr(codegen.Ready, "__call__", broken)
     torch.testing.assert_close(jm.jacobian(f, x), ref_input_jacobian(f, x))  # the generic engine, guarded
     assert calls and f.training
     monkeypatch.undo()
