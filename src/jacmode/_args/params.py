@@ -16,7 +16,9 @@ Every engine already takes integer inputs (token ids), so the arguments follow t
 everywhere without the engines knowing: through the coupling probe (which changes a sample's
 index to another sample's, i.e. its inputs to another sample's), the per-sample ``vmap(grad)``
 (an index under vmap gathers that sample's rows), chunks of samples and the probes (their hooks
-read the per-layer inputs of the whole-batch forward).
+read the per-layer inputs of the whole-batch forward). The model's own hooks see the model's
+arguments, never the rows, and a structural clone of the module (``_threads.clone_tree``) reads
+the call of the module it copies.
 
 There is one such module per model, call structure (``Call.signature``) and output form (the
 Jacobian engines get the output flattened into one tensor, the products the model's own output
