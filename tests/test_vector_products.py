@@ -486,7 +486,7 @@ def test_ntk_and_ggn_several_arguments() -> None:
 
 
 class TopLevel(nn.Module):
-    """A parameter held by the model itself (the Bound module shares the model's dictionaries)."""
+    """A parameter held by the model itself (the module of sample rows shares the model's dictionaries)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -30,7 +30,7 @@ from ._autodiff.fallback import classify
 from ._cache import register
 from ._probes.layerwise import columns
 from ._threads import original
-from ._args.params import bind_pair, bound, release, several
+from ._args.params import bound, pair_bound, several
 from ._functional import accepts_params_dict, per_sample_grads_transformed
 from ._jacobian import jacobian
 from ._state import bound_values
@@ -368,14 +368,8 @@ def ntk_plan(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt 
         >>> p.method, sorted(p.costs)
         ('structured', ['contraction', 'products', 'structured'])
     """
-    model = f
-    if several(x1) or several(x2) or kwargs:
-        f, x1, x2 = bind_pair(f, x1, x2, kwargs, in_dims)
-    try:
-        with preserved_state(model), preserved_state(f), torch.no_grad():
-            return _ntk_setup(f, x1, x2, wrt, method, trace, chunk_size, max_memory)[-1]
-    finally:
-        release(f)
+    with pair_bound(f, x1, x2, kwargs, in_dims) as (g, x1, x2), preserved_state(f), torch.no_grad():
+        return _ntk_setup(g, x1, x2, wrt, method, trace, chunk_size, max_memory)[-1]
 
 
 @accepts_params_dict
@@ -424,13 +418,9 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         torch.Size([4, 6])
     """
     if several(x1) or several(x2) or kwargs:  # see the note [Several arguments of a model]
-        g, i1, i2 = bind_pair(f, x1, x2, kwargs, in_dims)
-        try:
-            with preserved_state(f):
-                return ntk(g, i1, i2, wrt=wrt, method=method, trace=trace, chunk_size=chunk_size,
-                           max_memory=max_memory)
-        finally:
-            release(g)
+        with pair_bound(f, x1, x2, kwargs, in_dims) as (g, i1, i2), preserved_state(f):
+            return ntk(g, i1, i2, wrt=wrt, method=method, trace=trace, chunk_size=chunk_size,
+                       max_memory=max_memory)
     if _data.is_batches(x1, "x1") or _data.is_batches(x2, "x2"):  # data sets: Gram blocks (docs/datasets.md)
         return _data.ntk_over(ntk, f, x1, x2, method=method, trace=trace, progress=progress, wrt=wrt,
                               chunk_size=chunk_size, max_memory=max_memory)

@@ -36,7 +36,7 @@ from . import _checks, _losses
 from ._coupling import probe
 from ._autodiff import vector as _eng
 from ._args.flat import _fmt
-from ._args.params import bound
+from ._args.params import bound, rebinding
 from ._autodiff.bags import holds_bags, primitive_bags
 from ._problem import _has_random_layers
 from ._rules.embedding import forward_gap
@@ -459,17 +459,13 @@ def _per_sample_engine(f: nn.Module, args: tuple[Any, ...], kw: dict[str, Any], 
     _check_chunk(chunk_size)
     with bound(f, args if len(args) > 1 else args[0], kw or None, in_dims) as (g, x):
         _checks.check_input(x, wrt="params", batched=True)
-        # a cached Bound serves the next call of the same form too: the engine points it back at its
-        # own call before every pass that runs the model again
-        call = getattr(g, "_jm_call", None)
-        rebind = (lambda: g.use(call)) if call is not None else None
-        with preserved_state(f), preserved_state(g), torch.no_grad():
+        with preserved_state(f), torch.no_grad():
             probe(g, x, check=x.shape[0] > 1, ways_out=VJP_WAYS_OUT,
                   validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
             named = list(zip(sel.names, sel.values))
             chunk = chunk_size or max(1, min(x.shape[0], 256))
             return _eng.PerSampleVjp(g, x, named, chunk, _has_random_layers(g) or sel.functional,
-                                     probes_ok=not sel.functional, rebind=rebind)
+                                     probes_ok=not sel.functional, bound=rebinding(g))
 
 
 # ---- hvp --------------------------------------------------------------------------------------
@@ -690,7 +686,7 @@ def _ggn_vector(f: nn.Module, g: Any, xx: Tensor, loss: Any, y: Optional[Tensor]
                 args: tuple[Any, ...], kw: dict[str, Any]) -> Vector:
     _checks.check_input(xx, wrt="params", batched=True)
     _checks.check_ggn_target(loss, y, xx.shape[0])
-    with preserved_state(f), preserved_state(g):
+    with preserved_state(f):
         with torch.no_grad():
             probe(g, xx, check=xx.shape[0] > 1, ways_out=PRODUCT_WAYS_OUT,
                   validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))

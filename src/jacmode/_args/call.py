@@ -51,6 +51,7 @@ class Call:
     fn: Any = None
     x: Any = None
     simple: bool = False  # one differentiated tensor, nothing else: fn is f, x is that tensor
+    flat_rows: bool = True  # the module of sample rows (params.py) returns the output as one tensor
     _signature: Optional[tuple] = None
 
     def signature(self) -> tuple:

@@ -3,26 +3,40 @@
 See the note [Several arguments] in ``_args/__init__.py``.
 
 NOTE: [Several arguments of a model]
-``x`` may be a tuple of the model's positional arguments (``model(x, mask)``), with ``kwargs=``
-passed through and ``in_dims=`` saying which tensors are batched with the samples (0, vmap's
-default) or broadcast (None), as ``_args.describe_call`` reads them. The products then run on
-:class:`Bound`, a module over the same submodules and parameters (same names, same objects) whose
-only input is the row index of each sample: ``Bound(idx)`` calls ``model(*args, **kwargs)`` with
-every batched tensor indexed by ``idx``. Every engine already takes integer inputs (token ids), so
-riders follow the samples everywhere without the engines knowing: through the coupling probe
-(which changes a sample's index to another sample's, i.e. its inputs to another sample's), the
-per-sample ``vmap(grad)`` (an index under vmap gathers that sample's rows), chunks of samples and
-the probes (their hooks read the per-layer inputs of the whole-batch forward).
+``jacobian(model, x, mask, wrt="params")`` and the products (``per_sample_grads``, ``ntk``, ``ggn``,
+the vector products) with ``x`` a tuple of the model's positional arguments (``model(x, mask)``)
+take every argument as it is, with ``kwargs=`` passed through and ``in_dims=`` saying which
+tensors are batched with the samples (0, vmap's default) or broadcast (None), as
+``describe_call`` reads them. The engines then run on the *module of sample rows*
+(:func:`module_of_rows`): an object of a subclass of the model's class whose ``__dict__`` is the
+model's (same parameters, buffers, submodules, hooks and flags: same names, same objects, and
+``functional_call`` swaps reach the model) and whose only input is the row index of each sample:
+``rows_module(idx)`` runs the model's own forward with every batched tensor indexed by ``idx``.
+Every engine already takes integer inputs (token ids), so the arguments follow the samples
+everywhere without the engines knowing: through the coupling probe (which changes a sample's
+index to another sample's, i.e. its inputs to another sample's), the per-sample ``vmap(grad)``
+(an index under vmap gathers that sample's rows), chunks of samples and the probes (their hooks
+read the per-layer inputs of the whole-batch forward). The model's own hooks see the model's
+arguments, never the rows, and a structural clone of the module (``_threads.clone_tree``) reads
+the call of the module it copies.
+
+There is one such module per model, call structure (``Call.signature``) and output form (the
+Jacobian engines get the output flattened into one tensor, the products the model's own output
+for their loss), so that what jacmode caches per module (problem, plan, coupling verdict, probe
+coverage) serves the next call of a training loop. The module holds no tensor of a call: it reads
+the call in progress, which :func:`rows_bound` names for the duration of the call and forgets
+after it, also on error (a finished call's tensors are not kept alive).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
-from typing import Any, Iterator, Optional, cast
+from typing import Any, Callable, ContextManager, Iterator, Optional, cast
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _guard
@@ -33,13 +47,16 @@ from .describe import describe_call
 from .flat import Rider
 
 
-# ---- parameters of a module called with several arguments ------------------------------------------
 _ROWS_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Call]" = weakref.WeakKeyDictionary()
 _SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = register(weakref.WeakKeyDictionary(),
                                                               "module classes of sample rows")
+# model -> {(output form, call signature): module of rows}
+_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, torch.nn.Module]]" = register(
+    weakref.WeakKeyDictionary(), "modules of sample rows")
+MAX_FORMS = 8  # modules of rows kept per model (a model called in ever new forms starts over)
 
 
-def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
+def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Any:
     """forward of :func:`module_of_rows`: the model's own forward on the arguments of samples ``rows``."""
     call = _ROWS_OF.get(original(self))  # a structural clone (_threads.py) reads its original's call
     if call is None:
@@ -60,10 +77,12 @@ def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
         out = model(*pos, **kw)
     else:
         out = type(call.f).forward(self, *pos, **kw)  # type: ignore[attr-defined]
+    if not call.flat_rows:
+        return out
     return call.flat_output(out, rows.shape[0] if call.batched else None)
 
 
-def _call_rows(self: torch.nn.Module, rows: Tensor) -> Tensor:
+def _call_rows(self: torch.nn.Module, rows: Tensor) -> Any:
     """``__call__`` of :func:`module_of_rows`: its forward, without the hooks (they are the model's,
     and run inside the forward on the model's arguments)."""
     return _forward_rows(self, rows)
@@ -76,15 +95,21 @@ def _as_model(module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Modul
     return seen
 
 
+def several(x: Any) -> bool:
+    """Whether ``x`` is a tuple of a model's positional arguments (not one tensor, not a data set)."""
+    return isinstance(x, tuple) and any(isinstance(t, Tensor) for t in tree_flatten(x)[0])
+
+
 def params_call(f: Any, args: tuple[Any, ...], kwargs: Any, *, in_dims: Any, has_aux: bool,
                 batched: bool) -> Call:
     """The call ``model(*args, **kwargs)`` differentiated with respect to the model's parameters.
 
     Every argument is passed through (batched along dim 0 or broadcast, as ``in_dims`` says). The
-    engines get ``call.fn``, the model seen as a function of sample indices (:func:`module_of_rows`),
-    and ``call.x``, the indices 0..B-1 (unbatched: [0]): every engine that evaluates a sample, a
-    chunk of samples or a probe on a few selects their arguments by the indices it passes, also
-    under vmap. Parameter names, hooks, flags and state are the model's own (shared, not copied).
+    engines get ``call.fn``, the model seen as a function of sample indices (:func:`module_of_rows`)
+    returning its output as one tensor, and ``call.x``, the indices 0..B-1 (unbatched: [0]): every
+    engine that evaluates a sample, a chunk of samples or a probe on a few selects their arguments
+    by the indices it passes, also under vmap. Parameter names, hooks, flags and state are the
+    model's own (shared, not copied).
     """
     if not isinstance(f, torch.nn.Module):
         raise TypeError(
@@ -97,35 +122,46 @@ def params_call(f: Any, args: tuple[Any, ...], kwargs: Any, *, in_dims: Any, has
             "jm.jacobian(model, x, mask, wrt='params') (in_dims says which are batched with the samples). A tuple "
             "or list of tensors is not read as a data set either: pass data sets as an iterable of batches such as "
             "a DataLoader to jm.jacobians (see docs/datasets.md).")
+    return _rows_call(f, args, kwargs, in_dims=in_dims, has_aux=has_aux, batched=batched, flat=True)
+
+
+def _rows_call(f: torch.nn.Module, args: tuple[Any, ...], kwargs: Any, *, in_dims: Any, has_aux: bool,
+               batched: bool, flat: bool) -> Call:
+    """The call ``f(*args, **kwargs)`` described with every argument passed through, and its module
+    of sample rows (``call.fn``, returning the output as one tensor if ``flat``, else as the model
+    returns it) and row indices (``call.x``)."""
     call = describe_call(f, tuple(args), kwargs, argnums=0, in_dims=in_dims, has_aux=has_aux, batched=batched,
                          floating=False)
     for leaf in call.diff:  # the first argument is passed through too
         call.riders[leaf.index] = Rider(call.leaves[leaf.index], batched=batched)
     call.diff, call.simple, call._signature = [], False, None  # the structure changed: no memo
+    call.flat_rows = flat
     device = call.leaves[next(iter(call.riders))].device if call.riders else torch.device("cpu")
     call.fn = module_of_rows(call)
     call.x = torch.arange(call.batch if batched else 1, device=device)
     return call
 
 
-_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, torch.nn.Module]]" = register(
-    weakref.WeakKeyDictionary(), "modules of sample rows")
-
-
 def module_of_rows(call: Call) -> torch.nn.Module:
     """The model as a module of sample indices: same parameters, buffers, submodules, hooks and
     flags (its ``__dict__`` is the model's), a forward that selects the arguments of the samples
-    asked and runs the model's own forward on them. One such module per model and call structure
-    (``Call.signature``), so that what jacmode caches per module (problem, plan, coupling verdict,
-    probe coverage) serves the next call of a training loop; it reads the arguments of the call in
-    progress (:func:`rows_bound`)."""
+    asked and runs the model's own forward on them. One such module per model, call structure
+    (``Call.signature``) and output form (``Call.flat_rows``), so that what jacmode caches per
+    module (problem, plan, coupling verdict, probe coverage) serves the next call of a training
+    loop; it reads the arguments of the call in progress (:func:`rows_bound`)."""
     model = call.f
-    assert isinstance(model, torch.nn.Module)  # params_call checked it
+    assert isinstance(model, torch.nn.Module)  # _rows_call's callers checked it
     base = type(model)
-    key = call.signature()
-    known = _HANDLES.get(model)
-    if known is not None and key in known:
-        return known[key]
+    key = (call.flat_rows, call.signature())
+    forms = _HANDLES.get(model)
+    if forms is None:
+        forms = _HANDLES[model] = {}
+    try:
+        known = forms.get(key)
+    except TypeError:  # an unhashable key: a module for this call only
+        known, forms = None, None
+    if known is not None and known.__dict__ is model.__dict__:  # (a model may be given a new __dict__)
+        return known
     cls = _SUBCLASSES.get(base)
     if cls is None:
         cls = type(base.__name__, (base,), {"forward": _forward_rows, "__call__": _call_rows,
@@ -134,10 +170,10 @@ def module_of_rows(call: Call) -> torch.nn.Module:
     h: torch.nn.Module = base.__new__(cls)  # type: ignore[call-overload]
     object.__setattr__(h, "__dict__", model.__dict__)
     _guard.derived(h, model)
-    try:
-        _HANDLES.setdefault(model, {})[key] = h
-    except TypeError:  # an unhashable key: a module for this call only
-        pass
+    if forms is not None:
+        if len(forms) >= MAX_FORMS:
+            forms.clear()
+        forms[key] = h
     return h
 
 
@@ -173,123 +209,54 @@ def params_layout(call: Call, result: Any, flatten: bool) -> Any:
 
 # ---- the products (per_sample_grads, ntk, ggn, vector products) of a model of several arguments ----
 
-class Bound(nn.Module):
-    """``model(*args, **kwargs)`` as a module of one input, the row indices (b,) of the samples.
-
-    Shares the model's parameters, buffers and submodules (the same dictionaries: same names, same
-    objects, functional_call swaps reach the model); see the note [Several arguments of a model].
-    """
-
-    def __init__(self, model: nn.Module, call: Call) -> None:
-        super().__init__()
-        for slot in ("_parameters", "_buffers", "_modules"):
-            self.__dict__[slot] = model.__dict__[slot]
-        self.training = model.training
-        # not a submodule (names stay the model's), and weak: the cache of Bounds is keyed by the model
-        self.__dict__["_jm_model"] = weakref.ref(model)
-        self.use(call)
-
-    def use(self, call: Call) -> None:
-        """Serve the call ``call`` (same structure as the one this Bound was made for)."""
-        self.__dict__["_jm_call"] = call
-        self.__dict__["_jm_rows"] = [d.index for d in call.diff] + [j for j, r in call.riders.items() if r.batched]
-
-    def release(self) -> None:
-        """Drop the call's tensors (the Bound outlives the call in the cache); :meth:`use` serves again."""
-        self.__dict__["_jm_call"] = None
-
-    def serves(self, model: nn.Module) -> bool:
-        """Whether this Bound still shares ``model``'s dictionaries (a model may replace them)."""
-        return all(self.__dict__[s] is model.__dict__[s] for s in ("_parameters", "_buffers", "_modules"))
-
-    def forward(self, idx: Tensor) -> Any:  # noqa: D102
-        call: Call = self.__dict__["_jm_call"]
-        leaves = list(call.leaves)
-        for j in self.__dict__["_jm_rows"]:
-            leaves[j] = leaves[j][idx]
-        pos, kw = tree_unflatten(leaves, call.args_spec)
-        model = self.__dict__["_jm_model"]()
-        assert model is not None  # the caller holds it
-        if original(self) is not self:  # a structural clone (_threads.py): the model through its dictionaries
-            seen = object.__new__(type(model))
-            seen.__dict__.update(model.__dict__)
-            for slot in ("_parameters", "_buffers", "_modules"):
-                seen.__dict__[slot] = self.__dict__[slot]
-            model = seen
-        return model(*pos, **kw)
-
-
-# model -> {call signature: Bound}: one Bound per call form, so the caches keyed by the module
-# (coupling verdict, probe coverage and its completeness check) hit on the next call
-_BOUNDS: "weakref.WeakKeyDictionary[nn.Module, dict[tuple, Bound]]" = register(weakref.WeakKeyDictionary(),
-                                                                             "models bound to their rows")
-
-
-def several(x: Any) -> bool:
-    """Whether ``x`` is a tuple of a model's positional arguments (not one tensor, not a data set)."""
-    return isinstance(x, tuple) and any(isinstance(t, Tensor) for t in tree_flatten(x)[0])
-
-
-def bind(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any, name: str = "x") -> tuple[Any, Any]:
-    """(module, input) for the engines: ``(f, x)`` for one tensor, else ``(Bound, row indices)``."""
-    if not several(x) and not kwargs:
-        return f, x
+def _products_call(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any, name: str) -> Call:
+    """:func:`_rows_call` of ``f(*x, **kwargs)`` for the products: the model's own output, batched."""
     if kwargs is not None and not isinstance(kwargs, dict):
         raise TypeError(f"kwargs: expected a dict of keyword arguments for the model, got {type(kwargs).__name__}.")
-    if not isinstance(f, nn.Module):
+    if not isinstance(f, torch.nn.Module):
         raise TypeError(
             f"f: several arguments ({name} a tuple, or kwargs) need an nn.Module whose parameters are "
             f"differentiated, got {type(f).__name__}.")
-    args = x if isinstance(x, tuple) else (x,)
-    call = describe_call(f, args, kwargs, argnums=0, in_dims=in_dims, floating=False)
-    dev = call.leaves[call.diff[0].index].device
-    forms = _BOUNDS.setdefault(f, {})
-    key = call.signature()
-    g = forms.get(key)
-    if g is None or not g.serves(f):
-        if len(forms) >= 8:
-            forms.clear()
-        g = forms[key] = Bound(f, call)
-    else:
-        g.use(call)
-        if g.training != f.training:
-            g.training = f.training
-    return g, torch.arange(call.batch, device=dev)
+    return _rows_call(f, x if isinstance(x, tuple) else (x,), kwargs, in_dims=in_dims, has_aux=False,
+                      batched=True, flat=False)
 
 
 @contextlib.contextmanager
-def bound(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any) -> Iterator[tuple[Any, Any]]:
-    """:func:`bind` for the block, and :func:`release` after it (also on error)."""
-    g, idx = bind(f, x, kwargs, in_dims)
-    try:
-        yield g, idx
-    finally:
-        release(g)
+def bound(f: Any, x: Any, kwargs: Optional[dict[str, Any]], in_dims: Any,
+          name: str = "x") -> Iterator[tuple[Any, Any]]:
+    """(module, input) for the engines within the block: ``(f, x)`` for one tensor, else the module
+    of sample rows of ``f(*x, **kwargs)`` and the row indices, its call bound (:func:`rows_bound`)."""
+    if not several(x) and not kwargs:
+        yield f, x
+        return
+    call = _products_call(f, x, kwargs, in_dims, name)
+    with rows_bound(call):
+        yield call.fn, call.x
 
 
-def release(g: Any) -> None:
-    """Let a cached :class:`Bound` drop the tensors of the call it served (anything else: nothing)."""
-    if isinstance(g, Bound):
-        g.release()
+def rebinding(g: Any) -> Callable[[], ContextManager[Any]]:
+    """For ``g`` of :func:`bound`, within its block: a context that binds the same call again, for an
+    engine that runs ``g`` after the block (a per-sample vjp function); for a model, nothing to bind."""
+    call = _ROWS_OF.get(g) if isinstance(g, torch.nn.Module) else None
+    return contextlib.nullcontext if call is None else functools.partial(rows_bound, call)
 
 
-def bind_pair(f: Any, x1: Any, x2: Any, kwargs: Optional[dict[str, Any]],
-              in_dims: Any) -> tuple[Any, Any, Any]:
-    """:func:`bind` of two batches of the same call form: one Bound over their rows, two index sets."""
+@contextlib.contextmanager
+def pair_bound(f: Any, x1: Any, x2: Any, kwargs: Optional[dict[str, Any]],
+               in_dims: Any) -> Iterator[tuple[Any, Any, Any]]:
+    """:func:`bound` of two batches of the same call form: one module over their rows, two index sets."""
     if x2 is None or (not several(x1) and not several(x2) and not kwargs):
-        g, i1 = bind(f, x1, kwargs, in_dims, "x1")
-        return g, i1, None
+        with bound(f, x1, kwargs, in_dims, "x1") as (g, i1):
+            yield g, i1, x2
+        return
     if several(x1) != several(x2):
         raise TypeError("x2: give x1 and x2 in the same form (both a tensor, or both a tuple of the model's arguments).")
     a1, s1 = tree_flatten(x1 if isinstance(x1, tuple) else (x1,))
     a2, s2 = tree_flatten(x2 if isinstance(x2, tuple) else (x2,))
     if s1 != s2:
         raise ValueError(f"x2: expected the structure of x1 ({s1}), got {s2}.")
-    g1, i1 = bind(f, x1, kwargs, in_dims, "x1")
-    assert isinstance(g1, Bound)
-    call = g1.__dict__["_jm_call"]
-    b1 = call.batch
-    rows = set(g1.__dict__["_jm_rows"])
+    first = _products_call(f, x1, kwargs, in_dims, "x1")
+    rows = {j for j, r in first.riders.items() if r.batched}
     merged = []
     for j, (t1, t2) in enumerate(zip(a1, a2)):
         if j in rows:
@@ -302,6 +269,5 @@ def bind_pair(f: Any, x1: Any, x2: Any, kwargs: Optional[dict[str, Any]],
             if not same:
                 raise ValueError(f"x2: broadcast argument leaf {j} (in_dims=None) must be the same in x1 and x2.")
             merged.append(t1)
-    both = tree_unflatten(merged, s1)
-    g, idx = bind(f, both, kwargs, in_dims, "x1")
-    return g, idx[:b1], idx[b1:]
+    with bound(f, tree_unflatten(merged, s1), kwargs, in_dims, "x1") as (g, idx):
+        yield g, idx[:first.batch], idx[first.batch:]

@@ -26,7 +26,8 @@ function of those lists; the fronts (``_vector.py``) validate and restore the la
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -165,12 +166,15 @@ class PerSampleVjp:
     """u -> (B, P) rows u_b^T J_b over the selected parameters of ``model`` at ``x`` (see the note).
 
     Records the probed forward pass once; each call is one reverse pass of u and the per-layer
-    writes (covered parameters), plus ``vmap(grad)`` of u . f(x) for the others.
+    writes (covered parameters), plus ``vmap(grad)`` of u . f(x) for the others, within
+    ``bound()``: the context a call that outlives the caller's block runs ``model`` in (a module of
+    sample rows reads its call's arguments there, see ``_args/params.py``).
     """
 
     def __init__(self, model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], chunk: int,
-                 random_layers: bool, probes_ok: bool = True, rebind: Optional[Callable[[], None]] = None) -> None:
-        self.model, self.x, self.named, self.chunk, self.rebind = model, x, list(named), chunk, rebind
+                 random_layers: bool, probes_ok: bool = True,
+                 bound: Callable[[], ContextManager[Any]] = contextlib.nullcontext) -> None:
+        self.model, self.x, self.named, self.chunk, self.bound = model, x, list(named), chunk, bound
         self.cols = layerwise.columns(self.named)
         self.n_params = sum(p.numel() for _, p in self.named)
         self.dtype = _products.result_dtype([p for _, p in self.named])
@@ -202,11 +206,10 @@ class PerSampleVjp:
             except NotCovered:
                 self.rec, self.cov, self.rest = None, None, self.named
         if self.rest:
-            if self.rebind is not None:
-                self.rebind()
-
             def linear(out: Tensor, ub: Tensor) -> Tensor:
                 return (out * ub).reshape(out.shape[0], -1).sum(1)
 
-            _products.per_sample_grads_generic(self.model, self.x, u, linear, self.rest, self.cols, result, self.chunk)
+            with self.bound():
+                _products.per_sample_grads_generic(self.model, self.x, u, linear, self.rest, self.cols, result,
+                                                   self.chunk)
         return result
