@@ -499,7 +499,8 @@ def _keep_columns(profile: _profile.Profile, p: Problem, decision: Decision) -> 
     is one call of it (all D directions in one chunk: ``forward.layerwise_columns``), once the code
     exists (``_capture/codegen.AFTER_CALLS``); False where it never will."""
     plan = decision.plan
-    if plan.engine != "forward-layerwise" or plan.strategy != "broadcast" or plan.chunk_size < p.n_in:
+    if (p.program is None or plan.engine != "forward-layerwise" or plan.strategy != "broadcast"
+            or plan.chunk_size < p.n_in):
         profile.runs["columns_code"] = False
         return
     vouched = {id(t) for t in profile.holds if isinstance(t, Tensor)}  # the key checked them
