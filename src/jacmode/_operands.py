@@ -35,7 +35,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Literal, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
@@ -266,6 +266,24 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
                      rng=RngReplay(x.device) if random else None, source=source)
 
 
+@dataclass(frozen=True)
+class ReadyRun:
+    """The generated code a target's profile holds ready for one operator and its arguments, in
+    its ``runs`` (see :func:`evaluate`).
+
+    Attributes:
+        code: the code (``_capture/codegen.Ready``): its output at z, or None where what its key holds changed.
+        width: the number of columns of z, x flattened per sample.
+        assemble: the operator's result from the code's output.
+        signature: x's input signature, its key in the captured program's ``checked`` table.
+    """
+
+    code: _codegen.Ready
+    width: int
+    assemble: Callable[[Tensor], Any]
+    signature: tuple[Any, ...]
+
+
 T = TypeVar("T")
 # how an operator's body reads as one engine call (see evaluate): (engine function, its arguments,
 # how the result is assembled from that call's output), or None where it is not one such call
@@ -306,17 +324,17 @@ def _ready(found: _profile.Profile[TargetEntry], name: Hashable, f: Any, x: Tens
     """(the result,) from the profile's code ready for ``name``, under the grad mode set to
     ``create_graph``; None where it has none, or its checks fail (then dropped: the call makes it
     again)."""
-    run = found.runs.get(name)
-    if not run or not _profile.fresh(found.facts.program, x, run[3]):
+    run: Union[ReadyRun, Literal[False], None] = found.runs.get(name)
+    if not run or not _profile.fresh(found.facts.program, x, run.signature):
         return None
     # without create_graph the code runs under no_grad: x itself serves unless it requires grad
     # (then detached: the code's key holds z's requires_grad=False)
     z = x if create_graph or not x.requires_grad else x.detach()
-    out = run[0](z if z.dim() == 2 else z.reshape(x.shape[0], run[1]))  # (B, N) already: z itself
+    out = run.code(z if z.dim() == 2 else z.reshape(x.shape[0], run.width))  # (B, N) already: z itself
     if out is None:  # what the code's key holds changed
         found.runs.pop(name, None)
         return None
-    return (run[2](out),)
+    return (run.assemble(out),)
 
 
 def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
@@ -390,7 +408,7 @@ def _keep_direct(found: _profile.Profile[TargetEntry], direct: tuple[Hashable, D
         found.runs[direct[0]] = False
     elif code is not None:
         # (x's signature is the profile's: its key in program.checked too)
-        found.runs[direct[0]] = (code, t.z.shape[1], plan[2], _profile.checked_key(x))
+        found.runs[direct[0]] = ReadyRun(code, t.z.shape[1], plan[2], _profile.checked_key(x))
 
 
 def _hit(f: Any, x: Tensor, opts: Options, found: _profile.Profile[TargetEntry]) -> Optional[Target]:
