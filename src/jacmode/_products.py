@@ -200,7 +200,8 @@ def per_sample_grads(
     modules, key, survey, found = looked.modules, looked.key, looked.survey, looked.found
     hot = None if found is None or bound_values(f) is not None else found.runs.get("hot")
     if hot is not None:  # a repeated call: what the first call found and checked
-        opts, selected, names, params, n_params, dtype, torch_loss, rest_names, kernels = hot
+        opts, selected, names, params, n_params = hot.opts, hot.selected, hot.names, hot.params, hot.n_params
+        dtype, torch_loss, rest_names, kernels = hot.dtype, hot.torch_loss, hot.rest_names, hot.kernels
         batch = x.shape[0]
     else:
         if opts is None:
@@ -224,8 +225,8 @@ def per_sample_grads(
             # which every attention kernel supports: the guard leaves their flags alone
             # (_state._kernels_in) unless the model holds torch's attention modules (their fast path)
             kernels = bool(rest_names) or any(isinstance(m, _ATTENTION) for m in modules)
-            found.runs["hot"] = (opts, selected, names, params, n_params, dtype, torch_loss, rest_names,
-                                 kernels)
+            found.runs["hot"] = SampleGradsHot(opts, selected, names, params, n_params, dtype, torch_loss,
+                                               rest_names, kernels)
     assert opts is not None  # validated above, or on the first call of a hit's key
     needed = batch * n_params * dtype.itemsize
     budget = _memory.budget(opts.max_memory, x.device, needed)
@@ -311,6 +312,33 @@ class SampleGradsEntry:
     checked: bool
     selected: Optional[list[tuple[str, nn.Parameter]]]
     modifies: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleGradsHot:
+    """What a per_sample_grads profile's first hit checked and found, for the later hits (its ``runs["hot"]``).
+
+    Attributes:
+        opts: the options, validated.
+        selected: the parameters selected, as (name, parameter).
+        names: their names, in order.
+        params: the parameters, in order.
+        n_params: their number of elements, P.
+        dtype: the result's dtype (``products.result_dtype``).
+        torch_loss: whether the loss is one of torch's loss modules.
+        rest_names: the names of the selected parameters that the probe engine does not cover.
+        kernels: whether the state guard sets the attention kernels' flags (``_state._kernels_in``).
+    """
+
+    opts: Options
+    selected: list[tuple[str, nn.Parameter]]
+    names: list[str]
+    params: list[nn.Parameter]
+    n_params: int
+    dtype: torch.dtype
+    torch_loss: bool
+    rest_names: Optional[list[str]]
+    kernels: bool
 
 
 def _loss_key(loss: Any) -> Any:

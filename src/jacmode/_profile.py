@@ -85,8 +85,8 @@ class Profile(Generic[E]):
             (per_sample_grads' coverage and split).
         holds: the modules and parameters of the key, kept alive so their ids stay unique.
         runs: what a repeated call of this profile runs straight away, per entry point and
-            arguments (the derivative operators: the generated code and how its result is
-            assembled, ``_operands.evaluate``); it re-checks what the key does not hold.
+            arguments (the derivative operators: ``_operands.ReadyRun``, the generated code and how
+            its result is assembled); it re-checks what the key does not hold.
     """
 
     facts: E
