@@ -40,6 +40,7 @@ import torch
 import jacmode as jm
 from jacmode import _profile
 from jacmode._checks import check_options
+from jacmode._jacobian import JacobianEntry
 from jacmode._operands import target
 from jacmode._capture import codegen
 from jacmode._planning.decide import execute
@@ -51,12 +52,12 @@ from bench.baselines import MLP, PinnNet, params_hand_rule, params_loop
 from bench.timing import shuffled_us
 
 
-def _profile_entry(f: Any, op: str, kind: str) -> Any:
-    """f's profile of entry point ``op`` for a problem of ``kind`` ("inputs", "params")."""
+def _jacobian_profile(f: Any, kind: str) -> Any:
+    """f's profile of jacobian for a problem of ``kind`` ("inputs", "params")."""
     for prof in _profile._PROFILES._data.get(f, {}).values():
-        if prof.op == op and prof.facts[0].kind == kind:
+        if isinstance(prof.facts, JacobianEntry) and prof.facts.problem.kind == kind:
             return prof
-    raise LookupError(op)
+    raise LookupError(kind)
 
 
 def _jacobian_engine(net: Any, x: torch.Tensor, wrt: str, fn: bool = False) -> Callable[[], Any]:
@@ -64,8 +65,8 @@ def _jacobian_engine(net: Any, x: torch.Tensor, wrt: str, fn: bool = False) -> C
         jm.jacobian(net, x, wrt=wrt)
     opts = check_options(wrt=wrt, mode="auto", batched=True, structure="auto", chunk_size=None,
                          create_graph=False, flatten=True)
-    prof = _profile_entry(net, "jacobian", wrt)
-    problem, decision = prof.facts
+    prof = _jacobian_profile(net, wrt)
+    problem, decision = prof.facts.problem, prof.facts.decision
     p = again(problem, net, x, opts)
     hit = prof.runs.get("probe_code")
     if hit is not None and not fn:  # the profile's generated code (_jacobian._direct): the engine of the call

@@ -21,6 +21,7 @@ from torch.func import jacfwd, jacrev, vmap
 import jacmode as jm
 from jacmode import _profile
 from jacmode._capture import codegen
+from jacmode._operands import ReadyRun
 from jacmode._state import modules_of
 
 DIMS = [(0,), (1, 1)]
@@ -68,7 +69,7 @@ OPS: dict[str, Callable[[Any, Tensor], Any]] = {
 
 def _ready(f: Any) -> bool:
     """Some profile of f holds generated code ready for a direct hit."""
-    return any(isinstance(r, tuple) for p in _profile._PROFILES._data.get(f, {}).values() for r in p.runs.values())
+    return any(isinstance(r, ReadyRun) for p in _profile._PROFILES._data.get(f, {}).values() for r in p.runs.values())
 
 
 def _check(name: str, f: Any, x: Tensor, **kw: Any) -> None:

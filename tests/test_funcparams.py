@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 import jacmode as jm
 from jacmode import _problem, _profile
+from jacmode._jacobian import JacobianEntry
 from jacmode._probes import layerio
 from _zoo_models import one_intra_op_thread  # noqa: F401 -- tiny tensors: one thread
 from conftest import assert_unchanged, snapshot
@@ -419,8 +420,8 @@ def test_cache_entries_do_not_grow_with_new_dicts() -> None:
     finally:
         _jac.describe = orig  # type: ignore[assignment]
     assert described == []
-    held = [t for _, _, prof in _profile._PROFILES.items() if prof.op == "jacobian"
-            for t in (*prof.facts[0].tensors, *prof.holds)]
+    held = [t for _, _, prof in _profile._PROFILES.items() if isinstance(prof.facts, JacobianEntry)
+            for t in (*prof.facts.problem.tensors, *prof.holds)]
     assert not any(t is q for t in held for q in p.values())  # the cache keeps no dict's tensors
 
 

@@ -13,18 +13,18 @@ from torch import nn
 import jacmode as jm
 from jacmode import _profile, _state
 from jacmode._checks import check_options
-from jacmode._jacobian import _attention
+from jacmode._jacobian import JacobianEntry, _attention
 from jacmode._problem import again, own_input
 from conftest import ref_input_jacobian
 
 
-def _facts_profile(f: nn.Module) -> _profile.Profile:
+def _facts_profile(f: nn.Module) -> _profile.Profile[JacobianEntry]:
     [prof] = _profile._PROFILES._data.get(f, {}).values()
     return prof
 
 
-def _facts(f: nn.Module) -> tuple:
-    return _facts_profile(f).facts  # type: ignore[no-any-return]
+def _facts(f: nn.Module) -> JacobianEntry:
+    return _facts_profile(f).facts
 
 
 class InPlaceFirst(nn.Module):
@@ -57,7 +57,7 @@ def test_a_shared_problem_copies_x_before_f_runs() -> None:
     x = torch.randn(3, 70)
     jm.jacobian(f, x, mode="forward")  # the first call caches nothing (_guard.py)
     jm.jacobian(f, x, mode="forward")  # the second makes the profile
-    problem, _ = _facts(f)
+    problem = _facts(f).problem
     opts = check_options(wrt="inputs", mode="forward", batched=True, structure="auto", chunk_size=None,
                          create_graph=False, flatten=True)
     p = again(problem, f, x, opts, shared=True)
@@ -213,4 +213,4 @@ def test_a_module_called_plainly_is_not_pure() -> None:
     for _ in range(4):  # profiled by the second call (_guard.py), hits from the third
         torch.testing.assert_close(jm.jacobian(f, x), ref_input_jacobian(f, x))
     found = _facts(f)
-    assert found[0].program is not None and _pure(found) is False  # the guarded path, every call
+    assert found.problem.program is not None and _pure(found) is False  # the guarded path, every call

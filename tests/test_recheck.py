@@ -22,6 +22,7 @@ from torch.nn.modules import module as _module
 
 import jacmode as jm
 from jacmode import _guard, _profile
+from jacmode._operands import ReadyRun
 from jacmode._products import _PSG_TOKEN
 
 DIMS = [(0,), (1, 1)]
@@ -340,7 +341,7 @@ def test_a_rechecked_profile_without_ready_code(name: str, monkeypatch: pytest.M
     f, x = _model()
     _warm(name, f, x)
     [found] = [p for p in _rechecks(f, x) if p is not None]
-    ready = {k: v for k, v in found.runs.items() if isinstance(v, tuple)}
+    ready = {k: v for k, v in found.runs.items() if isinstance(v, ReadyRun)}
     assert ready
     for k in ready:
         del found.runs[k]
@@ -352,4 +353,4 @@ def test_a_rechecked_profile_without_ready_code(name: str, monkeypatch: pytest.M
     monkeypatch.undo()
     for _ in range(3):
         _check(name, f, x)
-    assert any(isinstance(v, tuple) for v in found.runs.values())
+    assert any(isinstance(v, ReadyRun) for v in found.runs.values())

@@ -336,6 +336,19 @@ class _State:
     inner: Options  # create_graph=True: see the note in _transforms.py
 
 
+@dataclass(frozen=True)
+class JacobianEntry:
+    """What a jacobian call keeps in f's profile for the later calls with its key (``_profile.py``).
+
+    Attributes:
+        problem: the problem's facts, without its model, input and functions (``_problem.facts``).
+        decision: its plan and what the plan was made from: footprint, capabilities, budget (``_planning.decide``).
+    """
+
+    problem: Problem
+    decision: Decision
+
+
 def _prepare(options: dict[str, Any]) -> _State:
     unknown = set(options) - set(_OPTION_NAMES)
     if unknown:
@@ -386,7 +399,7 @@ def _run_one(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
         if flat is not None:  # the profile's engine alone, without the guard of the model's state
             if not data:
                 _profile.served(f, t.token, looked, x)
-            return _assemble(profile.facts[0], flat, opts, out)
+            return _assemble(profile.facts.problem, flat, opts, out)
     if profile is None:
         _checks.check_devices(f, x)
     # no_grad unless create_graph; a hit of Taylor mode over a program without attention leaves
@@ -410,7 +423,7 @@ def _run_one(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
             else:
                 decision = decide(f, problem, opts, out_given=out is not None)
                 if key is not None:
-                    _profile.keep(f, key, _profile.Profile("jacobian", (facts(problem), decision)), modules)
+                    _profile.keep(f, key, _profile.Profile(JacobianEntry(facts(problem), decision)), modules)
             if opts.create_graph or inside:  # decompositions.wanted(): a graph differentiated again
                 with decompositions.exact():
                     flat = execute(f, problem, decision, opts, out)
@@ -420,11 +433,10 @@ def _run_one(t: Any, f: Any, x: Any, data: dict[str, Any]) -> Result:
     return result if out is not None or not opts.create_graph else connected(result, f, x, True)
 
 
-def _attention(found: tuple[Problem, Decision]) -> bool:
+def _attention(entry: JacobianEntry) -> bool:
     """Whether the engine of a profile's plan may run attention kernels (``_state._kernels_in``):
     all but Taylor mode over a captured program without attention operations or modules."""
-    problem, decision = found
-    plan = decision.plan
+    problem, plan = entry.problem, entry.decision.plan
     known = problem.__dict__.get("_attention")
     if known is None or known[0] is not plan:  # per plan: execute may re-plan (decision.plan)
         program = problem.program
@@ -434,18 +446,17 @@ def _attention(found: tuple[Problem, Decision]) -> bool:
     return known[1]
 
 
-def _pure(found: tuple[Problem, Decision]) -> bool:
+def _pure(entry: JacobianEntry) -> bool:
     """Whether a profile's plan is Taylor mode over a pure captured program: every step a rule (or a
     read of a tensor or constant, or of a shape): no module's own forward, no riders, no random
     layers, no attention (see :func:`_columns_rerun`). Kept on the facts, per plan."""
-    problem, decision = found
-    plan = decision.plan
+    problem, plan = entry.problem, entry.decision.plan
     known = problem.__dict__.get("_pure")
     if known is None or known[0] is not plan:  # per plan: execute may re-plan (decision.plan)
         program = problem.program  # not _attention: Taylor mode (loop-free, forward, broadcast) over it
         pure = (program is not None and problem.kind == "inputs" and problem.batched
                 and problem.structure != "diagonal" and not problem.random and program.riders_step is None
-                and not _attention(found) and all(_pure_step(s) for s in program.steps))
+                and not _attention(entry) and all(_pure_step(s) for s in program.steps))
         known = problem.__dict__["_pure"] = (plan, pure)
     return known[1]
 
@@ -460,7 +471,7 @@ def _pure_step(step: Any) -> bool:
     return (not step.args and not step.kwargs) or getattr(step.fn, "__qualname__", "").startswith("_meta.")
 
 
-def _columns_rerun(profile: _profile.Profile, f: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
+def _columns_rerun(profile: _profile.Profile[JacobianEntry], f: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
     """The flat result of a repeated input Jacobian by Taylor mode over a pure captured program
     (:func:`_pure`), or None (then the call takes the guarded path).
 
@@ -494,7 +505,7 @@ def _columns_rerun(profile: _profile.Profile, f: Any, x: Tensor, opts: Options) 
         torch._C._set_grad_enabled(grad)
 
 
-def _keep_columns(profile: _profile.Profile, p: Problem, decision: Decision) -> None:
+def _keep_columns(profile: _profile.Profile[JacobianEntry], p: Problem, decision: Decision) -> None:
     """Keep in the profile's ``runs`` the generated code that ``p``'s plan just ran, where that plan
     is one call of it (all D directions in one chunk: ``forward.layerwise_columns``), once the code
     exists (``_capture/codegen.AFTER_CALLS``); False where it never will."""
@@ -509,11 +520,11 @@ def _keep_columns(profile: _profile.Profile, p: Problem, decision: Decision) -> 
         profile.runs["columns_code"] = code
 
 
-def _columns_ready(profile: _profile.Profile, ready: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
+def _columns_ready(profile: _profile.Profile[JacobianEntry], ready: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
     """The flat (B, Y, D) result of a repeated input Jacobian from the code :func:`_keep_columns`
     kept: the checks of :func:`_again` (the program's bound tensors, the memory budget) and those
     of the code (``codegen.Ready``), without a problem or a plan. None where any fails."""
-    problem, decision = profile.facts
+    problem, decision = profile.facts.problem, profile.facts.decision
     if not _profile.fresh(problem.program, x, problem.__dict__.get("_check_key")):
         return None
     if _fits(*_sized(profile, problem), decision, opts, False) is None:
@@ -533,7 +544,7 @@ def _columns_ready(profile: _profile.Profile, ready: Any, x: Tensor, opts: Optio
     return blk.permute(1, 2, 0)  # (D, B, Y) products: columns d of every block (_structure._broadcast_forward)
 
 
-def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
+def _again(profile: _profile.Profile[JacobianEntry], f: Any, x: Tensor, opts: Options,
            out_given: bool) -> Optional[tuple[Problem, Decision]]:
     """The problem at ``x`` and the decision of the profile, or None when memory no longer fits.
 
@@ -542,7 +553,7 @@ def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
     carries the profile's ``runs``, where an engine may leave what a repeated call runs straight
     away (the generated probe code, [Generated code on the profile] in ``_probes/generated.py``).
     """
-    problem, decision = profile.facts
+    problem, decision = profile.facts.problem, profile.facts.decision
     check = problem.__dict__.get("_check_key")  # x's (shape, dtype, device): fixed by the profile's key
     if not _profile.fresh(problem.program, x, check):  # a value f's captured program took changed: describe again
         return None
@@ -562,7 +573,7 @@ def _again(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
     return p, decision
 
 
-def _sized(profile: _profile.Profile, p: Problem) -> tuple[int, torch.device]:
+def _sized(profile: _profile.Profile[JacobianEntry], p: Problem) -> tuple[int, torch.device]:
     """The bytes and the device of a profile's result, computed once from ``p`` (its facts, or its
     problem at a new x): the profile's key fixes the shapes, dtypes and devices they depend on."""
     sized = profile.__dict__.get("_sized")
@@ -580,7 +591,7 @@ def _fits(result_bytes: int, device: torch.device, decision: Decision, opts: Opt
     return None if budget is None or decision.plan.workspace_bytes > budget else budget
 
 
-def _direct(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
+def _direct(profile: _profile.Profile[JacobianEntry], f: Any, x: Tensor, opts: Options,
             out: Optional[Tensor], columns: bool) -> Optional[Tensor]:
     """The flat result of a profile hit from its engine alone, or None (the guarded path then runs).
 
@@ -598,7 +609,7 @@ def _direct(profile: _profile.Profile, f: Any, x: Tensor, opts: Options,
         hot = profile.runs.get("probe_code")
         if hot is None:
             return None
-        if _fits(*_sized(profile, profile.facts[0]), profile.facts[1], opts, out is not None) is None:
+        if _fits(*_sized(profile, profile.facts.problem), profile.facts.decision, opts, out is not None) is None:
             return None
         return generated.rerun(hot, x, out)
     return _columns_rerun(profile, f, x, opts) if columns else None

@@ -35,7 +35,7 @@ import math
 import operator
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Hashable, Iterator, Literal, Optional, TypeVar, Union
 
 import torch
 from torch import Tensor, nn
@@ -195,6 +195,26 @@ def validated(f: Any, x: Any, name: str, structure: Any, chunk_size: Any, create
     return opts
 
 
+@dataclass(frozen=True)
+class TargetEntry:
+    """What a derivative operator's call keeps in f's profile for the later calls with its key
+    (``_profile.py``): the facts of its :class:`Target`, which every operator of f shares.
+
+    Attributes:
+        program: f's captured program, checked at this signature; None: the generic path.
+        out_shape: the shape of one sample's output.
+        coupled: whether f's samples are coupled (the structure asked for or probed; False with a program).
+        random: whether f has random layers in training mode (dropout): its passes replay one draw.
+        widest: the widest ``nn.Linear`` output of f (0 for a plain function or the generic path).
+    """
+
+    program: Optional[Program]
+    out_shape: tuple[int, ...]
+    coupled: bool
+    random: bool
+    widest: int
+
+
 @contextlib.contextmanager
 def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] = None,
            key: Optional[tuple] = None, survey: Optional[Survey] = None) -> Iterator[Target]:
@@ -206,7 +226,7 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
     in_shape = tuple(x.shape[1:])
     source = f if isinstance(f, Flat) else None
     found = None if key is None else _profile.find(f, key)
-    if found is not None and not _profile.fresh(found.facts[0], x):  # a closure's value changed: capture again
+    if found is not None and not _profile.fresh(found.facts.program, x):  # a closure's value changed: capture again
         _profile.forget(f, key)  # type: ignore[arg-type]
         found = None
     out_shape: tuple[int, ...]
@@ -219,10 +239,12 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
             riders_independent(f, x, opts.structure, OPERATOR_WAYS_OUT)  # but riders may mix samples
             widest = _widest(f)
             if key is not None:
-                _profile.keep(f, key, _profile.Profile("target", (program, out_shape, False, False, widest)),
+                _profile.keep(f, key, _profile.Profile(TargetEntry(program, out_shape, False, False, widest)),
                               modules or [])
     else:
-        program, out_shape, coupled, random, widest = found.facts
+        entry: TargetEntry = found.facts
+        program, out_shape, coupled, random, widest = (entry.program, entry.out_shape, entry.coupled, entry.random,
+                                                       entry.widest)
         if program is not None and source is not None:
             program = program.bind(inputs(f))  # riders are inputs of the program: this call's
     if program is not None:
@@ -236,12 +258,30 @@ def target(f: Fn, x: Tensor, opts: Options, modules: Optional[list[nn.Module]] =
             p = describe(f, x, opts, OPERATOR_WAYS_OUT)
             out_shape, coupled, random, z = p.out_shape, p.structure == "coupled", p.random, p.z
             if key is not None:
-                _profile.keep(f, key, _profile.Profile("target", (None, out_shape, coupled, random, 0)), modules or [])
+                _profile.keep(f, key, _profile.Profile(TargetEntry(None, out_shape, coupled, random, 0)), modules or [])
         else:  # as describe's z: a copy (f may modify its input in place)
             z = (x if opts.create_graph else x.detach()).clone().reshape(x.shape[0], math.prod(in_shape))
         yield Target(key=f, fn=_flat_fn(f, in_shape, math.prod(out_shape)), z=z, in_shape=in_shape,
                      out_shape=out_shape, program=None, coupled=coupled,
                      rng=RngReplay(x.device) if random else None, source=source)
+
+
+@dataclass(frozen=True)
+class ReadyRun:
+    """The generated code a target's profile holds ready for one operator and its arguments, in
+    its ``runs`` (see :func:`evaluate`).
+
+    Attributes:
+        code: the code (``_capture/codegen.Ready``): its output at z, or None where what its key holds changed.
+        width: the number of columns of z, x flattened per sample.
+        assemble: the operator's result from the code's output.
+        signature: x's input signature, its key in the captured program's ``checked`` table.
+    """
+
+    code: _codegen.Ready
+    width: int
+    assemble: Callable[[Tensor], Any]
+    signature: tuple[Any, ...]
 
 
 T = TypeVar("T")
@@ -279,21 +319,22 @@ def direct_call(f: Any, x: Tensor, structure: Any, create_graph: Any, name: Hash
     return looked
 
 
-def _ready(found: _profile.Profile, name: Hashable, f: Any, x: Tensor, create_graph: bool) -> Optional[tuple[Any]]:
+def _ready(found: _profile.Profile[TargetEntry], name: Hashable, f: Any, x: Tensor,
+           create_graph: bool) -> Optional[tuple[Any]]:
     """(the result,) from the profile's code ready for ``name``, under the grad mode set to
     ``create_graph``; None where it has none, or its checks fail (then dropped: the call makes it
     again)."""
-    run = found.runs.get(name)
-    if not run or not _profile.fresh(found.facts[0], x, run[3]):
+    run: Union[ReadyRun, Literal[False], None] = found.runs.get(name)
+    if not run or not _profile.fresh(found.facts.program, x, run.signature):
         return None
     # without create_graph the code runs under no_grad: x itself serves unless it requires grad
     # (then detached: the code's key holds z's requires_grad=False)
     z = x if create_graph or not x.requires_grad else x.detach()
-    out = run[0](z if z.dim() == 2 else z.reshape(x.shape[0], run[1]))  # (B, N) already: z itself
+    out = run.code(z if z.dim() == 2 else z.reshape(x.shape[0], run.width))  # (B, N) already: z itself
     if out is None:  # what the code's key holds changed
         found.runs.pop(name, None)
         return None
-    return (run[2](out),)
+    return (run.assemble(out),)
 
 
 def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
@@ -353,7 +394,7 @@ def evaluate(f: Fn, x: Tensor, opts: Options, body: Callable[[Target], T],
         return connected(body(t), f, x, opts.create_graph)
 
 
-def _keep_direct(found: _profile.Profile, direct: tuple[Hashable, Direct], t: Target, x: Tensor) -> None:
+def _keep_direct(found: _profile.Profile[TargetEntry], direct: tuple[Hashable, Direct], t: Target, x: Tensor) -> None:
     """Keep in the profile the generated code that ``t``'s body just ran as its one engine call,
     once that code exists (from the call that generates it, ``codegen.AFTER_CALLS``); False where
     it never will (the body is not one call, or the program cannot be generated)."""
@@ -367,13 +408,13 @@ def _keep_direct(found: _profile.Profile, direct: tuple[Hashable, Direct], t: Ta
         found.runs[direct[0]] = False
     elif code is not None:
         # (x's signature is the profile's: its key in program.checked too)
-        found.runs[direct[0]] = (code, t.z.shape[1], plan[2], _profile.checked_key(x))
+        found.runs[direct[0]] = ReadyRun(code, t.z.shape[1], plan[2], _profile.checked_key(x))
 
 
-def _hit(f: Any, x: Tensor, opts: Options, found: _profile.Profile) -> Optional[Target]:
+def _hit(f: Any, x: Tensor, opts: Options, found: _profile.Profile[TargetEntry]) -> Optional[Target]:
     """The :class:`Target` of a profile hit with a fresh captured program (what :func:`target`
     yields for it, without its generator context and grad-mode context), else None."""
-    program, out_shape, coupled, random, widest = found.facts
+    program = found.facts.program
     if program is None or not _profile.fresh(program, x):
         return None  # the guarded path, or capture again (target)
     source = f if isinstance(f, Flat) else None
@@ -382,7 +423,7 @@ def _hit(f: Any, x: Tensor, opts: Options, found: _profile.Profile) -> Optional[
     in_shape = tuple(x.shape[1:])
     z = (x if opts.create_graph else x.detach()).reshape(x.shape[0], math.prod(in_shape))
     return Target(key=f, fn=f, z=z, in_shape=in_shape, program=program, coupled=False, rng=None,
-                  out_shape=out_shape, widest=widest, source=source)
+                  out_shape=found.facts.out_shape, widest=found.facts.widest, source=source)
 
 
 # the derivative operators' targets in profile keys: one token per structure and create_graph

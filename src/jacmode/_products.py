@@ -200,7 +200,8 @@ def per_sample_grads(
     modules, key, survey, found = looked.modules, looked.key, looked.survey, looked.found
     hot = None if found is None or bound_values(f) is not None else found.runs.get("hot")
     if hot is not None:  # a repeated call: what the first call found and checked
-        opts, selected, names, params, n_params, dtype, torch_loss, rest_names, kernels = hot
+        opts, selected, names, params, n_params = hot.opts, hot.selected, hot.names, hot.params, hot.n_params
+        dtype, torch_loss, rest_names, kernels = hot.dtype, hot.torch_loss, hot.rest_names, hot.kernels
         batch = x.shape[0]
     else:
         if opts is None:
@@ -208,7 +209,7 @@ def per_sample_grads(
         if found is None or bound_values(f) is not None:  # the selection of a hit is the profile's (same key)
             selected = _selected(f, x, opts)
         else:
-            selected = found.facts[3]
+            selected = found.facts.selected
         _checks.check_loss(loss)
         _checks.check_torch_loss(loss, y, "per_sample_grads")
         _checks.check_target(y, x.shape[0])
@@ -218,14 +219,14 @@ def per_sample_grads(
         torch_loss = _losses.is_torch_loss(loss)
         rest_names, kernels = None, True
         if found is not None and bound_values(f) is None:  # a hit: its facts serve the next hits as they are
-            cov = found.facts[0]
+            cov = found.facts.coverage
             rest_names = [n for n, _ in selected if cov is None or n not in cov.covered]
             # the probe engine alone (every parameter covered) runs the model under plain autograd,
             # which every attention kernel supports: the guard leaves their flags alone
             # (_state._kernels_in) unless the model holds torch's attention modules (their fast path)
             kernels = bool(rest_names) or any(isinstance(m, _ATTENTION) for m in modules)
-            found.runs["hot"] = (opts, selected, names, params, n_params, dtype, torch_loss, rest_names,
-                                 kernels)
+            found.runs["hot"] = SampleGradsHot(opts, selected, names, params, n_params, dtype, torch_loss,
+                                               rest_names, kernels)
     assert opts is not None  # validated above, or on the first call of a hit's key
     needed = batch * n_params * dtype.itemsize
     budget = _memory.budget(opts.max_memory, x.device, needed)
@@ -249,7 +250,8 @@ def per_sample_grads(
             cols = columns(selected)
             modifies = True
         else:
-            cov, cols, checked, _, modifies = found.facts
+            entry: SampleGradsEntry = found.facts
+            cov, cols, checked, modifies = entry.coverage, entry.columns, entry.checked, entry.modifies
         flat = torch.empty(batch, n_params, dtype=dtype, device=x.device)  # never x's dtype: ids are int
         rest = selected if cov is None else [] if rest_names == [] else [
             (n, p) for n, p in selected if n not in cov.covered]
@@ -278,7 +280,7 @@ def per_sample_grads(
             n_rest = sum(p.numel() for _, p in rest)
             _engine.per_sample_grads_generic(f, x, y, loss, rest, cols, flat, _chunk(opts, 4 * n_rest, batch, budget))
         if found is None and not (cov is not None and len(rest) == len(selected) and rest):
-            _profile.keep(f, key, _profile.Profile("per_sample_grads", (cov, cols, bool(rest),
+            _profile.keep(f, key, _profile.Profile(SampleGradsEntry(cov, cols, bool(rest),
                           selected if bound_values(f) is None else None, modifies)), modules)  # not a dict's tensors
     if hashable and hot is not None and found is not None:
         _profile.served(f, _PSG_TOKEN, looked, x, y, loss_key, options)
@@ -291,6 +293,52 @@ def per_sample_grads(
 _ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
               nn.TransformerDecoder, nn.Transformer)
 _PSG_TOKEN = -100  # per_sample_grads' profiles: the options are in the key's call part
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleGradsEntry:
+    """What a per_sample_grads call keeps in f's profile for the later calls with its key (``_profile.py``).
+
+    Attributes:
+        coverage: the parameters the probe engine covers (``layerio.usable``); None: the generic path alone.
+        columns: name -> (first column, number of columns) in the (B, P) result (``layerwise.columns``).
+        checked: whether the first call checked the losses of one sample (it ran the generic path).
+        selected: the parameters selected, as (name, parameter); None where a dict of tensors was bound in.
+        modifies: whether the model may modify its input in place (then it runs on a copy of x).
+    """
+
+    coverage: Optional[probes.Coverage]
+    columns: dict[str, tuple[int, int]]
+    checked: bool
+    selected: Optional[list[tuple[str, nn.Parameter]]]
+    modifies: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleGradsHot:
+    """What a per_sample_grads profile's first hit checked and found, for the later hits (its ``runs["hot"]``).
+
+    Attributes:
+        opts: the options, validated.
+        selected: the parameters selected, as (name, parameter).
+        names: their names, in order.
+        params: the parameters, in order.
+        n_params: their number of elements, P.
+        dtype: the result's dtype (``products.result_dtype``).
+        torch_loss: whether the loss is one of torch's loss modules.
+        rest_names: the names of the selected parameters that the probe engine does not cover.
+        kernels: whether the state guard sets the attention kernels' flags (``_state._kernels_in``).
+    """
+
+    opts: Options
+    selected: list[tuple[str, nn.Parameter]]
+    names: list[str]
+    params: list[nn.Parameter]
+    n_params: int
+    dtype: torch.dtype
+    torch_loss: bool
+    rest_names: Optional[list[str]]
+    kernels: bool
 
 
 def _loss_key(loss: Any) -> Any:

@@ -37,7 +37,7 @@ import operator
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Optional
+from typing import Any, Generic, Hashable, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -71,23 +71,25 @@ _PROFILES = _Table("profiles")
 _LOCK = threading.Lock()  # keep / forget from several threads (a look-up needs none)
 
 
+E = TypeVar("E")
+
+
 @dataclass
-class Profile:
+class Profile(Generic[E]):
     """What the first call of an entry point with a key found (see the note above).
 
     Attributes:
-        op: the entry point's name ("jacobian", "partials", "per_sample_grads", ...).
-        facts: what that entry point needs to run again without describing: for ``jacobian`` the
-            problem's facts and the decision (plan), for the derivative operators the target's
-            engine choice and shapes, for ``per_sample_grads`` the coverage and the split.
+        facts: what that entry point needs to run again without describing, as its own type:
+            ``_jacobian.JacobianEntry`` (the problem's facts and the decision), ``_operands.TargetEntry``
+            (the derivative operators' engine choice and shapes), ``_products.SampleGradsEntry``
+            (per_sample_grads' coverage and split).
         holds: the modules and parameters of the key, kept alive so their ids stay unique.
         runs: what a repeated call of this profile runs straight away, per entry point and
-            arguments (the derivative operators: the generated code and how its result is
-            assembled, ``_operands.evaluate``); it re-checks what the key does not hold.
+            arguments (the derivative operators: ``_operands.ReadyRun``, the generated code and how
+            its result is assembled); it re-checks what the key does not hold.
     """
 
-    op: str
-    facts: Any
+    facts: E
     holds: tuple[Any, ...] = ()
     runs: dict[Any, Any] = field(default_factory=dict)
     live: bool = True  # False once dropped from the cache (forget, a newer profile, clear_cache)

@@ -53,7 +53,7 @@ import contextvars
 import dataclasses
 import operator
 import sys
-from typing import Any, Callable, Collection, Iterator, Optional, Union
+from typing import Any, Callable, Collection, Iterator, Literal, Optional, Union
 
 import torch
 import torch.fx as fx
@@ -326,7 +326,7 @@ class Ready:
 
 
 def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args: Any,
-          vouched: Collection[int] = ()) -> Union[Ready, None, bool]:
+          vouched: Collection[int] = ()) -> Union[Ready, None, Literal[False]]:
     """The :class:`Ready` code of ``run(name, program, z, in_shape, *args)`` as called now, where
     that call would run generated code already made (eager, not compiled: a compiled call keeps
     :func:`run`); None where it would not (yet); False where the program is interpreted for good
