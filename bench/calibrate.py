@@ -32,7 +32,7 @@ from .calibrate_memory import MARGIN, calibrate_memory, measure_workspace, memor
 from .grid import Case, _axes, fit_grid, probe_grid, regret_grid  # noqa: F401
 
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
-             "dir_bytes", "dir_spill", "result", "seed", "calls", "fresh", "bias", "conv_out", "pages")
+             "dir_bytes", "dir_spill", "result", "seed", "calls", "fresh", "bias", "conv_out", "pages", "special", "pass_conv_out")
 
 
 def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float = 2.0,

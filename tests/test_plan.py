@@ -186,9 +186,10 @@ def test_an_engine_that_does_not_fit_the_budget_says_so():
         jm.plan(mnist_mlp(), torch.randn(4, 784), wrt="params", mode="forward", max_memory="1KB")
 
 
-def test_the_cost_terms_of_narrow_convolutions_and_of_fresh_results() -> None:
+def test_the_cost_terms_of_narrow_convolutions_transcendental_maps_and_fresh_results() -> None:
     """A convolution's entries are counted per sample (its own term: narrow ones run far below their
-    flop rate), and a result of FRESH_BYTES or more is priced for its pages, a smaller one not."""
+    flop rate), so are those of transcendental maps, and a result of FRESH_BYTES or more is priced
+    for its pages, a smaller one not."""
     from jacmode._planning import footprint as _footprint
     from jacmode._planning.calibrated import FRESH_BYTES
     from jacmode._planning.plan import fresh_pages
@@ -198,6 +199,10 @@ def test_the_cost_terms_of_narrow_convolutions_and_of_fresh_results() -> None:
     assert fp.conv_out == 2 * 5 * 7 and fp.tail is not None and fp.tail.conv_out == 0.0
     mlp = nn.Sequential(nn.Linear(3, 4))
     assert _footprint.measure(mlp, torch.randn(2, 3), 2).conv_out == 0.0
+    # entries of transcendental maps: 8 of the GELU and 2 of the tanh per sample, not the ReLU's
+    acts = nn.Sequential(nn.Linear(3, 8), nn.GELU(), nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 2), nn.Tanh())
+    fp = _footprint.measure(acts, torch.randn(2, 3), 2, hooked=[acts[2]])
+    assert fp.special == 10 and fp.tail is not None and fp.tail.special == 2
 
     def problem(b: int, y: int, n: int, dtype: torch.dtype) -> Any:
         return SimpleNamespace(batch=b, n_out=y, n_in=n, dtype=dtype)

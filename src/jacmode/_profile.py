@@ -86,7 +86,8 @@ class Profile(Generic[E]):
         holds: the modules and parameters of the key, kept alive so their ids stay unique.
         runs: what a repeated call of this profile runs straight away, per entry point and
             arguments (the derivative operators: ``_operands.ReadyRun``, the generated code and how
-            its result is assembled); it re-checks what the key does not hold.
+            its result is assembled; ``jacobian``: its generated probe code, or its generated
+            Taylor code, ``codegen.Ready``); it re-checks what the key does not hold.
     """
 
     facts: E

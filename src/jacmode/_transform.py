@@ -80,8 +80,14 @@ def register(op: Callable[..., Any], spec: Optional[Spec] = None) -> None:
     _SPECS[op] = spec if spec is not None else _SPECS.get(op)
 
 
+_ATOMS = frozenset({str, int, float, bool, type(None)})
+
+
 def _freeze(v: Any) -> Hashable:
     """Options as a hashable value: lists and tuples recursively; anything unhashable raises TypeError."""
+    kind = type(v)
+    if kind in _ATOMS:  # most options: one look-up
+        return (kind, v)
     if isinstance(v, (list, tuple)):
         return (type(v).__name__, tuple(_freeze(e) for e in v))
     if isinstance(v, dict):

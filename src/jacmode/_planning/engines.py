@@ -17,12 +17,14 @@ reverse-probes     the probe engine: one probed forward pass, one reverse      p
 =================  ==========================================================  ==================
 
 The generic engines' terms are those of the cost model in ``plan.py``. The probe engine's are its
-own: the forward pass (``S * flops``, bytes, aten calls), the reverse pass of Y directions over the
+own: the forward pass (``S * flops``, bytes, aten calls, the entries its convolutions and
+transcendental maps write), the reverse pass of Y directions over the
 *tail* of the forward pass only -- the work after the first call of a module whose parameters are
 selected (``footprint.Tail``): the last layer's bias costs no reverse work at all -- one term per
 covered module call, and the blocks it writes (B * Y * P entries, those of weights -- outer
 products -- apart from those of biases -- copies; more per entry as the result outgrows
-the caches: logarithmic in its size above ``SPILL_BYTES``, as the spill of the generic engines). Where some selected parameters
+the caches: logarithmic in its size above ``SPILL_BYTES``, as the spill of the generic engines;
+its pages when it is ``FRESH_BYTES`` or more). Where some selected parameters
 have no rule, the generic per-sample reverse engine adds its cost for them. A specialised engine,
 where it serves, runs its mode (the generic one is its fallback), so each mode has one price; the
 planner takes the cheapest mode that fits the memory budget, and every engine it did not take says
@@ -119,6 +121,7 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
     t_act = tail.act if tail is not None else fp.act
     t_ops = tail.ops if tail is not None else fp.ops
     t_conv_out = tail.conv_out if tail is not None else fp.conv_out
+    t_special = tail.special if tail is not None else fp.special
     s = sample_chunk or B
     n_chunks = math.ceil(B / s)
     pass_bytes = Y * s * t_act
@@ -133,7 +136,9 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
         "pass_bytes": B * fp.act,
         "dir_flops": Y * B * t_flops,
         "dir_conv": Y * B * t_conv,
-        "conv_out": B * (fp.conv_out + Y * t_conv_out),
+        "pass_conv_out": B * fp.conv_out,  # the probed forward pass's convolutions
+        "conv_out": B * Y * t_conv_out,  # those the pull-back crosses, per direction
+        "special": B * (fp.special + Y * t_special),
         "dir_bytes": Y * B * t_act,
         "dir_spill": Y * B * t_act * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
         "result": float(B * Y * (covered - vectors)),  # blocks of weights: outer products

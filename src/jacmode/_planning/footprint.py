@@ -5,7 +5,8 @@ The cost model and the memory planner need numbers per sample that the shapes al
 give: the floating-point work of one forward pass (counted with the formulas of
 ``torch.utils.flop_counter``'s registry, in the dispatch mode below rather than through
 ``FlopCounterMode``, whose module tracker hangs hooks on every module of the process: another
-thread's forward pass would run them): ``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate, and ``conv_out``, the entries they write), the bytes of every tensor the pass
+thread's forward pass would run them): ``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate, and ``conv_out``, the entries they write), the entries of transcendental
+elementwise maps (``special``: a tanh or a GELU costs several times a ReLU per entry), the bytes of every tensor the pass
 produces (``act``: an upper bound of the tape that reverse mode keeps) and of the largest one
 (``peak``: what forward mode keeps alive at a time), and the number of aten calls (``ops``: the
 fixed per-pass overhead that dominates small problems). They are counted with a dispatch mode on
@@ -45,6 +46,7 @@ class Tail:
     act: float
     calls: int  # calls of the hooked modules
     conv_out: float = 0.0
+    special: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,13 +59,20 @@ class Footprint:
     peak: float
     conv_flops: float = 0.0
     conv_out: float = 0.0  # entries the convolutions write: narrow convolutions cost per entry, not per flop
+    special: float = 0.0  # entries of transcendental maps (tanh, gelu, exp, ...): several times a relu's each
     tail: Optional[Tail] = None  # measured with hooked modules (the probe engine's), else None
+
+
+# elementwise maps that evaluate a transcendental function per entry (their backward does too)
+SPECIAL = frozenset({"tanh", "sigmoid", "gelu", "silu", "mish", "elu", "selu", "celu", "softplus", "exp", "expm1",
+                     "log", "log1p", "erf", "erfc", "sin", "cos", "tan", "sqrt", "rsqrt", "atan", "asinh",
+                     "_softmax", "_log_softmax", "logsigmoid", "log_sigmoid_forward", "hardswish"})
 
 
 class _Counter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
-        self.ops, self.bytes, self.peak, self.flops, self.conv, self.conv_out = 0, 0, 0, 0.0, 0.0, 0.0
+        self.ops, self.bytes, self.peak, self.flops, self.conv, self.conv_out, self.special = 0, 0, 0, 0.0, 0.0, 0.0, 0.0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -76,6 +85,8 @@ class _Counter(TorchDispatchMode):
                 self.conv_out += sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, Tensor))
             else:
                 self.flops += n
+        if func._overloadpacket.__name__ in SPECIAL:
+            self.special += sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, Tensor))
         if not getattr(func, "is_view", False):
             for t in tree_flatten(out)[0]:
                 if isinstance(t, Tensor):
@@ -101,7 +112,7 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int, hooked: Sequen
         (768.0, 0.0, 1)
     """
     counter = _Counter()
-    first: list[tuple[int, float, float, int, float]] = []  # counters when the first hooked call ended
+    first: list[tuple[int, float, float, int, float, float]] = []  # counters when the first hooked call ended
     calls = [0]
     me = threading.get_ident()
 
@@ -110,7 +121,7 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int, hooked: Sequen
             return
         calls[0] += 1
         if not first:
-            first.append((counter.ops, counter.flops, counter.conv, counter.bytes, counter.conv_out))
+            first.append((counter.ops, counter.flops, counter.conv, counter.bytes, counter.conv_out, counter.special))
 
     with transient_hooks():
         handles = [m.register_forward_hook(hook) for m in hooked]
@@ -124,11 +135,12 @@ def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int, hooked: Sequen
     mm, conv = counter.flops, counter.conv
     tail = None
     if first:
-        ops0, mm0, conv0, bytes0, out0 = first[0]
+        ops0, mm0, conv0, bytes0, out0, special0 = first[0]
         tail = Tail(ops=counter.ops - ops0, flops=(mm - mm0) / k, conv_flops=(conv - conv0) / k,
-                    act=(counter.bytes - bytes0) / k, calls=calls[0], conv_out=(counter.conv_out - out0) / k)
+                    act=(counter.bytes - bytes0) / k, calls=calls[0], conv_out=(counter.conv_out - out0) / k,
+                    special=(counter.special - special0) / k)
     return Footprint(ops=counter.ops, flops=mm / k, act=counter.bytes / k, peak=counter.peak / k, conv_flops=conv / k,
-                     conv_out=counter.conv_out / k, tail=tail)
+                     conv_out=counter.conv_out / k, special=counter.special / k, tail=tail)
 
 
 def footprint(ident: Any, key: tuple, fn: Callable[[Tensor], Any], x: Tensor, samples: int,
