@@ -12,7 +12,8 @@ Commands:
     python -m bench.calibrate [--write] [--plot FILE.png] [--json FILE]
     python -m bench.calibrate --probes [--write] [--json FILE]   (the probe engine's constants alone)
     python -m bench.calibrate --every [--drawn 96] [--seed 1] [--write] [--json FILE] [--refit FILE]
-        (every engine at once, also on drawn module classes: see ``grids``)
+        [--device cuda]  (every engine at once, also on drawn module classes: see ``grids``; on a GPU,
+        its own constants file, which the planner reads for calls on that device type)
     python -m bench.calibrate --regret [--json FILE]
     python -m bench.calibrate --memory-check [--json FILE]
 """
@@ -20,6 +21,7 @@ Commands:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -30,6 +32,7 @@ import torch
 
 from .calibrate_memory import MARGIN, calibrate_memory, measure_workspace, memory_check  # noqa: F401
 from .grid import Case, _axes, fit_grid, probe_grid, regret_grid  # noqa: F401
+from .timing import synced
 
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
              "dir_bytes", "dir_spill", "result", "seed", "calls", "fresh", "bias", "conv_out", "pages", "special", "pass_conv_out")
@@ -43,7 +46,7 @@ def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float 
     import jacmode as jm
 
     model, x = case.build()
-    calls = {m: (lambda m=m: jm.jacobian(model, x, wrt=case.wrt, mode=m)) for m in modes}
+    calls = {m: synced(functools.partial(jm.jacobian, model, x, wrt=case.wrt, mode=m), x) for m in modes}
     for call in calls.values():
         t0 = time.perf_counter()
         for _ in range(warm):
@@ -293,6 +296,19 @@ def write_constants(costs: dict[str, dict[str, float]], memory: dict[str, float]
     return write_data({"MACHINE": machine, "COST": cost, "MEMORY": dict(memory)}, path)
 
 
+def write_device_constants(costs: dict[str, dict[str, float]], device_type: str, path: Optional[str] = None) -> str:
+    """Write a device type's cost constants (4 significant digits) and machine to its own file
+    (``calibrated-<device type>.json``, see ``jacmode._planning.calibrated.cost``); return its path."""
+    from jacmode._planning import calibrated as _calibrated
+
+    target = path or str(_calibrated.device_path(device_type))
+    name = torch.cuda.get_device_name() if device_type == "cuda" and torch.cuda.is_available() else device_type
+    cost = {m: {k: float(f"{v:.4g}") for k, v in c.items()} for m, c in costs.items()}
+    with open(target, "w") as fh:
+        fh.write(json.dumps({"MACHINE": f"{name}, torch {torch.__version__}", "COST": cost}, indent=1) + "\n")
+    return target
+
+
 def plot_crossover(records: list[dict], costs: dict[str, dict[str, float]], path: str) -> None:
     """forward/reverse time ratio against N/Y, measured (points) and modelled (crosses)."""
     import matplotlib
@@ -368,6 +384,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="fit again on the timings of an earlier --json run (terms recomputed)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the crossover plot")
     parser.add_argument("--json", metavar="FILE", help="save the measurements")
+    parser.add_argument("--device", default="cpu",
+                        help="with --every: build and time every case on this device (e.g. cuda); --write then writes "
+                             "that device type's constants file (calibrated-cuda.json) and leaves the CPU's alone")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads (default 1: on a shared machine, OpenMP kernels with more "
                              "threads than free cores stall for tens of milliseconds)")
@@ -378,18 +397,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.every:
         from jacmode._planning import calibrated as _calibrated
 
-        if args.refit:
-            with open(args.refit) as fh:
-                records = json.load(fh)
-            costs = refit_every(records)
-        else:
-            costs, records = calibrate_every(args.drawn, args.seed)
+        with torch.device(args.device):  # the cases' models and inputs are made there
+            if args.refit:
+                with open(args.refit) as fh:
+                    records = json.load(fh)
+                costs = refit_every(records)
+            else:
+                costs, records = calibrate_every(args.drawn, args.seed)
         from jacmode._planning.engines import WHAT
 
         # an engine no record ran keeps its constants; an engine that no longer exists goes
         costs = {e: costs.get(e, _calibrated.COST.get(e, {})) for e in WHAT if e in costs or e in _calibrated.COST}
         print(json.dumps(costs, indent=1))
-        if args.write:
+        if args.write and torch.device(args.device).type != "cpu":
+            print("wrote", write_device_constants(costs, torch.device(args.device).type))
+        elif args.write:
             print("wrote", write_constants(costs, dict(_calibrated.MEMORY)))
     elif args.probes:
         from jacmode._planning import calibrated as _calibrated

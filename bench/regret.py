@@ -12,7 +12,7 @@ predicts ``HOPELESS`` (100) times slower than the other is not timed: one call o
 minutes, and it cannot be the faster mode unless the model is wrong a hundredfold.
 
 Commands:
-    python -m bench.regret [--cases 64] [--seed 0] [--json FILE]
+    python -m bench.regret [--cases 64] [--seed 0] [--json FILE] [--device cuda]
 
 Example:
     >>> case = draw(3, seed=0)[0]
@@ -24,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -34,6 +35,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 from torch import nn
+
+from .timing import synced
 
 ACTS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "sigmoid": nn.Sigmoid}
 
@@ -174,7 +177,7 @@ def time_modes(case: Case, modes: Sequence[str] = ("auto", "forward", "reverse")
     import jacmode as jm
 
     model, x = case.build()
-    calls = {m: (lambda m=m: jm.jacobian(model, x, mode=m, **case.kwargs())) for m in modes}
+    calls = {m: synced(functools.partial(jm.jacobian, model, x, mode=m, **case.kwargs()), x) for m in modes}
     slow: dict[str, float] = {}  # a mode whose one call takes over 1 s: timed once, not in the rounds
     block: dict[str, int] = {}
     for m, call in calls.items():  # first calls: captures, caches, generated code (third call, steady by the sixth)
@@ -271,9 +274,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--cases", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="FILE", help="save the records and the summary")
+    parser.add_argument("--device", default="cpu", help="build and time the cases on this device (e.g. cuda)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    records = measure(draw(args.cases, args.seed))
+    with torch.device(args.device):  # the cases' models and inputs are made there
+        records = measure(draw(args.cases, args.seed))
     s = summary(records)
     print(json.dumps(s, indent=1))
     if args.json:

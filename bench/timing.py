@@ -15,6 +15,25 @@ def _sync(device: torch.device | str | None) -> None:
         torch.cuda.synchronize()
 
 
+def synced(fn: Callable[[], Any], x: Any) -> Callable[[], Any]:
+    """``fn`` that waits for the device of ``x`` (a tensor) to finish, so a wall-clock timing counts its kernels.
+
+    Example:
+        >>> synced(lambda: 3, torch.zeros(1))()
+        3
+    """
+    device = getattr(x, "device", None)
+    if device is None or device.type != "cuda":
+        return fn
+
+    def call() -> Any:
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return call
+
+
 def repeat_ms(
     fn: Callable[[], Any],
     *,

@@ -27,7 +27,7 @@ def test_the_loader_and_the_data_file_agree() -> None:
 
 def test_the_planner_reads_the_loaded_constants() -> None:
     """One set of numbers: the cost, memory and NTK models hold the loader's objects, with every term."""
-    assert engines.COST is calibrated.COST and plan.SPILL_BYTES == calibrated.SPILL_BYTES
+    assert engines.cost("cpu") is calibrated.COST and plan.SPILL_BYTES == calibrated.SPILL_BYTES
     assert plan.FRESH_BYTES == engines.FRESH_BYTES == calibrated.FRESH_BYTES
     assert memory.MEMORY is calibrated.MEMORY and ntk.NTK_COST is calibrated.NTK_COST
     assert set(calibrated.COST) == set(engines.WHAT)  # one set of constants per engine, none for a gone one
@@ -68,6 +68,29 @@ def test_a_file_without_the_probe_engine_constants_still_plans(monkeypatch) -> N
     net, x = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)), torch.randn(16, 3)
     priced = jm.plan(net, x, wrt="params").costs["reverse"]
     older = {k: v for k, v in calibrated.COST.items() if k != "reverse-probes"}
-    monkeypatch.setattr(engines, "COST", older)
+    monkeypatch.setattr(calibrated, "_BY_DEVICE", {"cpu": older})
     fallback = jm.plan(net, x, wrt="params")
     assert fallback.engine == "reverse-probes" and fallback.costs["reverse"] != priced
+
+
+def test_a_device_type_reads_its_own_constants_file_else_the_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """calibrate --every --device cuda --write writes calibrated-cuda.json beside the CPU's file; the
+    planner prices a call on that device type with it, and with the CPU's constants where there is none."""
+    from bench import calibrate
+
+    doubled = {m: {k: 2 * v + 1e-9 for k, v in c.items()} for m, c in calibrated.COST.items()}
+    target = tmp_path / "calibrated-xpu.json"
+    assert calibrate.write_device_constants(doubled, "xpu", path=str(target)) == str(target)
+    assert set(calibrated.load(target, device=True)) == {"MACHINE", "COST"}
+    with pytest.raises(ValueError, match=r"lack \['SPILL_BYTES', 'MEMORY', 'NTK_COST'\]"):
+        calibrated.load(target)  # not a CPU file
+    real = calibrated.device_path
+    monkeypatch.setattr(calibrated, "device_path", lambda kind: target if kind == "xpu" else real(kind))
+    monkeypatch.setattr(calibrated, "_BY_DEVICE", {"cpu": calibrated.COST})
+    assert calibrated.cost("cpu") is calibrated.COST
+    assert calibrated.cost("xpu")["reverse"]["call"] == float(f"{doubled['reverse']['call']:.4g}")
+    assert calibrated.cost("nowhere") is calibrated.COST  # no file: the CPU's constants
+    terms = {"call": 1.0}
+    assert engines.estimate("reverse", terms, "xpu") == calibrated.cost("xpu")["reverse"]["call"]
+    assert engines.estimate("reverse", terms) == calibrated.COST["reverse"]["call"]
+    assert calibrated.device_path("cpu") == calibrated.path()

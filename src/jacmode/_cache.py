@@ -143,6 +143,7 @@ NOT_CACHES: dict[str, str] = {
     "jacmode._probes.generated._VIEW_OPS": _CONSTANT,
     "jacmode._structure._SEEDS": "layout builders per strategy, fixed",
     "jacmode._planning.calibrated.COST": "the calibrated cost model, read at import",
+    "jacmode._planning.calibrated._BY_DEVICE": "the calibrated cost models per device type, each read once",
     "jacmode._planning.calibrated.MEMORY": "the calibrated memory model, read at import",
     "jacmode._planning.calibrated.NTK_COST": "the calibrated NTK cost model, read at import",
     "jacmode._sparse.api._PARTITION": _CONSTANT,

@@ -13,6 +13,11 @@ repository's ``bench/``: ``python -m bench.calibrate --write`` (``COST``, ``MEMO
 - ``MEMORY``: the workspace multipliers of the memory model (``_planning/memory.py``).
 - ``NTK_COST``: per NTK method, the constants (c0, c1, c2, c3) of its time (``_planning/ntk.py``).
 
+The constants of ``COST`` are the CPU's. A file ``calibrated-<device type>.json`` next to it
+(``calibrated-cuda.json``, written by ``python -m bench.calibrate --every --device cuda --write``)
+holds another device type's ``MACHINE`` and ``COST``; the planner prices a call on that device
+with them (:func:`cost`), and with the CPU's where there is none.
+
 Example:
     >>> sorted(COST) == ["forward", "forward-layerwise", "reverse", "reverse-probes"]
     True
@@ -39,14 +44,22 @@ def path() -> Path:
     return Path(str(_resource()))
 
 
-def load(source: Union[str, Path] = DATA_FILE) -> dict[str, Any]:
-    """The data file's contents, checked for the names the planner reads; ``source``: a path or the resource name."""
+def device_path(device_type: str) -> Path:
+    """Where the constants of ``device_type`` lie (``calibrated.json`` for "cpu")."""
+    name = DATA_FILE if device_type == "cpu" else f"calibrated-{device_type}.json"
+    return Path(str(resources.files(__package__ or "jacmode._planning").joinpath(name)))
+
+
+def load(source: Union[str, Path] = DATA_FILE, device: bool = False) -> dict[str, Any]:
+    """The data file's contents, checked for the names the planner reads; ``source``: a path or the
+    resource name; ``device``: a device type's file (``MACHINE`` and ``COST`` only)."""
     if str(source) == DATA_FILE:
         text = _resource().read_text()
     else:
         text = Path(source).read_text()
     data = json.loads(text)
-    missing = [k for k in ("MACHINE", "SPILL_BYTES", "COST", "MEMORY", "NTK_COST") if k not in data]
+    names = ("MACHINE", "COST") if device else ("MACHINE", "SPILL_BYTES", "COST", "MEMORY", "NTK_COST")
+    missing = [k for k in names if k not in data]
     if missing:
         raise ValueError(f"{source}: the calibrated constants lack {missing}; re-run `python -m bench.calibrate --write` "
                          "(and `python -m bench.calibrate_ntk --write`) from the repository root, or restore the file.")
@@ -61,3 +74,17 @@ COST: dict[str, dict[str, float]] = {m: {k: float(v) for k, v in c.items()} for 
 MEMORY: dict[str, float] = {k: float(v) for k, v in _DATA["MEMORY"].items()}
 NTK_COST: dict[str, tuple[float, ...]] = {m: tuple(float(v) for v in c) for m, c in _DATA["NTK_COST"].items()}
 del _DATA
+_BY_DEVICE: dict[str, dict[str, dict[str, float]]] = {"cpu": COST}
+
+
+def cost(device_type: str) -> dict[str, dict[str, float]]:
+    """The cost constants of ``device_type``: its own file's where the package has one, else the
+    CPU's (``COST``). Each file is read once per process."""
+    found = _BY_DEVICE.get(device_type)
+    if found is None:
+        path = device_path(device_type)
+        found = COST
+        if path.is_file():
+            found = {m: {k: float(v) for k, v in c.items()} for m, c in load(path, device=True)["COST"].items()}
+        _BY_DEVICE[device_type] = found
+    return found

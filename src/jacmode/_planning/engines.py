@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .._problem import Problem
-from .calibrated import COST, FRESH_BYTES, SPILL_BYTES
+from .calibrated import FRESH_BYTES, SPILL_BYTES, cost
 from .footprint import Footprint
 from .memory import fmt_bytes
 
@@ -148,18 +148,19 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
     }
 
 
-def estimate(engine: str, terms: dict[str, float]) -> float:
-    """Seconds: the calibrated constants of ``engine`` times its terms."""
-    constants = COST.get(engine) or COST[engine.split("-")[0]]
+def estimate(engine: str, terms: dict[str, float], device_type: str = "cpu") -> float:
+    """Seconds: the calibrated constants of ``engine`` on ``device_type`` times its terms."""
+    table = cost(device_type)
+    constants = table.get(engine) or table[engine.split("-")[0]]
     return sum(constants.get(k, 0.0) * v for k, v in terms.items())
 
 
 def probe_seconds(p: Problem, fp: Footprint, sample_chunk: Optional[int], generic: Any) -> float:
     """The probe engine's time; ``generic()``: the generic per-sample reverse time over all of P, of
     which the parameters no rule covers take their share (and the whole, without the constants)."""
-    if "reverse-probes" not in COST:  # a data file from before the probe engine had constants
+    if "reverse-probes" not in cost(p.device.type):  # a data file from before the probe engine had constants
         return float(generic())
-    seconds = estimate("reverse-probes", probe_terms(p, fp, sample_chunk))
+    seconds = estimate("reverse-probes", probe_terms(p, fp, sample_chunk), p.device.type)
     cov = p.probes
     if cov is not None and cov.uncovered:
         covered = sum(t.numel() for t in cov.tensors.values())

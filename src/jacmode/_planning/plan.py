@@ -189,10 +189,11 @@ def seconds(p: Problem, fp: Footprint, mode: str, strategy: str, directions: int
             sample_chunk: Optional[int]) -> float:
     """The predicted time of the engine that runs ``mode`` with ``strategy`` (see ``engines.py``)."""
     name = engine(p, mode, strategy)
-    generic = lambda: estimate(mode, features(p, fp, mode, strategy, directions, chunk, sample_chunk))  # noqa: E731
+    kind = p.device.type
+    generic = lambda: estimate(mode, features(p, fp, mode, strategy, directions, chunk, sample_chunk), kind)  # noqa: E731
     if name == "reverse-probes":
         return _engines.probe_seconds(p, fp, sample_chunk, generic)
-    return estimate(name, features(p, fp, mode, strategy, directions, chunk, sample_chunk))
+    return estimate(name, features(p, fp, mode, strategy, directions, chunk, sample_chunk), kind)
 
 
 def minimum_workspace(p: Problem, fp: Footprint, mode: str) -> float:
