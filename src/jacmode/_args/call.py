@@ -52,6 +52,7 @@ class Call:
     x: Any = None
     simple: bool = False  # one differentiated tensor, nothing else: fn is f, x is that tensor
     flat_rows: bool = True  # the module of sample rows (params.py) returns the output as one tensor
+    shared: bool = False  # differentiated arguments shared by every sample (describe_call's shared=True)
     _signature: Optional[tuple] = None
 
     def signature(self) -> tuple:
@@ -74,7 +75,7 @@ class Call:
                     others.append(("value", type(v), v))
                 except TypeError:
                     others.append(("id", id(v)))
-        return (str(self.args_spec), self.argnums, self.int_argnums, self.has_aux, self.batched,
+        return (str(self.args_spec), self.argnums, self.int_argnums, self.has_aux, self.batched, self.shared,
                 tuple(others))
 
     def _out_key(self) -> tuple:
