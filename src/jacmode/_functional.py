@@ -42,15 +42,15 @@ import functools
 import math
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, cast
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _checks, _guard, _losses
-from ._args import _in_dim, check_argnums, check_in_dims, parameter_names
+from ._args import Call, Leaf, _in_dim, check_argnums, check_in_dims, describe_call, parameter_names
 from ._cache import register, rng_kept
 from ._state import bind, bound_values, preserved_state, used_modules
 from ._threads import clone_tree, transient_hooks
@@ -154,8 +154,9 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
 # ``jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))`` is torch.func's
 # ``vmap(jacrev(fn), in_dims=(None, 0))(params, x)``: every differentiated argument is broadcast
 # (in_dims None) while another is batched, so each sample gets the Jacobian of its output with
-# respect to the shared tensors, a parameter problem. :func:`functional_call_jacobian` serves it
-# by the module path above:
+# respect to the shared tensors, a parameter problem. The call is described as every call with
+# several arguments is (``_args.describe_call`` with ``shared=True``), and
+# :func:`functional_call_jacobian` serves it by the module path above:
 #
 # * when ``fn`` is ``functional_call(model, params, x)`` in disguise (:func:`_disguised`: one run
 #   of fn with fresh leaves for the differentiated tensors shows that fn returns the very tensor
@@ -170,8 +171,9 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
 #   and whose forward rebuilds fn's arguments (the batched tensors from its one input: the single
 #   batched tensor itself, or sample indices when there are several); the generic engines serve it.
 #
-# The result is torch.func's layout: for each output leaf of fn, the pytree of the differentiated
-# argument (a tuple of them for a tuple ``argnums``) of blocks (B, *out_leaf, *leaf.shape).
+# The result is torch.func's layout (``Call.per_output``, ``Call.per_argnum``): for each output leaf
+# of fn, the pytree of the differentiated argument (a tuple of them for a tuple ``argnums``) of blocks
+# (B, *out_leaf, *leaf.shape).
 
 _ROUTED = ("jacobian", "plan")
 
@@ -200,8 +202,8 @@ class _Applied(nn.Module):
 
     _jacmode_wrapper = True  # its children are the modules fn refers to, which fn itself feeds
 
-    def __init__(self, fn: Callable[..., Any], leaves: list[Any], spec: Any, diff: list[int], batched: list[int],
-                 modules: list[nn.Module], tensor_output: bool = False, sample_dims: Any = None) -> None:
+    def __init__(self, fn: Callable[..., Any], call: Call, modules: list[nn.Module], tensor_output: bool = False,
+                 sample_dims: Any = None) -> None:
         super().__init__()
         self.tensor_output = tensor_output
         self.sample_dims = sample_dims  # fn written for one sample: vmap's in_dims, or LOOP (see _spelling)
@@ -209,9 +211,10 @@ class _Applied(nn.Module):
             ref: Callable[[], Any] = weakref.ref(fn)
         except TypeError:
             ref = lambda: fn  # noqa: E731
-        self._fn, self.leaves, self.spec, self.diff, self.batched = ref, leaves, spec, diff, batched
-        for k, j in enumerate(diff):  # placeholders without storage: each call binds the user's tensors
-            t = leaves[j]
+        self._fn, self.leaves, self.spec = ref, call.leaves, call.args_spec
+        self.diff, self.batched = [leaf.index for leaf in call.diff], _batched(call)
+        for k, leaf in enumerate(call.diff):  # placeholders without storage: each call binds the user's tensors
+            t = call.leaves[leaf.index]
             self._parameters[f"p{k}"] = torch.empty(t.shape, dtype=t.dtype, device="meta")  # type: ignore[assignment]
         self.used = nn.ModuleList(modules)
         self.out_spec: Any = None
@@ -222,8 +225,6 @@ class _Applied(nn.Module):
         return cast(Callable[..., Any], self._fn())
 
     def forward(self, xin: Tensor) -> Tensor:
-        from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
-
         leaves = list(self.leaves)
         for k, j in enumerate(self.diff):
             leaves[j] = self._parameters[f"p{k}"]
@@ -252,79 +253,44 @@ class _Applied(nn.Module):
         return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
 
 
-@dataclass
-class _Prepared:
-    """A call ``f(*args)`` with broadcast differentiated arguments, described (see the note)."""
-
-    args: tuple[Any, ...]
-    leaves: list[Any]
-    spec: Any
-    starts: list[int]  # leaf index range of argument a: [starts[a], starts[a + 1])
-    nums: tuple[int, ...]
-    as_int: bool
-    diff: list[int]  # leaf indices of the differentiated tensors
-    batched: list[int]  # leaf indices of the batched tensors
-    batch: int
-
-
-def _prepare(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> _Prepared:
-    from torch.utils._pytree import tree_flatten  # noqa: PLC0415
-
-
+def _describe(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> Call:
+    """The call ``f(*args)`` with broadcast differentiated arguments, described (see the note)."""
     if isinstance(f, nn.Module) or not callable(f):
         _checks.check_function(f)
-    nums, as_int = check_argnums(argnums, len(args))
-    leaves, spec = tree_flatten(tuple(args))
-    starts, i = [], 0
-    for a in args:
-        starts.append(i)
-        i += len(tree_flatten(a)[0])
-    starts.append(i)
-    diff: list[int] = []
-    for a in nums:
-        for j in range(starts[a], starts[a + 1]):
-            t = leaves[j]
-            where = f"argument {a}" + (f" (leaf {j - starts[a]})" if starts[a + 1] - starts[a] > 1 else "")
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{where}: expected a tensor to differentiate, got {type(t).__name__}. Differentiated "
-                                "arguments must be tensors or pytrees of tensors.")
+    call = describe_call(f, tuple(args), argnums=argnums, in_dims=in_dims, floating=False, shared=True)
+    for a in call.argnums:  # (in this wording: the entry points' own asks for a real floating dtype)
+        mine = [leaf for leaf in call.diff if leaf.arg == a]
+        for k, leaf in enumerate(mine):
+            t = call.leaves[leaf.index]
             if not t.is_floating_point():
+                where = f"argument {a}" + (f" (leaf {k})" if len(mine) > 1 else "")
                 raise TypeError(f"{where}: differentiating needs a floating dtype, got {t.dtype}. Convert with "
                                 "`.float()`, or leave it out of argnums.")
-            diff.append(j)
-        if starts[a + 1] == starts[a]:
-            raise ValueError(f"argnums: argument {a} holds no tensors to differentiate.")
-    batched = [j for a in range(len(args)) if a not in nums for j in range(starts[a], starts[a + 1])
-               if isinstance(leaves[j], Tensor) and _in_dim(in_dims, a, None, parameter_names(f)) == 0]
-    if not batched:
-        raise ValueError(
-            f"in_dims: every argument is broadcast (in_dims={in_dims!r}), so there are no samples to give "
-            "per-sample results to. Mark the per-sample argument with 0, e.g. in_dims=(None, 0).")
-    sizes = {leaves[j].shape[0] if leaves[j].dim() else None for j in batched}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(
-            f"in_dims: the batched arguments must share dim 0 (the samples), got shapes "
-            f"{[tuple(leaves[j].shape) for j in batched]}. Give the others in_dims=None.")
-    batch = int(leaves[batched[0]].shape[0])
-    return _Prepared(tuple(args), leaves, spec, starts, nums, as_int, diff, batched, batch)
+    return call
 
 
-def _target(f: Any, prep: _Prepared, tensor_output: bool
+def _batched(call: Call) -> list[int]:
+    """The leaf indices of the batched tensors (the riders with the samples along dim 0)."""
+    return [j for j, r in call.riders.items() if r.batched]
+
+
+def _target(f: Any, call: Call, tensor_output: bool
             ) -> tuple[nn.Module, Tensor, dict[str, Tensor], dict[str, int], Optional[_Applied]]:
     """(module, its input, wrt dict, slot -> leaf index, the wrapper or None): what the module path runs."""
 
     hidden = None
-    sample_dims = _spelling(f, prep)
-    if sample_dims is None and len(prep.batched) == 1 and not in_transform():
-        hidden = _disguised(f, prep.leaves, prep.spec, prep.diff, prep.batched)
+    sample_dims = _spelling(f, call)
+    batched = _batched(call)
+    if sample_dims is None and len(batched) == 1 and not in_transform():
+        hidden = _disguised(f, call)
     if hidden is not None:
         model, x_in, slots, _ = hidden
-        return model, x_in, {slot: prep.leaves[j] for slot, j in slots.items()}, slots, None
-    wrapper = _wrapper_for(f, prep, tensor_output, used_modules(f), sample_dims)
-    first = prep.leaves[prep.batched[0]]
-    xin = first if len(prep.batched) == 1 else torch.arange(prep.batch, device=first.device)
-    slots = {f"p{k}": j for k, j in enumerate(prep.diff)}
-    return wrapper, xin, {slot: prep.leaves[j] for slot, j in slots.items()}, slots, wrapper
+        return model, x_in, {slot: call.leaves[j] for slot, j in slots.items()}, slots, None
+    wrapper = _wrapper_for(f, call, tensor_output, used_modules(f), sample_dims)
+    first = call.leaves[batched[0]]
+    xin = first if len(batched) == 1 else torch.arange(call.batch, device=first.device)
+    slots = {f"p{k}": leaf.index for k, leaf in enumerate(call.diff)}
+    return wrapper, xin, {slot: call.leaves[j] for slot, j in slots.items()}, slots, wrapper
 
 
 # fn (weakly) -> {structure of the call: its wrapper}: a repeated call finds the same module, so the
@@ -343,26 +309,26 @@ def _meta(v: Any) -> Any:
         return ("id", id(v))
 
 
-def _structure(prep: _Prepared) -> tuple:
-    """What a call's structure is to the caches of this module: the pytree, which leaves are differentiated
-    and batched, and each leaf's shape, dtype, device and flag (tensors) or value."""
-    return (str(prep.spec), tuple(prep.diff), tuple(prep.batched), tuple(_meta(v) for v in prep.leaves))
+def _structure(call: Call) -> tuple:
+    """What a call's structure is to the caches of this module: its signature (the pytree, which leaves
+    are differentiated and batched), and each leaf's whole shape, dtype, device and flag (tensors) or value."""
+    return (call.signature(), tuple(_meta(v) for v in call.leaves))
 
 
-def _wrapper_for(f: Any, prep: _Prepared, tensor_output: bool, modules: list[nn.Module],
+def _wrapper_for(f: Any, call: Call, tensor_output: bool, modules: list[nn.Module],
                  sample_dims: Any = None) -> _Applied:
     """The :class:`_Applied` of ``f`` for a call of this structure, holding this call's arguments."""
-    key = (*_structure(prep), tensor_output, tuple(id(m) for m in modules), str(sample_dims))
+    key = (*_structure(call), tensor_output, tuple(id(m) for m in modules), str(sample_dims))
     try:
         table = _WRAPPERS.setdefault(f, {})
     except TypeError:  # not weakly referenceable: a wrapper of its own
         table = {}
     wrapper = table.get(key)
     if wrapper is None or wrapper.leaves:  # (in use by an enclosing call: another one)
-        wrapper = _Applied(f, prep.leaves, prep.spec, prep.diff, prep.batched, modules, tensor_output, sample_dims)
+        wrapper = _Applied(f, call, modules, tensor_output, sample_dims)
         _guard.derived(wrapper, f)
         table.setdefault(key, wrapper)
-    wrapper.leaves = list(prep.leaves)
+    wrapper.leaves = list(call.leaves)
     return wrapper
 
 
@@ -375,25 +341,14 @@ def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layou
                 f"with respect to the arguments argnums names. Drop {bad}=.")
 
 
-def _per_argnum(prep: _Prepared, block: Callable[[int], Tensor]) -> Any:
-    """The argnums' pytrees of ``block(leaf index)``: one pytree for an int argnums, a tuple of them otherwise."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
-
-    per_arg = [tree_unflatten([block(j) for j in range(prep.starts[a], prep.starts[a + 1])],
-                              tree_flatten(prep.args[a])[1]) for a in prep.nums]
-    return per_arg[0] if prep.as_int else tuple(per_arg)
-
-
 def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> Any:
     """``entry(f, *args, argnums=, in_dims=, ...)`` with broadcast differentiated arguments (see the note)."""
-    from torch.utils._pytree import tree_unflatten  # noqa: PLC0415
-
     kwargs = dict(kwargs)
     argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
     _no_layout_options(kwargs, argnums, in_dims, "(B, *out, *leaf.shape)")
-    prep = _prepare(f, args, argnums, in_dims)
-    module, xin, values, slots, wrapper = _target(f, prep, tensor_output=False)
+    call = _describe(f, args, argnums, in_dims)
+    module, xin, values, slots, wrapper = _target(f, call, tensor_output=False)
     try:
         res = entry(module, xin, wrt=values, flatten=False, **kwargs)
     finally:
@@ -402,30 +357,23 @@ def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any,
     if entry.__name__ == "plan":
         return res
     by_leaf = {j: res[slot] for slot, j in slots.items()}
-    batch, leaves = prep.batch, prep.leaves
-    out_spec = None if wrapper is None else wrapper.out_spec
-    single = out_spec is None or (out_spec.num_leaves == 1 and out_spec.type is None)
-    if wrapper is None:  # the model's own output: blocks (B, *out, *leaf.shape)
-        j0 = prep.diff[0]
-        out_shapes = [tuple(by_leaf[j0].shape[1:by_leaf[j0].dim() - leaves[j0].dim()])]
+    if wrapper is None:  # the model's own output, one tensor: blocks (B, *out, *leaf.shape)
+        blk, leaf = by_leaf[call.diff[0].index], call.diff[0]
+        call.out_spec, call.out_shapes = tree_flatten(blk)[1], [tuple(blk.shape[1:blk.dim() - len(leaf.shape)])]
     else:
-        out_shapes = wrapper.out_shapes
-    per_out, lo = [], 0
-    for s_y in out_shapes:
-        n_y = math.prod(s_y)
+        call.out_spec, call.out_shapes = wrapper.out_spec, wrapper.out_shapes
+    single = call.single_output()
 
-        def block(j: int, lo: int = lo, n_y: int = n_y, s_y: tuple[int, ...] = s_y) -> Tensor:
-            blk = by_leaf[j]
+    def out_block(lo: int, n_y: int, s_y: tuple[int, ...]) -> Any:
+        def block(leaf: Leaf) -> Tensor:
+            blk = by_leaf[leaf.index]
             if not single:
-                blk = blk.reshape(batch, -1, *leaves[j].shape)[:, lo:lo + n_y]
-            return blk.reshape(batch, *s_y, *leaves[j].shape)
+                blk = blk.reshape(call.batch, -1, *leaf.shape)[:, lo:lo + n_y]
+            return blk.reshape(call.batch, *s_y, *leaf.shape)
 
-        per_out.append(_per_argnum(prep, block))
-        lo += n_y
-    if single:
-        return per_out[0]
-    assert out_spec is not None
-    return tree_unflatten(per_out, out_spec)
+        return call.per_argnum(block)
+
+    return call.per_output(out_block)
 
 
 def functional_per_sample_grads(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
@@ -436,15 +384,15 @@ def functional_per_sample_grads(entry: Callable[..., Any], f: Any, args: tuple[A
     argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
     _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)")
     call_args, rest = args[0], args[1:]
-    prep = _prepare(f, tuple(call_args), argnums, in_dims)
-    module, xin, values, slots, wrapper = _target(f, prep, tensor_output=True)
+    call = _describe(f, tuple(call_args), argnums, in_dims)
+    module, xin, values, slots, wrapper = _target(f, call, tensor_output=True)
     try:
         res = entry(module, xin, *rest, wrt=values, flatten=False, **kwargs)
     finally:
         if wrapper is not None:
             wrapper.leaves = []  # the call's arguments are not kept
     by_leaf = {j: res[slot] for slot, j in slots.items()}
-    return _per_argnum(prep, lambda j: by_leaf[j])
+    return call.per_argnum(lambda leaf: by_leaf[leaf.index])
 
 
 def _one_slice(t: Tensor, dim: int) -> Tensor:
@@ -454,12 +402,10 @@ def _one_slice(t: Tensor, dim: int) -> Tensor:
     return t
 
 
-def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: list[int]
-               ) -> Optional[tuple[nn.Module, Tensor, dict[str, int], tuple[int, ...]]]:
+def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str, int], tuple[int, ...]]]:
     """(model, its input, slot name -> leaf index, per-sample output shape) when ``f`` is
     ``functional_call(model, params, x)`` in disguise (see the note), else None."""
-    from torch.utils._pytree import tree_unflatten  # noqa: PLC0415
-
+    leaves, diff, batched = call.leaves, [leaf.index for leaf in call.diff], _batched(call)
 
     roots = [m for m in used_modules(f) if not isinstance(m, _Applied)]
     if not roots or isinstance(f, nn.Module) or torch.is_inference_mode_enabled():
@@ -490,7 +436,7 @@ def _disguised(f: Any, leaves: list[Any], spec: Any, diff: list[int], batched: l
                                            with_kwargs=True) for m in roots]
         try:
             with preserved_state(f), torch.enable_grad(), rng_kept(leaves[batched[0]].device):
-                out = f(*tree_unflatten(fresh, spec))  # (random draws of this check leave the user's stream alone)
+                out = f(*_arguments(fresh, call.args_spec))  # (random draws of this check leave the user's stream alone)
         except Exception:  # noqa: BLE001 -- fn fails here as it would anyway: the generic route says how
             return None
         finally:
@@ -538,17 +484,20 @@ _SPELLINGS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = register(weakre
                                                                        "how functions take the batch")
 
 
+def _arguments(leaves: list[Any], spec: Any) -> tuple[Any, ...]:
+    """f's positional arguments from the leaves of its call (a routed call has no keyword arguments)."""
+    return tuple(tree_unflatten(leaves, spec)[0])
+
+
 def _batched_call(fn: Callable[..., Any], leaves: list[Any], spec: Any, batched: list[int], sample_dims: Any) -> Any:
     """fn on the batch: called as is (batched), through vmap, or stacked over a loop (per-sample)."""
-    from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
-
     if sample_dims is None:
-        return fn(*tree_unflatten(leaves, spec))
+        return fn(*_arguments(leaves, spec))
     if sample_dims != LOOP:
-        return vmap(fn, in_dims=sample_dims, randomness="different")(*tree_unflatten(leaves, spec))
+        return vmap(fn, in_dims=sample_dims, randomness="different")(*_arguments(leaves, spec))
     rows = set(batched)
     n = leaves[batched[0]].shape[0]
-    outs = [fn(*tree_unflatten([v[b] if j in rows else v for j, v in enumerate(leaves)], spec)) for b in range(n)]
+    outs = [fn(*_arguments([v[b] if j in rows else v for j, v in enumerate(leaves)], spec)) for b in range(n)]
     flat = [tree_flatten(o) for o in outs]
     if any(s != flat[0][1] for _, s in flat) or not all(isinstance(t, Tensor) for ls, _ in flat for t in ls):
         raise TypeError(f"f: expected f to return a tensor or a pytree of tensors of one structure for every sample, "
@@ -556,26 +505,24 @@ def _batched_call(fn: Callable[..., Any], leaves: list[Any], spec: Any, batched:
     return tree_unflatten([torch.stack(ts) for ts in zip(*(ls for ls, _ in flat))], flat[0][1])
 
 
-def _spelling(f: Any, prep: _Prepared) -> Any:
+def _spelling(f: Any, call: Call) -> Any:
     """How ``f`` takes the batch (see the note): None (batched), vmap's in_dims, or LOOP; cached per structure."""
-    key = (_guard.current(f), *_structure(prep))
+    key = (_guard.current(f), *_structure(call))
     try:
         table = _SPELLINGS.setdefault(f, {}) if key[0] is not None else {}  # kept under a generation only
     except TypeError:  # not weakly referenceable: read every call
         table = {}
     if key not in table:
-        table[key] = _read_spelling(f, prep)
+        table[key] = _read_spelling(f, call)
     return table[key]
 
 
-def _read_spelling(f: Any, prep: _Prepared) -> Any:
-    from torch.utils._pytree import tree_flatten, tree_unflatten  # noqa: PLC0415
-
-
-    leaves, spec, n = prep.leaves, prep.spec, prep.batch
-    rows = set(prep.batched)
-    first = leaves[prep.batched[0]]
-    dims = tree_unflatten([0 if j in rows else None for j in range(len(leaves))], spec)
+def _read_spelling(f: Any, call: Call) -> Any:
+    leaves, spec, n = call.leaves, call.args_spec, call.batch
+    batched_leaves = _batched(call)
+    rows = set(batched_leaves)
+    first = leaves[batched_leaves[0]]
+    dims = _arguments([0 if j in rows else None for j in range(len(leaves))], spec)
 
     def follows(out: Any, m: int) -> bool:
         ts = tree_flatten(out)[0]
@@ -583,12 +530,12 @@ def _read_spelling(f: Any, prep: _Prepared) -> Any:
 
     def samples(m: int) -> Any:
         idx = torch.arange(m, device=first.device) % n
-        return tree_unflatten([v.index_select(0, idx) if j in rows else v for j, v in enumerate(leaves)], spec)
+        return _arguments([v.index_select(0, idx) if j in rows else v for j, v in enumerate(leaves)], spec)
 
     err: Optional[Exception] = None
     with preserved_state(f), rng_kept(first.device):
         try:
-            batched = follows(f(*tree_unflatten(leaves, spec)), n)
+            batched = follows(f(*_arguments(leaves, spec)), n)
         except Exception as e:  # noqa: BLE001 -- fn's own error: judged with the per-sample reading below
             batched, err = False, e
         if batched:
@@ -599,7 +546,7 @@ def _read_spelling(f: Any, prep: _Prepared) -> Any:
             except Exception:  # noqa: BLE001 -- fn does not follow the number of samples
                 pass
         try:
-            if follows(vmap(f, in_dims=dims, randomness="different")(*tree_unflatten(leaves, spec)), n):
+            if follows(vmap(f, in_dims=dims, randomness="different")(*_arguments(leaves, spec)), n):
                 return dims
         except Exception as e:  # noqa: BLE001
             err_v: Exception = e
@@ -608,7 +555,7 @@ def _read_spelling(f: Any, prep: _Prepared) -> Any:
         if batched:
             return None  # ran on the batch, if not on another number of samples: the documented reading
         try:
-            one = f(*tree_unflatten([v[0] if j in rows else v for j, v in enumerate(leaves)], spec))
+            one = f(*_arguments([v[0] if j in rows else v for j, v in enumerate(leaves)], spec))
             if tree_flatten(one)[0] and all(isinstance(t, Tensor) for t in tree_flatten(one)[0]):
                 return LOOP
         except Exception:  # noqa: BLE001

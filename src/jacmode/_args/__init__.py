@@ -25,6 +25,12 @@ pytree outputs) is reduced to that form here, once per call:
   tuples (one entry per argnum) of input pytrees, each block (B, *out_leaf, *in_leaf); and
   :meth:`Call.outputs` does the same for per-sample results shaped like f's output, (B, *out).
 
+The functional style with shared differentiated arguments (``jm.jacobian(fn, params, x, argnums=0,
+in_dims=(None, 0))``, ``_functional.py``) is described by the same :func:`describe_call`
+(``shared=True``): its differentiated leaves keep their whole shape, B is dim 0 of the batched
+riders, and no flat function is built (that call runs as a module of the shared tensors); the
+same :meth:`Call.per_argnum` and :meth:`Call.per_output` give its result torch.func's layout.
+
 Coordinates of the derivative operators are counted in z: argument ``argnums[0]``'s leaves first,
 flat per sample, then the next argnum's; :meth:`Call.coordinate` also reads names (``"t"``, the
 name of a parameter of f with one coordinate per sample, or ``("x", 1)``).

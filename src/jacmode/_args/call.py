@@ -52,6 +52,7 @@ class Call:
     x: Any = None
     simple: bool = False  # one differentiated tensor, nothing else: fn is f, x is that tensor
     flat_rows: bool = True  # the module of sample rows (params.py) returns the output as one tensor
+    shared: bool = False  # differentiated arguments shared by every sample (describe_call's shared=True)
     _signature: Optional[tuple] = None
 
     def signature(self) -> tuple:
@@ -74,7 +75,7 @@ class Call:
                     others.append(("value", type(v), v))
                 except TypeError:
                     others.append(("id", id(v)))
-        return (str(self.args_spec), self.argnums, self.int_argnums, self.has_aux, self.batched,
+        return (str(self.args_spec), self.argnums, self.int_argnums, self.has_aux, self.batched, self.shared,
                 tuple(others))
 
     def _out_key(self) -> tuple:
@@ -155,27 +156,31 @@ class Call:
         """A per-sample result shaped like the flat output, ``(*lead, *out)``, in f's output pytree."""
         if self.single_output():
             return flat
-        parts = [flat.reshape(*lead, -1)[..., lo:lo + n].reshape(*lead, *s) for lo, n, s in self._out_blocks()]
+        return self.per_output(lambda lo, n, s: flat.reshape(*lead, -1)[..., lo:lo + n].reshape(*lead, *s))
+
+    def per_argnum(self, block: Callable[[Leaf], Any]) -> Any:
+        """``block(leaf)`` of every differentiated leaf in torch.func's layout: for an int argnums the
+        pytree of that argument, for a tuple a tuple of them (one per argnum)."""
+        per_arg = [tree_unflatten([block(leaf) for leaf in self.diff if leaf.arg == a], self.diff_specs[a])
+                   for a in self.argnums]
+        return per_arg[0] if self.int_argnums else tuple(per_arg)
+
+    def per_output(self, block: Callable[[int, int, tuple[int, ...]], Any]) -> Any:
+        """``block(lo, n, shape)`` of every output leaf (columns [lo, lo + n) of the flat output, its
+        per-sample shape) in f's output pytree; for a single output tensor, its block."""
         self._ensure()
-        return tree_unflatten(parts, self.out_spec)
+        per_out = [block(lo, n, s) for lo, n, s in self._out_blocks()]
+        return per_out[0] if self.single_output() else tree_unflatten(per_out, self.out_spec)
 
     def jacobian(self, flat: Tensor) -> Any:
         """The flat Jacobian (B, Y, D) (unbatched (Y, N)) in torch.func's layout (see the note)."""
         lead = (flat.shape[0],) if self.batched else ()
-        self._ensure()
-        outs = self._out_blocks()
-        per_out = []
-        for lo_y, n_y, s_y in outs:
+
+        def out_block(lo_y: int, n_y: int, s_y: tuple[int, ...]) -> Any:
             rows = flat[:, lo_y:lo_y + n_y] if self.batched else flat[lo_y:lo_y + n_y]
-            per_arg = []
-            for a in self.argnums:
-                mine = [leaf for leaf in self.diff if leaf.arg == a]
-                blocks = [rows[..., leaf.lo:leaf.lo + leaf.size].reshape(*lead, *s_y, *leaf.shape) for leaf in mine]
-                per_arg.append(tree_unflatten(blocks, self.diff_specs[a]))
-            per_out.append(per_arg[0] if self.int_argnums else tuple(per_arg))
-        if self.single_output():
-            return per_out[0]
-        return tree_unflatten(per_out, self.out_spec)
+            return self.per_argnum(lambda leaf: rows[..., leaf.lo:leaf.lo + leaf.size].reshape(*lead, *s_y, *leaf.shape))
+
+        return self.per_output(out_block)
 
     def hessian(self, flat: Tensor) -> Any:
         """The flat per-sample Hessian (B, Y, D, D) in torch.func's layout (``hessian(f, argnums)``
@@ -183,25 +188,16 @@ class Call:
         tuple the tuple (argnum i) of input pytrees of tuples (argnum j) of input pytrees, each
         block (B, *out_leaf, *in_i_leaf, *in_j_leaf)."""
         lead = (flat.shape[0],)
-        self._ensure()
-        per_out = []
 
-        def inner(rows: Tensor, s_y: tuple[int, ...], li: Leaf) -> Any:
-            per_arg = []
-            for a in self.argnums:
-                blocks = [rows[..., li.lo:li.lo + li.size, lj.lo:lj.lo + lj.size].reshape(*lead, *s_y, *li.shape, *lj.shape)
-                          for lj in self.diff if lj.arg == a]
-                per_arg.append(tree_unflatten(blocks, self.diff_specs[a]))
-            return per_arg[0] if self.int_argnums else tuple(per_arg)
-
-        for lo_y, n_y, s_y in self._out_blocks():
+        def out_block(lo_y: int, n_y: int, s_y: tuple[int, ...]) -> Any:
             rows = flat[:, lo_y:lo_y + n_y]
-            per_arg = [tree_unflatten([inner(rows, s_y, li) for li in self.diff if li.arg == a], self.diff_specs[a])
-                       for a in self.argnums]
-            per_out.append(per_arg[0] if self.int_argnums else tuple(per_arg))
-        if self.single_output():
-            return per_out[0]
-        return tree_unflatten(per_out, self.out_spec)
+
+            def block(li: Leaf, lj: Leaf) -> Tensor:
+                return rows[..., li.lo:li.lo + li.size, lj.lo:lj.lo + lj.size].reshape(*lead, *s_y, *li.shape, *lj.shape)
+
+            return self.per_argnum(lambda li: self.per_argnum(lambda lj: block(li, lj)))
+
+        return self.per_output(out_block)
 
     def aux(self) -> Any:
         """The auxiliary output of ``has_aux=True`` at the call's arguments (one more call of f)."""

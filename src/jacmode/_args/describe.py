@@ -126,6 +126,7 @@ def describe_call(
     batched: bool = True,
     floating: bool = True,
     flat: bool = False,
+    shared: bool = False,
 ) -> Call:
     """Describe ``f(*args, **kwargs)`` as a flat problem (see the note).
 
@@ -142,6 +143,10 @@ def describe_call(
         floating: differentiated tensors must be floating point (False: the caller checks).
         flat: a flat function (:class:`Flat`) even for a call of one tensor, which is otherwise
             ``simple`` (f itself): for an f that returns a tuple, list or dict of tensors.
+        shared: the differentiated arguments are shared by every sample, as in
+            ``vmap(jacrev(f), in_dims=(None, 0))``: their leaves keep their whole shape, B is dim 0
+            of the batched riders (at least one), and no flat function is built (the caller runs
+            the call as a module of those tensors, which checks their dtypes and devices).
 
     Returns:
         The :class:`Call`; ``call.fn`` and ``call.x`` are what the engines take.
@@ -181,7 +186,7 @@ def describe_call(
                 raise TypeError(
                     f"{where}: differentiating needs a real floating dtype, got {t.dtype}. Convert with `.float()`, "
                     "or leave it out of argnums (integer ids, masks) so it is passed through.")
-            if batched:
+            if batched and not shared:
                 if t.dim() == 0:
                     raise ValueError(
                         f"{where}: batched=True needs a batch dimension, got a 0-d tensor. Pass it with a "
@@ -192,31 +197,42 @@ def describe_call(
                     raise ValueError(
                         f"{where}: every differentiated tensor needs the same number of samples along dim 0, got "
                         f"{t.shape[0]} and {batch}.")
-            shape = tuple(t.shape[1:]) if batched else tuple(t.shape)
+            shape = tuple(t.shape[1:]) if batched and not shared else tuple(t.shape)
             size = math.prod(shape)
             diff.append(Leaf(arg=a, index=starts[a] + k, shape=shape, lo=lo, size=size))
             lo += size
     dtypes = {leaves[d.index].dtype for d in diff}
     devices = {leaves[d.index].device for d in diff}
-    if len(dtypes) > 1 or len(devices) > 1:
+    if not shared and (len(dtypes) > 1 or len(devices) > 1):
         raise TypeError(
             f"argnums: the differentiated tensors must share one dtype and device, got {sorted(map(str, dtypes))} on "
             f"{sorted(map(str, devices))}. Convert them, e.g. `t.to(x)`.")
-    b = batch if batched and batch is not None else 1
     diff_index = {d.index for d in diff}
-    riders: dict[int, Rider] = {}
-    kw_names = list(kwargs)
     kw_leaf_owner: dict[int, str] = {}
     j = n_pos
-    for name in kw_names:
+    for name in kwargs:
         for _ in tree_flatten(kwargs[name])[0]:
             kw_leaf_owner[j] = name
             j += 1
-    for j, t in enumerate(leaves):
-        if j in diff_index or not isinstance(t, Tensor):
-            continue
+    dims = {j: _in_dim(in_dims, owner[j] if j < n_pos else None, kw_leaf_owner.get(j), names) if batched else None
+            for j, t in enumerate(leaves) if j not in diff_index and isinstance(t, Tensor)}
+    if shared:  # the samples are the batched riders'
+        rows = [j for j, dim in dims.items() if dim == 0]
+        if not rows:
+            raise ValueError(
+                f"in_dims: every argument is broadcast (in_dims={in_dims!r}), so there are no samples to give "
+                "per-sample results to. Mark the per-sample argument with 0, e.g. in_dims=(None, 0).")
+        sizes = {leaves[j].shape[0] if leaves[j].dim() else None for j in rows}
+        if len(sizes) != 1 or None in sizes:
+            raise ValueError(
+                f"in_dims: the batched arguments must share dim 0 (the samples), got shapes "
+                f"{[tuple(leaves[j].shape) for j in rows]}. Give the others in_dims=None.")
+        batch = int(leaves[rows[0]].shape[0])
+    b = batch if batched and batch is not None else 1
+    riders: dict[int, Rider] = {}
+    for j, dim in dims.items():
+        t = leaves[j]
         pos = owner[j] if j < n_pos else None
-        dim = _in_dim(in_dims, pos, kw_leaf_owner.get(j), names) if batched else None
         if dim == 0:
             where = f"argument {pos}" if pos is not None else f"keyword argument {kw_leaf_owner[j]!r}"
             if t.dim() == 0 or t.shape[0] != b:
@@ -226,7 +242,9 @@ def describe_call(
                     "to every sample), e.g. in_dims=" + ("(0, None)" if pos is not None else "{'name': None}") + ".")
         riders[j] = Rider(value=t, batched=dim == 0)
     call = Call(f=f, batched=batched, argnums=nums, int_argnums=as_int, has_aux=has_aux, args_spec=spec,
-                leaves=leaves, diff=diff, diff_specs=diff_specs, riders=riders, batch=b, names=names)
+                leaves=leaves, diff=diff, diff_specs=diff_specs, riders=riders, batch=b, names=names, shared=shared)
+    if shared:
+        return call
     simple = (not flat and len(args) == 1 and not kwargs and len(diff) == 1 and not has_aux and as_int
               and diff_specs[nums[0]].num_leaves == 1 and diff_specs[nums[0]].type is None)
     call.simple = simple

@@ -199,12 +199,13 @@ def params_layout(call: Call, result: Any, flatten: bool) -> Any:
     if flatten or call.single_output():
         return result
     lead = (result[next(iter(result))].shape[0],) if call.batched else ()
-    per_out = []
-    for lo, n, s in call._out_blocks():
-        per_out.append({name: blk.reshape(*lead, -1, *blk.shape[len(lead) + 1:])[:, lo:lo + n].reshape(
+
+    def out_block(lo: int, n: int, s: tuple[int, ...]) -> dict[str, Tensor]:
+        return {name: blk.reshape(*lead, -1, *blk.shape[len(lead) + 1:])[:, lo:lo + n].reshape(
             *lead, *s, *blk.shape[len(lead) + 1:]) if call.batched else blk[lo:lo + n].reshape(*s, *blk.shape[1:])
-            for name, blk in result.items()})
-    return tree_unflatten(per_out, call.out_spec)
+            for name, blk in result.items()}
+
+    return call.per_output(out_block)
 
 
 # ---- the products (per_sample_grads, ntk, ggn, vector products) of a model of several arguments ----
