@@ -32,7 +32,7 @@ import torch
 
 from .calibrate_memory import MARGIN, calibrate_memory, measure_workspace, memory_check  # noqa: F401
 from .grid import Case, _axes, fit_grid, probe_grid, regret_grid  # noqa: F401
-from .timing import synced
+from .timing import placed, synced, use_device
 
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
              "dir_bytes", "dir_spill", "result", "seed", "calls", "fresh", "bias", "conv_out", "pages", "special", "pass_conv_out")
@@ -45,7 +45,7 @@ def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float 
     code from its third call on, and is steady from about the sixth)."""
     import jacmode as jm
 
-    model, x = case.build()
+    model, x = placed(case.build())
     calls = {m: synced(functools.partial(jm.jacobian, model, x, wrt=case.wrt, mode=m), x) for m in modes}
     for call in calls.values():
         t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def terms(case: Any, mode: str) -> dict[str, float]:
     from jacmode._planning.decide import decide
     from jacmode._problem import describe
 
-    model, x = case.build()
+    model, x = placed(case.build())
     kw = _call_kwargs(case)
     opts = check_options(wrt=kw["wrt"], mode=mode, batched=kw.get("batched", True), structure="auto",
                          chunk_size=None, create_graph=False, flatten=True)
@@ -132,7 +132,7 @@ def calibrate_every(drawn: int = 96, seed: int = 1, log: Any = print) -> tuple[d
         for i, case in enumerate(cases):
             modes: tuple[str, ...] = ("reverse",) if name == "probe" else ("forward", "reverse")
             if name.startswith("drawn"):
-                model, x = case.build()
+                model, x = placed(case.build())
                 costs = jm.plan(model, x, **_call_kwargs(case)).costs
                 modes = tuple(m for m in modes if costs.get(m, math.inf) <= regret.HOPELESS * min(costs.values()))
             if name.startswith("drawn"):
@@ -355,7 +355,7 @@ def regret(cases: list[Case], log: Any = print, recheck: float = 1.15) -> list[d
         if r > recheck:  # a noisy machine: look again before believing it
             t = time_modes(case, ("auto", "forward", "reverse"), reps=15, budget_s=6.0)
             r = t["auto"] / min(t["forward"], t["reverse"])
-        model, x = case.build()
+        model, x = placed(case.build())
         chosen = jm.plan(model, x, wrt=case.wrt).mode
         out.append({"case": case.label, "seconds": t, "regret": r, "auto_mode": chosen, "axes": _axes(case)})
         log(f"[{i + 1}/{len(cases)}] {case.label}: auto={chosen} {t['auto'] * 1e3:.3g} ms, forward "
@@ -397,13 +397,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     elif args.every:
         from jacmode._planning import calibrated as _calibrated
 
-        with torch.device(args.device):  # the cases' models and inputs are made there
-            if args.refit:
-                with open(args.refit) as fh:
-                    records = json.load(fh)
-                costs = refit_every(records)
-            else:
-                costs, records = calibrate_every(args.drawn, args.seed)
+        use_device(args.device)  # the cases' models and inputs are moved there
+        if args.refit:
+            with open(args.refit) as fh:
+                records = json.load(fh)
+            costs = refit_every(records)
+        else:
+            costs, records = calibrate_every(args.drawn, args.seed)
         from jacmode._planning.engines import WHAT
 
         # an engine no record ran keeps its constants; an engine that no longer exists goes

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .timing import synced
+from .timing import placed, synced, use_device
 
 ACTS = {"tanh": nn.Tanh, "relu": nn.ReLU, "gelu": nn.GELU, "silu": nn.SiLU, "sigmoid": nn.Sigmoid}
 
@@ -157,7 +157,7 @@ def draw(n: int, seed: int = 0, max_entries: int = 4 * 10**7) -> list[Case]:
 
 
 def _n_in(case: Case) -> int:
-    model, x = case.build()
+    model, x = placed(case.build())
     if case.wrt == "inputs":
         return x[0].numel() if case.batched else x.numel()
     names = _names(model) if case.wrt == "params" else case.wrt
@@ -176,7 +176,7 @@ def time_modes(case: Case, modes: Sequence[str] = ("auto", "forward", "reverse")
     """
     import jacmode as jm
 
-    model, x = case.build()
+    model, x = placed(case.build())
     calls = {m: synced(functools.partial(jm.jacobian, model, x, mode=m, **case.kwargs()), x) for m in modes}
     slow: dict[str, float] = {}  # a mode whose one call takes over 1 s: timed once, not in the rounds
     block: dict[str, int] = {}
@@ -213,7 +213,7 @@ def results_agree(case: Case) -> Optional[str]:
     """None when auto's result equals both explicit modes' (float64), else what differs."""
     import jacmode as jm
 
-    model, x = case.build()
+    model, x = placed(case.build())
     model, x = model.double(), x.double()
     got: dict[str, torch.Tensor] = {m: jm.jacobian(model, x, mode=m, **case.kwargs())  # type: ignore[misc]
                                     for m in ("auto", "forward", "reverse")}  # one tensor: one argument
@@ -232,7 +232,7 @@ def measure(cases: Sequence[Case], log: Any = print, recheck: float = 1.1) -> li
 
     out = []
     for i, case in enumerate(cases):
-        model, x = case.build()
+        model, x = placed(case.build())
         plan = jm.plan(model, x, **case.kwargs())
         best = min(plan.costs.values())
         # a mode predicted HOPELESS times slower than the other is not timed (one call can take minutes)
@@ -277,8 +277,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--device", default="cpu", help="build and time the cases on this device (e.g. cuda)")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    with torch.device(args.device):  # the cases' models and inputs are made there
-        records = measure(draw(args.cases, args.seed))
+    use_device(args.device)
+    records = measure(draw(args.cases, args.seed))
     s = summary(records)
     print(json.dumps(s, indent=1))
     if args.json:

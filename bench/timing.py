@@ -15,6 +15,29 @@ def _sync(device: torch.device | str | None) -> None:
         torch.cuda.synchronize()
 
 
+_DEVICE = torch.device("cpu")
+
+
+def use_device(device: str) -> None:
+    """Where :func:`placed` puts the calibrators' cases (their ``--device``). Not a default-device
+    context: that is a torch function mode, under which jacmode never runs generated code."""
+    global _DEVICE
+    _DEVICE = torch.device(device)
+
+
+def placed(built: tuple[Any, Any]) -> tuple[Any, Any]:
+    """A case's (model, input), moved to the device :func:`use_device` chose.
+
+    Example:
+        >>> placed((torch.nn.Linear(2, 1), torch.zeros(3, 2)))[1].device.type
+        'cpu'
+    """
+    model, x = built
+    if _DEVICE.type == "cpu":
+        return model, x
+    return model.to(_DEVICE), x.to(_DEVICE)
+
+
 def synced(fn: Callable[[], Any], x: Any) -> Callable[[], Any]:
     """``fn`` that waits for the device of ``x`` (a tensor) to finish, so a wall-clock timing counts its kernels.
 
