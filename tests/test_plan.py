@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -192,7 +189,7 @@ def test_the_cost_terms_of_narrow_convolutions_transcendental_maps_and_fresh_res
     for its pages, a smaller one not."""
     from jacmode._planning import footprint as _footprint
     from jacmode._planning.calibrated import FRESH_BYTES
-    from jacmode._planning.plan import fresh_pages
+    from jacmode._planning.engines import fresh_pages
 
     conv = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 5 * 7, 3))
     fp = _footprint.measure(conv, torch.randn(4, 1, 5, 7), 4, hooked=[conv[3]])
@@ -204,10 +201,5 @@ def test_the_cost_terms_of_narrow_convolutions_transcendental_maps_and_fresh_res
     fp = _footprint.measure(acts, torch.randn(2, 3), 2, hooked=[acts[2]])
     assert fp.special == 10 and fp.tail is not None and fp.tail.special == 2
 
-    def problem(b: int, y: int, n: int, dtype: torch.dtype) -> Any:
-        return SimpleNamespace(batch=b, n_out=y, n_in=n, dtype=dtype)
-
-    small = problem(1, 1, FRESH_BYTES // 4 - 1, torch.float32)
-    assert fresh_pages(small) == 0.0  # type: ignore[arg-type]
-    large = problem(2, 1, FRESH_BYTES // 8, torch.float64)
-    assert fresh_pages(large) == 2.0 * FRESH_BYTES  # type: ignore[arg-type]
+    assert fresh_pages(FRESH_BYTES // 4 - 1, 4) == 0.0
+    assert fresh_pages(2 * (FRESH_BYTES // 8), 8) == 2.0 * FRESH_BYTES

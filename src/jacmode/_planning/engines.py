@@ -144,8 +144,14 @@ def probe_terms(p: Problem, fp: Footprint, sample_chunk: Optional[int]) -> dict[
         "result": float(B * Y * (covered - vectors)),  # blocks of weights: outer products
         "bias": float(B * Y * vectors),  # blocks of biases (and other vectors): copies of the cotangents
         "fresh": result * max(0.0, math.log2(result * p.dtype.itemsize / SPILL_BYTES)) if result else 0.0,
-        "pages": result * p.dtype.itemsize if result * p.dtype.itemsize >= FRESH_BYTES else 0.0,
+        "pages": fresh_pages(result, p.dtype.itemsize),
     }
+
+
+def fresh_pages(entries: float, itemsize: int) -> float:
+    """The bytes of a result of ``entries`` where it is new memory on every call (``FRESH_BYTES`` or more), else 0."""
+    size = float(entries * itemsize)
+    return size if size >= FRESH_BYTES else 0.0
 
 
 def estimate(engine: str, terms: dict[str, float], device_type: str = "cpu") -> float:

@@ -55,7 +55,7 @@ from typing import Any, Optional
 from .._capture.taylor import seed_built
 from .._problem import Problem
 from . import engines as _engines
-from .calibrated import FRESH_BYTES, SPILL_BYTES
+from .calibrated import SPILL_BYTES
 from .chunking import chunks, engine, pass_workspace, samples_per_direction
 from .engines import Candidate, strategies
 from .footprint import Footprint
@@ -156,15 +156,9 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
         "conv_out": S * fp.conv_out * (directions + primal),
         "special": S * fp.special * (directions + primal),
         "result": float(p.batch * p.n_out * p.n_in),
-        "pages": fresh_pages(p),
+        "pages": _engines.fresh_pages(p.batch * p.n_out * p.n_in, p.dtype.itemsize),
         "seed": _seed_elements(p, mode, strategy, directions, S),
     }
-
-
-def fresh_pages(p: Problem) -> float:
-    """The result's bytes where it is new memory on every call (``FRESH_BYTES`` or more), else 0."""
-    size = float(p.batch * p.n_out * p.n_in * p.dtype.itemsize)
-    return size if size >= FRESH_BYTES else 0.0
 
 
 def _seed_elements(p: Problem, mode: str, strategy: str, directions: int, S: int) -> float:
