@@ -522,10 +522,12 @@ def _keep_columns(profile: _profile.Profile[JacobianEntry], p: Problem, decision
 
 def _columns_ready(profile: _profile.Profile[JacobianEntry], ready: Any, x: Tensor, opts: Options) -> Optional[Tensor]:
     """The flat (B, Y, D) result of a repeated input Jacobian from the code :func:`_keep_columns`
-    kept: the checks of :func:`_again` (:func:`_renewed`) and those of the code (``codegen.Ready``),
-    without a problem or a plan. None where any fails."""
-    problem = profile.facts.problem
-    if _renewed(profile, x, opts, False) is None:
+    kept: the checks of :func:`_again` (the program's bound tensors, the memory budget) and those
+    of the code (``codegen.Ready``), without a problem or a plan. None where any fails."""
+    problem, decision = profile.facts.problem, profile.facts.decision
+    if not _profile.fresh(problem.program, x, problem.__dict__.get("_check_key")):
+        return None
+    if _fits(*_sized(profile, problem), decision, opts, False) is None:
         return None
     z = x.detach() if x.requires_grad else x  # the code's key holds z's requires_grad (False)
     grad = torch.is_grad_enabled()
@@ -552,30 +554,23 @@ def _again(profile: _profile.Profile[JacobianEntry], f: Any, x: Tensor, opts: Op
     away (the generated probe code, [Generated code on the profile] in ``_probes/generated.py``).
     """
     problem, decision = profile.facts.problem, profile.facts.decision
-    budget = _renewed(profile, x, opts, out_given)
-    if budget is None:
+    check = problem.__dict__.get("_check_key")  # x's (shape, dtype, device): fixed by the profile's key
+    if not _profile.fresh(problem.program, x, check):  # a value f's captured program took changed: describe again
         return None
     plan = decision.plan
     # Taylor mode over the captured program never runs f nor writes its input: z may be x itself
     # (_problem.own_input copies it where a fallback runs f)
     p = again(problem, f, x, opts, problem.program is not None and not opts.create_graph and plan.loop is None
               and plan.mode == "forward" and plan.strategy == "broadcast" and problem.kind == "inputs")
-    if "_check_key" not in problem.__dict__:  # x's (shape, dtype, device): fixed by the profile's key
+    if check is None:
         problem.__dict__["_check_key"] = _profile.checked_key(x)
+    budget = _fits(*_sized(profile, p), decision, opts, out_given)
+    if budget is None:
+        return None
     decision.budget = budget
     if p.kind == "params":
         p.__dict__["runs"] = profile.runs
     return p, decision
-
-
-def _renewed(profile: _profile.Profile[JacobianEntry], x: Tensor, opts: Options, out_given: bool) -> Optional[int]:
-    """The memory budget of a repeated call of ``profile`` at ``x``, or None where the tensors its
-    captured program binds changed (describe again) or the result or the plan's workspace no
-    longer fits (:func:`_fits`)."""
-    problem = profile.facts.problem
-    if not _profile.fresh(problem.program, x, problem.__dict__.get("_check_key")):
-        return None
-    return _fits(*_sized(profile, problem), profile.facts.decision, opts, out_given)
 
 
 def _sized(profile: _profile.Profile[JacobianEntry], p: Problem) -> tuple[int, torch.device]:
