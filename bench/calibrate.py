@@ -35,7 +35,8 @@ from .grid import Case, _axes, fit_grid, probe_grid, regret_grid  # noqa: F401
 from .timing import placed, synced, use_device
 
 FIT_TERMS = ("call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
-             "dir_bytes", "dir_spill", "result", "seed", "calls", "fresh", "bias", "conv_out", "pages", "special", "pass_conv_out")
+             "dir_bytes", "dir_spill", "result", "seed", "calls", "fresh", "bias", "conv_out", "pages", "special", "pass_conv_out",
+             "conv_spill")
 
 
 def time_modes(case: Case, modes: Sequence[str], reps: int = 7, budget_s: float = 2.0,

@@ -11,7 +11,7 @@ from bench.calibrate import FIT_TERMS
 from jacmode._planning import calibrated, engines, memory, ntk, plan
 
 TERMS = {"call", "pass_ops", "vmap_ops", "pass_flops", "pass_conv", "pass_bytes", "dir_flops", "dir_conv",
-         "dir_bytes", "dir_spill", "result", "seed", "conv_out", "pages", "special"}
+         "dir_bytes", "dir_spill", "result", "seed", "conv_out", "conv_spill", "pages", "special"}
 
 
 def test_the_loader_and_the_data_file_agree() -> None:

@@ -184,16 +184,18 @@ def test_an_engine_that_does_not_fit_the_budget_says_so():
 
 
 def test_the_cost_terms_of_narrow_convolutions_transcendental_maps_and_fresh_results() -> None:
-    """A convolution's entries are counted per sample (its own term: narrow ones run far below their
-    flop rate), so are those of transcendental maps, and a result of FRESH_BYTES or more is priced
-    for its pages, a smaller one not."""
+    """A convolution's positions (spatial entries, whatever its channels) are counted per sample
+    (their own term: narrow ones run far below their flop rate), so are the entries of
+    transcendental maps, and a result of FRESH_BYTES or more is priced for its pages, a smaller one not."""
     from jacmode._planning import footprint as _footprint
     from jacmode._planning.calibrated import FRESH_BYTES
     from jacmode._planning.engines import fresh_pages
 
     conv = nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Tanh(), nn.Flatten(), nn.Linear(2 * 5 * 7, 3))
     fp = _footprint.measure(conv, torch.randn(4, 1, 5, 7), 4, hooked=[conv[3]])
-    assert fp.conv_out == 2 * 5 * 7 and fp.tail is not None and fp.tail.conv_out == 0.0
+    assert fp.conv_out == 5 * 7 and fp.tail is not None and fp.tail.conv_out == 0.0
+    wide = nn.Sequential(nn.Conv1d(3, 16, 3), nn.Flatten())  # (B, 16, 9): 9 positions, not 144 entries
+    assert _footprint.measure(wide, torch.randn(2, 3, 11), 2).conv_out == 9
     mlp = nn.Sequential(nn.Linear(3, 4))
     assert _footprint.measure(mlp, torch.randn(2, 3), 2).conv_out == 0.0
     # entries of transcendental maps: 8 of the GELU and 2 of the tanh per sample, not the ReLU's

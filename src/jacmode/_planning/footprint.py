@@ -5,7 +5,7 @@ The cost model and the memory planner need numbers per sample that the shapes al
 give: the floating-point work of one forward pass (counted with the formulas of
 ``torch.utils.flop_counter``'s registry, in the dispatch mode below rather than through
 ``FlopCounterMode``, whose module tracker hangs hooks on every module of the process: another
-thread's forward pass would run them): ``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate, and ``conv_out``, the entries they write), the entries of transcendental
+thread's forward pass would run them): ``flops`` of matmuls, ``conv_flops`` of convolutions, which run at another rate, and ``conv_out``, the positions they write: images x spatial entries), the entries of transcendental
 elementwise maps (``special``: a tanh or a GELU costs several times a ReLU per entry), the bytes of every tensor the pass
 produces (``act``: an upper bound of the tape that reverse mode keeps) and of the largest one
 (``peak``: what forward mode keeps alive at a time), and the number of aten calls (``ops``: the
@@ -58,7 +58,7 @@ class Footprint:
     act: float
     peak: float
     conv_flops: float = 0.0
-    conv_out: float = 0.0  # entries the convolutions write: narrow convolutions cost per entry, not per flop
+    conv_out: float = 0.0  # positions the convolutions write: narrow convolutions cost per position, not per flop
     special: float = 0.0  # entries of transcendental maps (tanh, gelu, exp, ...): several times a relu's each
     tail: Optional[Tail] = None  # measured with hooked modules (the probe engine's), else None
 
@@ -82,7 +82,7 @@ class _Counter(TorchDispatchMode):
             n = count(*args, **(kwargs or {}), out_val=out)
             if "conv" in str(func):
                 self.conv += n
-                self.conv_out += sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, Tensor))
+                self.conv_out += sum(_positions(t) for t in tree_flatten(out)[0] if isinstance(t, Tensor))
             else:
                 self.flops += n
         if func._overloadpacket.__name__ in SPECIAL:
@@ -94,6 +94,12 @@ class _Counter(TorchDispatchMode):
                     self.bytes += n
                     self.peak = max(self.peak, n)
         return out
+
+
+def _positions(t: Tensor) -> int:
+    """The positions (images x spatial entries) of a convolution's output ``(N, C, *spatial)``: a
+    narrow convolution's time is per position, whatever its few channels."""
+    return t.numel() // max(t.shape[1], 1) if t.dim() >= 3 else t.numel()
 
 
 _CACHE = WeakCache("footprints")

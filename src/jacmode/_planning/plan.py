@@ -11,7 +11,8 @@ direction, the estimated time is
         + S * (pass_flops * flops + pass_conv * conv + pass_bytes * act) * primal passes
         + S * (dir_flops * flops + dir_conv * conv + dir_bytes * act) * directions
         + S * dir_spill * act * directions * max(0, log2(bytes of one pass / SPILL_BYTES))
-        + S * conv_out * (entries the convolutions write) * (directions + primal passes)
+        + S * conv_out * (positions the convolutions write) * (directions + primal passes)
+        + S * conv_spill * (positions) * directions * max(0, log2(bytes of one pass / SPILL_BYTES))
         + S * special * (entries of transcendental maps: tanh, GELU, ...) * (directions + primal passes)
         + result * B*Y*N + pages * (bytes of a result of at least FRESH_BYTES)
         + seed * N*directions (a built one-hot seed, forward over a captured graph)
@@ -22,8 +23,9 @@ parameters, N/Y from 1/1000 to 1000/1, B from 1 to 1024) by ``python -m bench.ca
 live in ``_planning/calibrated.json`` (read by ``calibrated.py``). Small problems are dominated by the fixed and per-pass terms, large
 ones by the per-direction work, which costs more per byte as the activations of one pass outgrow
 the caches (``dir_spill``: logarithmic in the pass size above ``SPILL_BYTES``). Convolutions
-with few channels run far below their flop rate, so they also cost per entry written
-(``conv_out``); transcendental elementwise maps (tanh, sigmoid, GELU, SiLU, exp) cost several
+with few channels run far below their flop rate: they also cost per position written (images x
+spatial entries, whatever the channels: ``conv_out``), and more so once a pass outgrows the caches
+(``conv_spill``); transcendental elementwise maps (tanh, sigmoid, GELU, SiLU, exp) cost several
 times a ReLU per entry (``special``); and a result of ``FRESH_BYTES`` or more is new memory on every call, whose pages
 fault on first write (``pages``; a caller's ``out=`` avoids it). docs/modes.md
 shows the fitted constants, the crossover and the regret of the choice. The strategy fixes how
@@ -154,6 +156,7 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
         "dir_bytes": S * fp.act * directions,
         "dir_spill": S * fp.act * directions * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
         "conv_out": S * fp.conv_out * (directions + primal),
+        "conv_spill": S * fp.conv_out * directions * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
         "special": S * fp.special * (directions + primal),
         "result": float(p.batch * p.n_out * p.n_in),
         "pages": _engines.fresh_pages(p.batch * p.n_out * p.n_in, p.dtype.itemsize),
