@@ -4,6 +4,7 @@ create_graph through the generated code."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import warnings
 
@@ -273,3 +274,72 @@ def test_module_called_on_a_constant_follows_its_parameters():
     got = jm.partial(net, x, (1, 1))
     with interpreter():
         torch.testing.assert_close(got, jm.partial(net, x, (1, 1)), rtol=1e-12, atol=1e-12)
+
+
+class _Offset(nn.Module):
+    """A model whose forward makes a tensor without naming its device: it follows the default device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(2, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.fc(x)) + torch.ones(8, dtype=x.dtype))
+
+
+@pytest.mark.parametrize("context", ["block", "default"])
+def test_generated_code_runs_under_a_default_device_context(monkeypatch, context):
+    """Inside ``with torch.device(...)`` or after ``torch.set_default_device``, repeated calls run the
+    generated code (not the interpreter), equal to float64 torch.func; the context's devices are in
+    the code's key, so code made inside one is never taken outside it, and the reverse."""
+    from jacmode._capture import taylor
+    from jacmode._probes import layerwise
+
+    runs = {"taylor": 0, "probes": 0}
+    taylor_run, fill = taylor._run, layerwise.fill
+
+    def counted_run(*a, **k):
+        runs["taylor"] += 1
+        return taylor_run(*a, **k)
+
+    def counted_fill(*a, **k):
+        runs["probes"] += 1
+        return fill(*a, **k)
+
+    monkeypatch.setattr(taylor, "_run", counted_run)
+    monkeypatch.setattr(layerwise, "fill", counted_fill)
+    torch.manual_seed(3)
+    net = _Offset().double()
+    x = torch.rand(6, 2, dtype=torch.float64)
+    lap_want = torch.stack([torch.func.hessian(lambda z: net(z)[k])(x[b]).diagonal(dim1=-2, dim2=-1).sum(-1)
+                            for b in range(6) for k in range(2)]).reshape(6, 2)
+    jac_want = torch.vmap(torch.func.jacrev(net))(x)
+    params = dict(net.named_parameters())
+
+    def per_sample(p, xb):
+        return torch.func.functional_call(net, p, (xb.unsqueeze(0),)).squeeze(0)
+
+    rows = torch.vmap(torch.func.jacrev(per_sample), in_dims=(None, 0))(params, x)
+    par_want = torch.cat([rows[n].reshape(6, 2, -1) for n in params], dim=2)
+    outside = jm.laplacian(net, x)
+    ctx = torch.device("cpu") if context == "block" else contextlib.nullcontext()
+    if context == "default":
+        torch.set_default_device("cpu")
+    try:
+        with ctx:
+            assert codegen.modes() == (torch.device("cpu"),)
+            for _ in range(codegen.AFTER_CALLS + 2):
+                lap, jac = jm.laplacian(net, x), jm.jacobian(net, x)
+                par = jm.jacobian(net, x, wrt="params")
+            before = dict(runs)
+            lap, jac, par = jm.laplacian(net, x), jm.jacobian(net, x), jm.jacobian(net, x, wrt="params")
+            assert runs == before  # all three from generated code
+            made = _guard.scoped_call(net, (x,), {}, lambda: capture.program_for(net))
+            keys = [k for k, v in made._codegen.items() if callable(v)]
+            assert keys and all(k[-1] == (torch.device("cpu"),) for k in keys)
+    finally:
+        if context == "default":
+            torch.set_default_device(None)  # no default-device context, as before
+    assert codegen.modes() is None
+    for got, want in ((lap, lap_want), (jac, jac_want), (par, par_want), (jm.laplacian(net, x), outside)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -41,8 +41,10 @@ cost; a training loop makes thousands), or on the first one inside :func:`genera
 compiles it (:func:`jacmode._capture.compiled.compiled`). Generating costs about one interpreted
 call plus 0.1-0.3 s of tracing for the networks of the benchmarks, and once per process the
 import of torch's fake-tensor machinery (3-6 s on the loaded 2-core machine).
-Not while a torch function or dispatch mode of the caller's is active, under torch.func
-transforms, in inference mode, or while Dynamo traces (``traceable.py`` serves those calls).
+Not while a torch function or dispatch mode of the caller's is active (a default-device context,
+``with torch.device(...)`` or ``torch.set_default_device``, excepted: its devices are in the code's
+key, :func:`modes`), under torch.func transforms, in inference mode, or while Dynamo traces
+(``traceable.py`` serves those calls).
 ``ENABLED`` is the internal switch the tests flip to compare both paths.
 """
 
@@ -65,6 +67,11 @@ from . import bindings, rewrites
 from .bound import Source, _getter
 from . import taylor as _taylor
 from .program import Program, Step
+
+try:  # the mode behind ``with torch.device(...)`` and ``torch.set_default_device``
+    from torch.utils._device import DeviceContext as _DeviceContext
+except ImportError:  # pragma: no cover - another torch: such contexts interpret
+    _DeviceContext = None  # type: ignore[assignment,misc]
 
 ENABLED = True  # internal switch: False runs the interpreter always (tests compare the two)
 AFTER_CALLS = 3  # generate on this call of a signature (1: the first); see the note on first calls
@@ -184,13 +191,23 @@ def _frozen(a: Any) -> Any:
     return a
 
 
-def _modes_active() -> bool:
-    """A torch function or dispatch mode of the caller's is active (a flop counter, a tracer): the
-    interpreter runs under it as the user expects, a trace could not."""
+def modes() -> Any:
+    """The caller's torch function and dispatch modes, as generated code sees them: None, none is
+    active; a tuple of devices, default-device contexts alone (``with torch.device(...)``,
+    ``torch.set_default_device``), under which code runs as it was traced for the same devices (so
+    they are part of its key); True, another mode (a flop counter, a tracer), under which the
+    interpreter runs as the user expects and a trace could not."""
     try:
-        return bool(torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack())
+        if torch._C._len_torch_dispatch_stack():
+            return True
+        if not torch._C._is_torch_function_mode_enabled():
+            return None
+        stack = torch.overrides._get_current_function_mode_stack()
     except AttributeError:  # another torch
         return True
+    if _DeviceContext is None or not stack or any(type(m) is not _DeviceContext for m in stack):
+        return True
+    return tuple(getattr(m, "device", None) for m in stack)
 
 
 def _meta(t: Tensor) -> tuple:
@@ -200,8 +217,9 @@ def _meta(t: Tensor) -> tuple:
 def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args: Any) -> Tensor:
     """``taylor.<name>(program, z, in_shape, *args)``, from generated code where it applies."""
     interpret: Callable[..., Tensor] = getattr(_taylor, name)
+    active = modes()
     if (not ENABLED or torch.compiler.is_dynamo_compiling() or in_transform() or torch.is_inference_mode_enabled()
-            or z.layout != torch.strided or _modes_active()):
+            or z.layout != torch.strided or active is True):
         return interpret(program, z, in_shape, *args)
     mode = _MODE.get()
     layout = _layout(program)
@@ -211,7 +229,7 @@ def run(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *args
     grad = torch.is_grad_enabled()
     backend = None if mode is None else mode["backend"]
     key = (name, _frozen(args), in_shape, _meta(z), grad, backend, tuple(_meta(t) for t in tensors),
-           tuple(v if _scalar(v) else type(v) for v in values), layout.settings())
+           tuple(v if _scalar(v) else type(v) for v in values), layout.settings(), active)
     table: dict[tuple, Any] = program.__dict__.setdefault("_codegen", {})
     entry = table.get(key)
     if entry is None and len(table) >= MAX_SIGNATURES:
@@ -242,12 +260,12 @@ class Ready:
     """
 
     __slots__ = ("program", "layout", "code", "z_meta", "grad", "backend", "metas", "values", "same", "strides",
-                 "slots", "fast")
+                 "slots", "modes", "fast")
 
     def __init__(self, program: Program, layout: _Layout, code: Callable[..., Tensor], z_meta: tuple, grad: bool,
                  backend: Optional[str], metas: tuple, values: tuple, settings: tuple,
-                 same: Optional[tuple[Tensor, ...]] = None) -> None:
-        self.program, self.layout, self.code = program, layout, code
+                 same: Optional[tuple[Tensor, ...]] = None, active: Any = None) -> None:
+        self.program, self.layout, self.code, self.modes = program, layout, code, active
         self.z_meta, self.grad, self.backend, self.metas = z_meta, grad, backend, metas
         self.values = (values, settings)
         # the tensors, where the caller vouches for all but their strides while they are these objects
@@ -274,7 +292,8 @@ class Ready:
                      _grad=torch.is_grad_enabled, _MODE=_MODE, _code=self.code, _checked=self.checked)
         emit, const = src.emit, src.const
         shape, stride, dtype, device, requires_grad = self.z_meta
-        emit(f"if not _cg.ENABLED or _compiling() or _cg._modes_active() or _grad() is not {self.grad}: return None")
+        same_modes = "_cg.modes() is not None" if self.modes is None else f"_cg.modes() != {const(self.modes)}"
+        emit(f"if not _cg.ENABLED or _compiling() or {same_modes} or _grad() is not {self.grad}: return None")
         emit("mode = _MODE.get()")
         emit(f"if (None if mode is None else mode['backend']) != {const(self.backend)}: return None")
         emit(f"if z.shape != {const(shape)} or z.stride() != {const(stride)} or z.dtype is not {const(dtype)} or "
@@ -293,7 +312,7 @@ class Ready:
 
     def checked(self, z: Tensor) -> Optional[Tensor]:
         """:meth:`__call__`, checked by the general code (any reading steps and tensors)."""
-        if not ENABLED or torch.compiler.is_dynamo_compiling() or _modes_active() or torch.is_grad_enabled() is not self.grad:
+        if not ENABLED or torch.compiler.is_dynamo_compiling() or modes() != self.modes or torch.is_grad_enabled() is not self.grad:
             return None
         mode = _MODE.get()
         if (None if mode is None else mode["backend"]) != self.backend or _meta(z) != self.z_meta:
@@ -336,8 +355,9 @@ def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *ar
     before every call of the result for as long as they are the same objects (a profile's
     parameters, whose key holds them): where the program reads only such tensors, the result
     compares their identity and strides instead of all their metadata."""
+    active = modes()
     if (not ENABLED or torch.compiler.is_dynamo_compiling() or in_transform() or torch.is_inference_mode_enabled()
-            or z.layout != torch.strided or _modes_active() or _MODE.get() is not None):
+            or z.layout != torch.strided or active is True or _MODE.get() is not None):
         return None
     layout = _layout(program)
     values, tensors = layout.read(program)
@@ -347,7 +367,7 @@ def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *ar
     metas = tuple(_meta(t) for t in tensors)
     scalars = tuple(v if _scalar(v) else type(v) for v in values)
     settings = layout.settings()
-    key = (name, _frozen(args), in_shape, _meta(z), grad, None, metas, scalars, settings)
+    key = (name, _frozen(args), in_shape, _meta(z), grad, None, metas, scalars, settings, active)
     table = program.__dict__.get("_codegen", {})
     entry = table.get(key)
     if isinstance(entry, str) or (entry is None and len(table) >= MAX_SIGNATURES):
@@ -355,7 +375,7 @@ def ready(name: str, program: Program, z: Tensor, in_shape: tuple[int, ...], *ar
     if not callable(entry):
         return None
     same = tuple(tensors) if tensors and all(id(t) in vouched for t in tensors) else None
-    return Ready(program, layout, entry, _meta(z), grad, None, metas, scalars, settings, same)
+    return Ready(program, layout, entry, _meta(z), grad, None, metas, scalars, settings, same, active)
 
 
 def _generate(name: str, program: Program, layout: _Layout, values: list[Any], tensors: list[Tensor], z: Tensor,

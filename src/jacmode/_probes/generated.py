@@ -43,7 +43,8 @@ third call of a signature (``codegen.AFTER_CALLS``) where the result is at most
 ``codegen.generated(backend)``, which also compiles it: with Inductor straight from the graph
 (``torch._inductor.compile``; at B = 2 Dynamo's guards on every call would cost more than the
 kernels, and the key above is the guard). Not under a torch.func transform, inference
-mode, Dynamo, a caller's torch function or dispatch mode, or with grad enabled
+mode, Dynamo, a caller's torch function or dispatch mode (a default-device context excepted:
+``codegen.modes``, in the key), or with grad enabled
 (``create_graph``): the interpreted engine serves those calls, as it serves any refused one.
 """
 
@@ -114,7 +115,8 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
              for n, t in d.items() if t is not None]
     backend = None if mode is None else mode["backend"]
     key = (tuple(n for n, _ in named), _meta(x), None if out is None else _meta(out), shape, dtype, device,
-           repeat, backend, tuple((n, _meta(t)) for n, t in slots), codegen._layout(program).settings())
+           repeat, backend, tuple((n, _meta(t)) for n, t in slots), codegen._layout(program).settings(),
+           codegen.modes())
     table: dict[tuple, Entry] = program.__dict__.setdefault("_probe_codegen", {})
     entry = table.get(key)
     if entry is None and len(table) >= MAX_SIGNATURES:
@@ -149,7 +151,7 @@ class _Hot:
     modules' scalar attributes and the tensors the program binds. :meth:`run` is generated once per code:
     those checks and the call as straight-line Python (:func:`_hot_run`)."""
 
-    __slots__ = ("guards", "refs", "layout", "x", "out", "backend", "tensors", "settings", "code", "run")
+    __slots__ = ("guards", "refs", "layout", "x", "out", "backend", "tensors", "settings", "modes", "code", "run")
 
     def __init__(self, program: Any, refs: list[tuple[dict[str, Any], str]], layout: Any, x: Tensor,
                  out: Optional[Tensor], backend: Any, tensors: list[Tensor], code: Callable[..., Tensor]) -> None:
@@ -157,7 +159,7 @@ class _Hot:
         self.refs, self.layout, self.backend, self.code = refs, layout, backend, code
         self.x, self.out = _placed(x), None if out is None else _placed(out)
         self.tensors = [(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors]
-        self.settings = layout.settings()
+        self.settings, self.modes = layout.settings(), codegen.modes()
         self.run: Callable[[Tensor, Optional[Tensor]], Optional[Tensor]] = _hot_run(self)
 
 
@@ -167,8 +169,9 @@ def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]
     reads it, and its requires_grad; each leaf module's number of attributes and scalar settings
     (as ``codegen._Layout.settings``: equal); the tensors the program binds, by their ``fresh``
     (Python values it froze are the generation's: ``_guard.py``)."""
-    src = Source("run(x, out)", _MODE=codegen._MODE, _code=hot.code)
+    src = Source("run(x, out)", _MODE=codegen._MODE, _code=hot.code, _modes=codegen.modes)
     emit, const = src.emit, src.const
+    emit("if _modes() is not None: return None" if hot.modes is None else f"if _modes() != {const(hot.modes)}: return None")
     emit("mode = _MODE.get()")
     emit(f"if (None if mode is None else mode['backend']) != {const(hot.backend)}: return None")
     emit(f"if x.stride() != {const(hot.x[0])} or x.storage_offset() != {hot.x[1]}: return None")
@@ -192,7 +195,7 @@ def _hot_run(hot: _Hot) -> Callable[[Tensor, Optional[Tensor]], Optional[Tensor]
 
 def _applies(x: Tensor, out: Optional[Tensor]) -> bool:
     return (ENABLED and codegen.ENABLED and not torch.compiler.is_dynamo_compiling() and not in_transform()
-            and not torch.is_inference_mode_enabled() and not codegen._modes_active() and x.layout == torch.strided
+            and not torch.is_inference_mode_enabled() and codegen.modes() is not True and x.layout == torch.strided
             and (out is None or out.layout == torch.strided))
 
 
@@ -204,7 +207,7 @@ def rerun(hot: "_Hot", x: Tensor, out: Optional[Tensor]) -> Optional[Tensor]:
     Of :func:`jacobian`'s conditions the profile's key holds the torch.func transforms, inference
     mode and the layouts of x and ``out`` (the code was made where they allowed it); the rest are
     checked here."""
-    if not (ENABLED and codegen.ENABLED) or torch.compiler.is_dynamo_compiling() or codegen._modes_active():
+    if not (ENABLED and codegen.ENABLED) or torch.compiler.is_dynamo_compiling():
         return None
     grad = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)
