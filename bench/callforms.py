@@ -1,6 +1,6 @@
 """The PINN training step written ``u(x, t)`` against the same residual with one concatenated input.
 
-Benchmark tooling, not part of the package (issue 18's target: the ``u(x, t)`` step <= 1.05x the
+Benchmark tooling, not part of the package (target: the ``u(x, t)`` step <= 1.05x the
 concatenated one). Heat equation u_t = nu u_xx, B = 10,000 collocation points, a tanh MLP
 2 -> 64 -> 64 -> 1, float32, one torch thread. One step: u_t and u_xx from one ``partials`` call
 with ``create_graph=True``, the residual's mean square, ``backward``. Both forms run interleaved

@@ -1,4 +1,4 @@
-"""The cost of a repeated call around its engine, side by side in one run (issue 19's targets).
+"""The cost of a repeated call around its engine, side by side in one run (target: fixed cost <= 50 us).
 
 For each entry point: the median time of a repeated identical eager call, of the same call through
 its transform (``jm.transform``), and of its engine alone (no checks, no state guard, no lookup):

@@ -1,7 +1,7 @@
-"""The work of a repeated call around its engine, counted: Python and C function calls (issue 19).
+"""The work of a repeated call around its engine, counted: Python and C function calls.
 
 A deterministic companion of ``bench/callpath.py``, whose timings a loaded machine blurs: for each
-entry point of issue 19's fixed-cost target, the number of Python frames and C calls
+entry point with a fixed-cost target (<= 50 us), the number of Python frames and C calls
 (``sys.setprofile``) that one repeated identical call makes outside its engine (``execute``,
 the generated code's ``codegen.run``, ``per_sample_grads_layers``, each counted as one call).
 Attribute reads of tensors (shape, dtype, device) are not calls and do not count.

@@ -1,4 +1,4 @@
-"""Generated code and torch.compile for the Taylor engine, side by side (issue 19).
+"""Generated code and torch.compile for the Taylor engine, side by side.
 
 Variants, timed round-robin in one run (medians, 1 thread by default):
   interp  -- today's engine: the captured program interpreted op by op (codegen.ENABLED = False)

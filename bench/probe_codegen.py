@@ -1,4 +1,4 @@
-"""Generated probe code for problem 1's parameter Jacobian (issue 19), side by side in one run.
+"""Generated probe code for problem 1's parameter Jacobian, side by side in one run.
 
 Problem 1's ``MLP(784, 20, 10)``, ``jacobian(wrt="params")`` at B = 2 (and B = 64): the hand-derived
 rule, the eager call and its transform (interpreted probe engine, generated code, generated code

@@ -6,7 +6,7 @@ the median CPU time (``time.process_time``) of each and their ratio.
 
     PYTHONPATH=src python bench/products_vector.py [--repeats 31]
 
-Rows (the targets of issue 18):
+Rows and their targets:
 
 * ``hvp inputs``: tanh MLP D = 100 -> 1, B = 1024, float64: ``jm.hvp(f, x, v)`` (H_b v_b) against
   forming the per-sample Hessian with jacmode, ``jm.hessian(f, x)`` (B, D, D), and contracting it

@@ -2,14 +2,14 @@
 
 Benchmark tooling, not part of the package. One torch thread; the methods are timed round-robin
 (a load spike on the shared machine hits all of them alike) and the medians printed, with the
-ratios to ``torch.empty(B, P).fill_(1.0)`` (the target of issue 19: <= 1.5x at B = 512) and the
+ratios to ``torch.empty(B, P).fill_(1.0)`` (the target: <= 1.5x at B = 512) and the
 page faults each call paid.
 
     PYTHONPATH=src:. python -m bench.psg_floor [--repeats 200] [--batch 512] [--parts] [--jacobians]
         [--traced] [--clock wall|cpu] [--unpinned]
 
 Rows: ``after`` is ``jm.per_sample_grads(m, x, ce, y=y)`` as it is; ``before`` the same call with
-the probe engine's steps as they were before issue 19's work on them (a probed forward on a copy
+the probe engine's steps in their earlier form (a probed forward on a copy
 of x, ``autograd.grad`` of the loss to the output, then a second reverse pass from the output to
 the probes; the blocks written in forward order, each Linear's weight before its bias), swapped
 in for the timed call only (the probed forward itself is today's). ``--parts`` adds the probed
@@ -53,12 +53,12 @@ NEW_WRITE, NEW_LINEAR_WRITE = layerwise.write, LinearRule.write
 
 
 # The "before" baselines below are frozen copies of the old code (layerwise.write, LinearRule.write and
-# the two-pass probe step as they were before issue 19), kept on purpose for the before/after rows:
+# the two-pass probe step in their earlier form), kept on purpose for the before/after rows:
 # they repeat lines of the current engine and must not be replaced by calls to it.
 
 
 def before_write(rec, Gs, cov, named, result):
-    """``layerwise.write`` before issue 19's work: the calls in forward order."""
+    """``layerwise.write`` in its earlier form: the calls in forward order."""
     batch, k = result.shape[0], result.shape[1]
     cols, shapes = layerwise.columns(named), {n: p.shape for n, p in named}
     seen = set()
@@ -77,7 +77,7 @@ def before_write(rec, Gs, cov, named, result):
 
 
 def before_linear_write(self, module, inputs, G, targets, accumulate):
-    """``LinearRule.write`` before issue 19's work: the weight, then the bias."""
+    """``LinearRule.write`` in its earlier form: the weight, then the bias."""
     a, g = self._factors(inputs, G)
     w = targets.get("weight")
     if w is not None and not accumulate and a.shape[1] == 1:
@@ -105,7 +105,7 @@ def as_before(fn):
 
 
 def before_layers(model, cov, x, losses, named, result, clone=True):
-    """The probe step before issue 19's work: two reverse passes, the model on a copy of x."""
+    """The probe step in its earlier form: two reverse passes, the model on a copy of x."""
     with torch.enable_grad():
         rec = probes.record(model, x, cov)
         loss = losses(rec.output)

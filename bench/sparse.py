@@ -1,4 +1,4 @@
-"""Sparse Jacobians and Hessians against dense torch.func, side by side in one run (issue 21).
+"""Sparse Jacobians and Hessians against dense torch.func, side by side in one run.
 
 Measures, on one CPU thread:
 

@@ -1,4 +1,4 @@
-"""The 2-D Brusselator residual of bench/sparse.py written in JAX, timed with asdex (issue 21).
+"""The 2-D Brusselator residual of bench/sparse.py written in JAX, timed with asdex.
 
 Measures on this CPU, one thread: asdex's detection + colouring (``jacobian_coloring``, cold: a
 fresh function each repeat) and a repeated jitted evaluation of ``jacobian_from_coloring``, at

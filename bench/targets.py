@@ -100,7 +100,7 @@ def main() -> None:
     torch.manual_seed(0)
     ONLY = sys.argv[2].split(",") if len(sys.argv) > 2 else None
 
-    # ---- issue 10
+    # ---- section 10: input derivatives by graph capture
     if section("10"):
         for label, net in (("NetX class", NetX()), ("Sequential twin", time_mlp_sequential())):
             t = torch.linspace(0, 10, 100_000).unsqueeze(1)
@@ -161,7 +161,7 @@ def main() -> None:
             ">= 3x",
         )
 
-    # ---- issue 11
+    # ---- section 11: parameter Jacobians by probes
     if section("11"):
         from bench import baselines as bl
 
@@ -263,7 +263,7 @@ def main() -> None:
             ">= 2x",
         )
 
-    # ---- issue 13
+    # ---- section 13: per-sample gradients, NTK, GGN
     if section("13"):
         m = MLP(784, 20, 10)
         x = torch.rand(512, 784)

@@ -1,5 +1,5 @@
-"""Several arguments, pytrees, keyword arguments and has_aux for every inputs-side entry point
-(issue 18), against float64 torch.func oracles: jacrev / jacfwd / hessian with ``argnums`` and
+"""Several arguments, pytrees, keyword arguments and has_aux for every inputs-side entry point,
+against float64 torch.func oracles: jacrev / jacfwd / hessian with ``argnums`` and
 ``has_aux``, ``vmap`` with ``in_dims``."""
 
 from __future__ import annotations

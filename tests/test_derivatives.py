@@ -355,7 +355,7 @@ def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="structure: 'diagonal' does not apply"):
         jm.laplacian(net, x, structure="diagonal")
     with pytest.raises(ValueError, match="structure: expected one of"):
-        jm.hessian(net, x, structure="banded")  # "sparse" is valid since issue 21
+        jm.hessian(net, x, structure="banded")  # "sparse" is a valid structure
     with pytest.raises(ValueError, match="chunk_size: expected a positive number"):
         jm.laplacian(net, x, chunk_size=0)
     with pytest.raises(TypeError, match="create_graph: expected True or False"):

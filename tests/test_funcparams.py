@@ -1,4 +1,4 @@
-"""Functional parameters (issue 18): ``wrt=params_dict``, ``fn(params, x)`` with broadcast params, ensembles.
+"""Functional parameters: ``wrt=params_dict``, ``fn(params, x)`` with broadcast params, ensembles.
 
 Every result is compared with a float64 torch.func oracle that evaluates the same
 ``functional_call`` sample by sample (``vmap(jacrev(...), in_dims=(None, 0))``, ``vmap(grad(...))``)

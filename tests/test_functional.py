@@ -1,4 +1,4 @@
-"""The fast engines differentiate the tensors f actually uses (issue 17, item 1).
+"""The fast engines differentiate the tensors f actually uses.
 
 Parameters handed in through ``torch.func.functional_call`` (or torch.nn.utils.stateless's), closure
 and global tensors rebound between calls, torch.func transforms around a jacmode call, and a
@@ -191,7 +191,7 @@ def test_functional_sgd_trains_as_torch_func_does() -> None:
     assert curves[0] == pytest.approx(curves[1], rel=1e-8)
 
 
-# Closures and globals rebound between calls (issue 17 item 1.2).
+# Closures and globals rebound between calls.
 
 W_GLOBAL = torch.randn(2, 3, dtype=DT)
 

@@ -1,4 +1,4 @@
-"""Sample independence is established, not assumed (issue 17, item 4).
+"""Sample independence is established, not assumed.
 
 Every coupling along dim 0, causal (cumsum, z - z[:1], an RNN run over dim 0), anti-causal or
 through batch statistics (x - x.mean(0), BatchNorm in training mode), raises CoupledBatchError in

@@ -1,4 +1,4 @@
-"""Inputs that used to give torch's raw errors: inference mode, 0-d points, tuples (issue 17)."""
+"""Inputs that used to give torch's raw errors: inference mode, 0-d points, tuples."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ PARAMS_TUPLE = r"x: got a (tuple|list) of 2 items, which jm.jacobian\(model, x, 
 
 
 def test_several_tensors_are_a_pytree_argument_or_told_the_real_fix() -> None:
-    """One tuple, list or dict of tensors is one pytree argument, as in torch.func (issue 18); for
+    """One tuple, list or dict of tensors is one pytree argument, as in torch.func; for
     parameters, a tuple or list is refused with the several-arguments spelling."""
     x, mask = torch.randn(4, 3, dtype=torch.float64), torch.rand(4, 3, dtype=torch.float64)
     f = lambda xs: xs[0] * torch.sin(xs[1])  # noqa: E731

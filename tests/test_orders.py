@@ -1,4 +1,4 @@
-"""Exact at every order (issue 17, item 3): torch's wrong higher derivatives never reach a result.
+"""Exact at every order: torch's wrong higher derivatives never reach a result.
 
 Every reference here is independent of jacmode and of torch's formulas for the op under test:
   * ``fd``: float64 central finite differences of values (Richardson-extrapolated), no derivative

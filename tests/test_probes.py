@@ -190,7 +190,7 @@ def test_stale_input_detected_and_rules_leave_room() -> None:
     model = Mut()
     rec = record(model, torch.randn(2, 2), coverage(model, list(model.named_parameters())))
     assert rec.calls[0].stale
-    assert has(rec.calls[0].rule, "gram")  # Linear defines the NTK product (issue 13); convolutions do not
+    assert has(rec.calls[0].rule, "gram")  # Linear defines the NTK product; convolutions do not
     assert not has(rule_for(nn.Conv2d(1, 1, 1)), "gram")
 
 

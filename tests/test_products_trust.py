@@ -1,4 +1,4 @@
-"""Issue 17, item 2 and the products' raw errors: dtypes, token ids, embeddings, recurrent layers,
+"""Raw torch errors of the products and parameter Jacobians: dtypes, token ids, embeddings, recurrent layers,
 torch's loss modules and tuples that are not data sets.
 
 Every expectation is a float64 oracle written with plain ``torch.autograd.grad`` loops over

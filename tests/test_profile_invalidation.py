@@ -1,4 +1,4 @@
-"""The repeated call's shortcuts keep every answer exact (issue 19, the fixed cost of a repeated call).
+"""The repeated call's shortcuts keep every answer exact (they cut the fixed cost of a repeated call).
 
 A repeated call walks its modules once for the profile's key and the state guard
 (``_profile.walked``), remembers validated options (``_checks.check_options``) and its transform by

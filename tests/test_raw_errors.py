@@ -1,4 +1,4 @@
-"""Raw torch errors on recurrent layers and BatchNorm become results or clear errors (issue 17).
+"""Raw torch errors on recurrent layers and BatchNorm become results or clear errors.
 
 * nn.LSTM in float32 on CPU runs mkldnn's kernel, which keeps no workspace for its backward when
   grad mode is off; the reverse engines used to run torch.func.vjp under torch.no_grad() and

@@ -1,4 +1,4 @@
-"""jacmode called inside torch.func transforms: exact, or a clear error (issue 17 follow-ups).
+"""jacmode called inside torch.func transforms: exact, or a clear error.
 
 Every entry point runs with ``create_graph=False`` (the default) inside ``grad``, ``jacrev``,
 ``jacfwd`` and ``vmap`` (see the note in ``_transforms.py``), on a model torch.fx traces (the

@@ -31,8 +31,8 @@ Out = Union[Tensor, np.ndarray]
 def is_batches(x: Any, name: str = "x") -> bool:
     """Whether ``x`` is a data set (an iterable of batches) rather than one tensor.
 
-    A tuple or list holding tensors is neither: a TypeError says how to pass it (issue 17: a
-    model's ``(x, mask)`` was read as a data set of two batches).
+    A tuple or list holding tensors is neither: a TypeError says how to pass it (otherwise a
+    model's ``(x, mask)`` would be read as a data set of two batches).
     """
     _checks.check_not_arguments(x, name)
     return not isinstance(x, (Tensor, str, bytes, dict)) and hasattr(x, "__iter__")

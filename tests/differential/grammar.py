@@ -7,7 +7,7 @@ the model spec into a module. Every block has two spellings of the same function
 sees (modules, torch functions, methods, fused norms, as users write them) and a decomposition
 into primitive ops that the float64 oracle differentiates (``primitive=True``), so the oracle
 never leans on torch's own higher-order formulas of a fused op (wrong above order 1 for
-LayerNorm, see issue 17).
+LayerNorm).
 
 The grammar only draws cases whose answer is defined: either a number (a float64 torch.func /
 autograd oracle exists) or an error that jacmode must raise (coupled samples, integer inputs
@@ -480,7 +480,7 @@ def _conventions(entry: str, options: dict, head: str) -> list[str]:
     return conv
 
 
-# Call forms of several arguments (issue 18): x (B, d) of a flat head is cut into pieces along its
+# Call forms of several arguments: x (B, d) of a flat head is cut into pieces along its
 # columns, each a positional argument p0, p1, ... of f (the last one possibly a keyword argument);
 # argnums picks the differentiated ones (the others are batched riders), dims and terms name
 # coordinates by argument name, by (name, i) or count them flat in the differentiated arguments;

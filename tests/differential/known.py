@@ -1,7 +1,7 @@
 """Known bugs: the cases the harness expects to fail until their fixes are merged.
 
-Each entry is a predicate over the drawn case, the letter of the branch that fixes it (issue 17:
-A functional_call and torch.func params, B integer inputs / losses / RNN per-sample grads,
+Each entry is a predicate over the drawn case, the letter of the branch that fixes it (A
+functional_call and torch.func params, B integer inputs / losses / RNN per-sample grads,
 C torch's wrong higher derivatives of norms, D coupling and inference_mode, NEW found by this
 harness) and one line saying what goes wrong. A failing case that matches an entry is counted as
 known instead of failing the run; a matching case that passes is counted too ("known but

@@ -70,7 +70,7 @@ def test_every_drawn_case_is_exact_or_a_clear_error(case: G.Case) -> None:
 @settings(max_examples=max(50, CI_EXAMPLES // 5), derandomize=True, **RELAXED)
 @given(G.cases(forms=True))
 def test_every_drawn_call_form_is_exact_or_a_clear_error(case: G.Case) -> None:
-    """Call forms of several arguments only (issue 18): the main draw reaches them in a few percent of cases."""
+    """Call forms of several arguments only: the main draw reaches them in a few percent of cases."""
     judge(case)
 
 
