@@ -1,8 +1,8 @@
 """The targets of per_sample_grads, ntk and ggn on problem 1's class, side by side in one process.
 
 ``python -m bench.bench_products [--rounds N] [--markdown PATH] [--memory]`` times, with one
-thread, every method of each target in interleaved rounds (medians), prints the ratios the issue
-asks for, and with ``--memory`` the peak resident memory above the set-up of each method, each in a
+thread, every method of each target in interleaved rounds (medians), prints the ratios its targets
+are set on, and with ``--memory`` the peak resident memory above the set-up of each method, each in a
 fresh process. The asv suite ``bench_products.py`` times the same callables.
 
 Example:

@@ -2,7 +2,7 @@
 
 A conv-conv-linear CNN, a residual MLP with GELU and LayerNorm, and a small transformer encoder
 layer with a linear head: classes with a ``forward`` and functional calls, not ``nn.Sequential``.
-``MODELS`` maps a name to (builder, per-sample input shape, batch size B of the issue's target).
+``MODELS`` maps a name to (builder, per-sample input shape, batch size B of its target).
 """
 
 from __future__ import annotations

@@ -68,11 +68,11 @@ def med(fn, reps=None, budget=1.5):
 rows = []
 
 
-def row(issue, what, a, b, target):
+def row(section_no, what, a, b, target):
     if callable(a):
         a, b = pair(a, b)
-    rows.append((issue, what, a, b, a / b, target))
-    print(f"{issue:>3} | {what:<60} | {a:9.3f} | {b:9.3f} | {a / b:6.2f}x | {target}", flush=True)
+    rows.append((section_no, what, a, b, a / b, target))
+    print(f"{section_no:>3} | {what:<60} | {a:9.3f} | {b:9.3f} | {a / b:6.2f}x | {target}", flush=True)
 
 
 def section(name):

@@ -60,7 +60,7 @@ class Case:
     """A zoo entry.
 
     ``build()`` returns (model, x) (cast to float64 by the runner). ``expect`` maps call labels to
-    outcomes; unlisted labels must be correct. ``gaps`` maps labels that the issue asks to be
+    outcomes; unlisted labels must be correct. ``gaps`` maps labels that should be
     correct, but that the library does not get right yet, to (the exception raised today, why);
     their tests are strict xfails, so they turn red, to be removed, once a fix lands.
     """

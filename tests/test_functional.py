@@ -171,7 +171,7 @@ def test_stateless_functional_call(net: nn.Module, x: Tensor) -> None:
 
 
 def test_functional_sgd_trains_as_torch_func_does() -> None:
-    """The issue's example: 20 functional SGD steps on a PINN-style loss over jm.laplacian."""
+    """20 functional SGD steps on a PINN-style loss over jm.laplacian."""
     torch.manual_seed(3)
     net = mlp(2, 1, width=16)
     x = torch.randn(32, 2, dtype=DT)
