@@ -16,7 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 import jacmode as jm
 from conftest import assert_unchanged, ref_param_jacobian, snapshot
 from jacmode._streams.batches import LocalPieces, check_split
-from jacmode._streams.pages import file_backed, release
+from jacmode._streams.pages import file_region, release
 from bench.baselines import MLP, NetX
 
 N = 23
@@ -82,7 +82,7 @@ def test_memmap_out_holds_the_whole_data_set(problem, tmp_path, as_tensor: bool)
     path = str(tmp_path / "J.npy")
     mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float64, shape=tuple(ref.shape))
     out = torch.from_numpy(mm) if as_tensor else mm
-    assert file_backed(torch.from_numpy(mm)) and not file_backed(torch.empty(100))
+    assert file_region(torch.from_numpy(mm)) is not None and file_region(torch.empty(100)) is None
     jm.jacobians(net, iter(x.split(4)), out=out)
     del out, mm
     torch.testing.assert_close(torch.from_numpy(np.load(path)), ref, rtol=1e-10, atol=1e-12)

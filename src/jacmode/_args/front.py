@@ -73,11 +73,6 @@ def finish(call: Call, result: Any) -> Any:
     return (result, call.aux()) if call.has_aux else result
 
 
-def accepts_one(f: Any) -> Optional[bool]:
-    """Whether f takes exactly one positional argument (None when its signature is unknown)."""
-    return _positional(f)[1]
-
-
 def legacy_trailing(f: Any, args: tuple[Any, ...], given: bool, looks: Callable[[Any], bool], option: str,
                     example: str) -> tuple[tuple[Any, ...], Any]:
     """Split the one-argument call ``ep(f, x, <option>)`` of the derivative operators (``order``,
@@ -90,7 +85,7 @@ def legacy_trailing(f: Any, args: tuple[Any, ...], given: bool, looks: Callable[
     """
     if given or len(args) != 2:
         return args, None
-    one = _positional(f)[1]  # accepts_one, without its own call (every call of the one-argument form asks)
+    one = _positional(f)[1]  # whether f takes exactly one positional argument (None: unknown)
     if one is True:  # f takes one argument: the last one is the option, whatever it is (checked later)
         return args[:1], args[1]
     if not looks(args[1]) or (option != "terms" and any(isinstance(v, Tensor) for v in tree_flatten(args[1])[0])):

@@ -130,11 +130,6 @@ def union(parts: Sequence[Rows], n: int) -> Rows:
     return _from_keys(keys, m, n)
 
 
-def union_rows(rows: Rows) -> Index:
-    """The union of all sets (sorted)."""
-    return unique(rows.idx)
-
-
 # --- second order: pairs (i, j) of inputs, stored as sorted keys i * n + j (both orders) ---
 
 

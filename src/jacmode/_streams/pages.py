@@ -51,11 +51,6 @@ def file_region(t: Tensor) -> Optional[tuple[str, int]]:
     return None
 
 
-def file_backed(t: Tensor) -> bool:
-    """Whether all of ``t``'s memory lies in one shared mapping of a regular file (Linux)."""
-    return file_region(t) is not None
-
-
 class FileWriter:
     """Writes contiguous rows of a file-backed tensor with ``os.pwrite`` (see the NOTE).
 
