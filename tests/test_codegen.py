@@ -343,3 +343,24 @@ def test_generated_code_runs_under_a_default_device_context(monkeypatch, context
     assert codegen.modes() is None
     for got, want in ((lap, lap_want), (jac, jac_want), (par, par_want), (jm.laplacian(net, x), outside)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_code_made_outside_a_device_context_is_not_taken_inside_it():
+    """A forward that makes a tensor without naming its device follows the default device: inside
+    ``with torch.device("meta")`` it fails as the eager model does, on every call, though code made
+    outside exists; outside again the results are as before."""
+    torch.manual_seed(4)
+    net, x = _Offset().double(), torch.rand(5, 2, dtype=torch.float64)
+    calls = (lambda: jm.laplacian(net, x), lambda: jm.jacobian(net, x), lambda: jm.jacobian(net, x, wrt="params"))
+    for _ in range(codegen.AFTER_CALLS + 2):
+        before = [call() for call in calls]
+    with torch.device("meta"):
+        with pytest.raises(RuntimeError, match="meta") as eager:
+            net(x)
+        for _ in range(3):
+            for call in calls:
+                with pytest.raises(RuntimeError, match="meta") as got:
+                    call()
+                assert str(got.value) == str(eager.value)
+    for call, want in zip(calls, before):
+        torch.testing.assert_close(call(), want, rtol=1e-12, atol=1e-12)
