@@ -111,9 +111,9 @@ NOT_CACHES: dict[str, str] = {
     "jacmode._planning.engines.WHAT": _CONSTANT,
     "jacmode._planning.footprint.flop_registry": "torch's table of flop formulas (imported)",
     "jacmode._transform._SPECS": "the entry points' specs: registered at import (and derived from the signature alone)",
-    "jacmode._transform._TOKENS": "interned option sets -> the token in profile keys, which live Transformed objects "
-                                  "hold: numbered by its length, so clearing it would give a new option set a token "
-                                  "in use (plain values only, a few per entry point)",
+    "jacmode._profile._TOKENS": "interned option sets -> the token in profile keys, which live Transformed objects "
+                                "and the entry points' fixed tokens hold: numbered by its length, so clearing it "
+                                "would give a new option set a token in use (plain values only, a few per entry point)",
     "jacmode._transform._DATA": _CONSTANT,
     "jacmode._jacobian._DEFAULTS": "jacobian's option defaults (for the token), fixed",
     "jacmode._jacobian._NO_DATA": _NO_ARGS,

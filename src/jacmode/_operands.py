@@ -427,8 +427,8 @@ def _hit(f: Any, x: Tensor, opts: Options, found: _profile.Profile[TargetEntry])
 
 
 # the derivative operators' targets in profile keys: one token per structure and create_graph
-_TARGET_TOKEN = {(s, g): -1 - i for i, (s, g) in enumerate(
-    (s, g) for s in ("auto", "independent", "coupled", "diagonal") for g in (False, True))}
+_TARGET_TOKEN = {(s, g): _profile.token("derivative operator target", {"structure": s, "create_graph": g})[0]
+                 for s in ("auto", "independent", "coupled", "diagonal") for g in (False, True)}
 
 
 def _widest(f: Any) -> int:

@@ -292,7 +292,7 @@ def per_sample_grads(
 
 _ATTENTION = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.TransformerEncoder,
               nn.TransformerDecoder, nn.Transformer)
-_PSG_TOKEN = -100  # per_sample_grads' profiles: the options are in the key's call part
+_PSG_TOKEN = _profile.token("per_sample_grads", {"options": "in the key's call part"})[0]
 
 
 @dataclasses.dataclass(frozen=True)

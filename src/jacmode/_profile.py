@@ -11,7 +11,8 @@ first-call cache (``_coupling``, capture, coverage, footprint, fallback, autotun
 
 The key is built in one place, :func:`key`, from
 
-* the transform's options (a small integer per distinct, validated set of options, ``token``),
+* the entry point and its options (:func:`token`: one small integer per entry point, or path of
+  one, and distinct set of plain option values, in one token space for every entry point),
 * the call's signature (:func:`call_signature`: shapes, dtypes, devices and ``requires_grad`` of
   the tensors, names and hashable values of the other arguments; never a tensor's values),
 * the modules the function is made of (:func:`_walk`): their identity and order, training
@@ -33,6 +34,7 @@ function (the oldest goes first). ``jm.clear_cache()`` forgets all of them.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import threading
 import weakref
@@ -96,6 +98,55 @@ class Profile(Generic[E]):
     live: bool = True  # False once dropped from the cache (forget, a newer profile, clear_cache)
     generation: Optional[int] = None  # of f's state when it was kept (_guard.py): it serves that one only
     check: Any = None  # :func:`recheck`'s test of its key, a :class:`Check` (False: none can be made)
+
+
+# ---- tokens: the entry point and its options, as the first part of every key ----
+
+_TOKENS: dict[Hashable, int] = {}
+_FRESH = itertools.count(1 << 40)
+_ATOMS = frozenset({str, int, float, bool, type(None)})
+
+
+def freeze(v: Any) -> Hashable:
+    """Options as a hashable value: lists and tuples recursively; anything unhashable raises TypeError."""
+    kind = type(v)
+    if kind in _ATOMS:  # most options: one look-up
+        return (kind, v)
+    if isinstance(v, (list, tuple)):
+        return (type(v).__name__, tuple(freeze(e) for e in v))
+    if isinstance(v, dict):
+        return ("dict", tuple(sorted((k, freeze(e)) for k, e in v.items())))
+    if isinstance(v, Tensor):
+        raise TypeError("a tensor")
+    hash(v)
+    return (type(v), v)
+
+
+def _plain_values(v: Any) -> bool:
+    if isinstance(v, tuple):
+        return all(_plain_values(e) for e in v)
+    return v is None or isinstance(v, (str, int, float, bool, type))
+
+
+def token(name: str, options: dict[str, Any]) -> tuple[int, Optional[Hashable]]:
+    """The one token space of profile keys: a small integer naming an entry point (or one of its
+    paths) and its options (equal options share it), and the options frozen; a fresh integer when
+    the options hold unhashable values or tensors (never reused).
+
+    Example:
+        >>> token("laplacian", {"create_graph": False}) == token("laplacian", {"create_graph": False})
+        True
+    """
+    try:
+        frozen: Optional[Hashable] = (name, freeze(options))
+    except TypeError:
+        return next(_FRESH), None
+    if not _plain_values(frozen):  # kept forever: only plain values (no loss modules, generators)
+        return next(_FRESH), frozen
+    number = _TOKENS.get(frozen)
+    if number is None:
+        number = _TOKENS[frozen] = len(_TOKENS)
+    return number, frozen
 
 
 def _value_key(v: Any) -> Hashable:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import itertools
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ from . import _checks, _guard
 from ._cache import register as register_cache
 from ._errors import JacmodeWarning, user_stacklevel
 from ._operands import check_dims
+from ._profile import freeze as _freeze, token as _token
 
 Run = Callable[["Transformed", Any, Tensor, dict[str, Any]], Any]  # (transform, f, x, data) -> result
 
@@ -70,53 +70,12 @@ _FRONT = ("argnums", "in_dims", "has_aux")
 # generated code (_capture/codegen.py) through torch.compile
 _GENERATED = ("jacobian", "derivative", "partial", "partials", "hessian", "laplacian", "divergence", "operator",
               "biharmonic")
-_TOKENS: dict[Hashable, int] = {}
-_FRESH = itertools.count(1 << 40)
 
 
 def register(op: Callable[..., Any], spec: Optional[Spec] = None) -> None:
     """Make ``op`` (a public entry point) transformable with ``spec`` (None: the generic spec, made
     from its signature on first use, unless it has one already)."""
     _SPECS[op] = spec if spec is not None else _SPECS.get(op)
-
-
-_ATOMS = frozenset({str, int, float, bool, type(None)})
-
-
-def _freeze(v: Any) -> Hashable:
-    """Options as a hashable value: lists and tuples recursively; anything unhashable raises TypeError."""
-    kind = type(v)
-    if kind in _ATOMS:  # most options: one look-up
-        return (kind, v)
-    if isinstance(v, (list, tuple)):
-        return (type(v).__name__, tuple(_freeze(e) for e in v))
-    if isinstance(v, dict):
-        return ("dict", tuple(sorted((k, _freeze(e)) for k, e in v.items())))
-    if isinstance(v, Tensor):
-        raise TypeError("a tensor")
-    hash(v)
-    return (type(v), v)
-
-
-def _plain_values(v: Any) -> bool:
-    if isinstance(v, tuple):
-        return all(_plain_values(e) for e in v)
-    return v is None or isinstance(v, (str, int, float, bool, type))
-
-
-def _token(name: str, options: dict[str, Any]) -> tuple[int, Optional[Hashable]]:
-    """A small integer naming the entry point and its options in profile keys (equal options share
-    it); a fresh one when the options hold unhashable values or tensors (never reused)."""
-    try:
-        frozen: Optional[Hashable] = (name, _freeze(options))
-    except TypeError:
-        return next(_FRESH), None
-    if not _plain_values(frozen):  # kept forever: only plain values (no loss modules, generators)
-        return next(_FRESH), frozen
-    token = _TOKENS.get(frozen)
-    if token is None:
-        token = _TOKENS[frozen] = len(_TOKENS)
-    return token, frozen
 
 
 _DATA = {"per_sample_grads": ("y",), "ggn": ("y",), "ntk": ("x2",), "operator": ("directions",)}
