@@ -212,14 +212,20 @@ def nnls_relative(rows: list[dict[str, float]], seconds: list[float], rounds: in
     import numpy as np
 
     A = np.array([[r.get(t, 0.0) for t in FIT_TERMS] for r in rows])
-    b = np.array(seconds)
+    return {t: float(c) for t, c in zip(FIT_TERMS, nnls_log(A, np.array(seconds), rounds))}
+
+
+def nnls_log(A: Any, b: Any, rounds: int = 30) -> Any:
+    """:func:`nnls_relative` on a matrix: the non-negative x with A x closest to b by the log-ratio."""
+    import numpy as np
+
     w = 1.0 / b
     for _ in range(1 + rounds):
         Aw = A * w[:, None]
         scale = np.maximum(Aw.max(axis=0), 1e-30)
         coef = _nnls(Aw / scale, b * w) / scale
         w = 1.0 / np.sqrt(np.maximum(A @ coef, 1e-3 * b) * b)
-    return {t: float(c) for t, c in zip(FIT_TERMS, coef)}
+    return coef
 
 
 def _nnls(A: Any, b: Any, tol: float = 1e-10) -> Any:

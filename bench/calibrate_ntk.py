@@ -2,8 +2,8 @@
 
 ``python -m bench.calibrate_ntk [--write] [--plot PNG] [--table MD]`` times every method
 on a grid of model classes (wide P, wide Y, deep, convolutional, a weight used outside its module)
-with one thread, fits the three constants of each method (least squares on relative error, see
-``_planning/ntk.py``), prints the regret of "auto" (its time over the fastest method's) per shape,
+with one thread, fits the three constants of each method (non-negative least squares on the log of
+predicted over measured time, as for the Jacobian engines; see ``_planning/ntk.py``), prints the regret of "auto" (its time over the fastest method's) per shape,
 and with ``--write`` stores the constants in ``jacmode/_planning/calibrated.json``. A few minutes on one core.
 """
 
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 import jacmode as jm
 from jacmode._planning import ntk as model_ntk
 from bench.baselines import MLP
+from bench.calibrate import nnls_log
 from bench.timing import median_ms
 
 
@@ -114,21 +115,14 @@ def _sizes(model: nn.Module, x1: Tensor, x2: Tensor, n_out: int) -> model_ntk.Si
 
 
 def fit(rows: list[dict]) -> dict[str, tuple[float, ...]]:
-    """Non-negative least squares on relative error, per method (drop negative terms, refit)."""
+    """Non-negative constants per method, fitted on the log of predicted over measured time (as the
+    Jacobian engines' are: ``calibrate.nnls_log``)."""
     constants = {}
     for method in model_ntk.METHODS:
         data = [(model_ntk.features(method, r["sizes"]), r["times"][method] / 1e3) for r in rows if method in r["times"]]
-        a = np.array([[f / t for f in feats] for feats, t in data])
-        active = list(range(a.shape[1]))
-        while True:
-            coef, *_ = np.linalg.lstsq(a[:, active], np.ones(len(data)), rcond=None)
-            if (coef >= 0).all():
-                break
-            active.pop(int(np.argmin(coef)))
-        full = [0.0] * a.shape[1]
-        for i, c in zip(active, coef):
-            full[i] = float(c)
-        constants[method] = tuple(full)
+        a = np.array([feats for feats, _ in data], dtype=float)
+        coef = nnls_log(a, np.array([t for _, t in data]))
+        constants[method] = tuple(float(c) for c in coef)
     return constants
 
 
