@@ -115,10 +115,19 @@ hess = vmap(hessian(one))(x64)                       # (B, Y, D, D)
 jac = vmap(jacrev(one))(x64)                         # (B, Y, D)
 lap = hess.diagonal(dim1=-2, dim2=-1).sum(-1)        # (B, Y)
 parts = (jac[..., 0], hess[..., 0, 0], hess[..., 1, 2])
+def in_cpu_block(fn):
+    def call():
+        with torch.device("cpu"):  # a default-device context: its own code, keyed by its devices
+            return fn()
+    return call
+
+
 cases = [
     ("laplacian", lambda: jm.laplacian(net, x), lap),
     ("jacobian", lambda: jm.jacobian(net, x), jac),
     ("partials", lambda: tuple(jm.partials(net, x, dims=[(0,), (0, 0), (1, 2)])), parts),
+    ("laplacian in a torch.device block", in_cpu_block(lambda: jm.laplacian(net, x)), lap),
+    ("jacobian in a torch.device block", in_cpu_block(lambda: jm.jacobian(net, x)), jac),
 ]
 run(net, x, cases)
 finish(net, before)
@@ -195,8 +204,9 @@ def _check(found: dict) -> None:
 
 
 def test_taylor_operators_and_plain_backward_in_threads(found: dict[str, dict]) -> None:
-    """laplacian, jacobian and partials from four threads at once, traces and generated code made
-    concurrently, beside a plain forward/backward: right results, the model untouched."""
+    """laplacian, jacobian and partials from four threads at once, some inside a default-device
+    context (``with torch.device``) and some not, traces and generated code made concurrently,
+    beside a plain forward/backward: right results, the model untouched."""
     _check(found["taylor"])
 
 
