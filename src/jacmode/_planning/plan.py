@@ -137,6 +137,8 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
     S = samples_per_direction(p, strategy)
     n_chunks = math.ceil(directions / chunk)
     pass_bytes = chunk * (sample_chunk or S) * fp.act  # activations of one pass
+    spill = max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES))  # doublings of a pass beyond SPILL_BYTES
+    entries = p.batch * p.n_out * p.n_in  # of the result
     if strategy == "per-sample":
         n_samples = math.ceil(p.batch / (sample_chunk or p.batch))
         passes, vmapped, primal = n_samples * (1 + n_chunks), n_samples * (1 + n_chunks), 1
@@ -154,12 +156,12 @@ def features(p: Problem, fp: Footprint, mode: str, strategy: str, directions: in
         "dir_flops": S * fp.flops * directions,
         "dir_conv": S * fp.conv_flops * directions,
         "dir_bytes": S * fp.act * directions,
-        "dir_spill": S * fp.act * directions * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
+        "dir_spill": S * fp.act * directions * spill,
         "conv_out": S * fp.conv_out * (directions + primal),
-        "conv_spill": S * fp.conv_out * directions * max(0.0, math.log2(max(pass_bytes, 1.0) / SPILL_BYTES)),
+        "conv_spill": S * fp.conv_out * directions * spill,
         "special": S * fp.special * (directions + primal),
-        "result": float(p.batch * p.n_out * p.n_in),
-        "pages": _engines.fresh_pages(p.batch * p.n_out * p.n_in, p.dtype.itemsize),
+        "result": float(entries),
+        "pages": _engines.fresh_pages(entries, p.dtype.itemsize),
         "seed": _seed_elements(p, mode, strategy, directions, S),
     }
 

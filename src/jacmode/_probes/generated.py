@@ -114,9 +114,9 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
     slots = [(prefix + n, t) for prefix, m in (("", model), *owners) for d in (m._parameters, m._buffers)
              for n, t in d.items() if t is not None]
     backend = None if mode is None else mode["backend"]
+    active = codegen.modes()  # a default-device context's devices, or None (_applies refused the others)
     key = (tuple(n for n, _ in named), _meta(x), None if out is None else _meta(out), shape, dtype, device,
-           repeat, backend, tuple((n, _meta(t)) for n, t in slots), codegen._layout(program).settings(),
-           codegen.modes())
+           repeat, backend, tuple((n, _meta(t)) for n, t in slots), codegen._layout(program).settings(), active)
     table: dict[tuple, Entry] = program.__dict__.setdefault("_probe_codegen", {})
     entry = table.get(key)
     if entry is None and len(table) >= MAX_SIGNATURES:
@@ -136,7 +136,7 @@ def jacobian(model: nn.Module, x: Tensor, named: Sequence[tuple[str, Tensor]], c
     if runs is not None:  # what the profile's key does not hold (see the note)
         refs = [(d, n) for _, m in (("", model), *owners) for d in (m._parameters, m._buffers)
                 for n, t in d.items() if t is not None]  # slots' order
-        runs["probe_code"] = _Hot(program, refs, codegen._layout(program), x, out, backend, tensors, entry)
+        runs["probe_code"] = _Hot(program, refs, codegen._layout(program), x, out, backend, tensors, entry, active)
     return entry(x, *tensors) if out is None else entry(x, out, *tensors)
 
 
@@ -154,12 +154,13 @@ class _Hot:
     __slots__ = ("guards", "refs", "layout", "x", "out", "backend", "tensors", "settings", "modes", "code", "run")
 
     def __init__(self, program: Any, refs: list[tuple[dict[str, Any], str]], layout: Any, x: Tensor,
-                 out: Optional[Tensor], backend: Any, tensors: list[Tensor], code: Callable[..., Tensor]) -> None:
+                 out: Optional[Tensor], backend: Any, tensors: list[Tensor], code: Callable[..., Tensor],
+                 modes: Any = None) -> None:
         self.guards = tuple(program.bound)  # the program's own, fixed (a recapture is a new program)
         self.refs, self.layout, self.backend, self.code = refs, layout, backend, code
         self.x, self.out = _placed(x), None if out is None else _placed(out)
         self.tensors = [(t.stride(), t.storage_offset(), t.requires_grad) for t in tensors]
-        self.settings, self.modes = layout.settings(), codegen.modes()
+        self.settings, self.modes = layout.settings(), modes  # the code's key's (codegen.modes)
         self.run: Callable[[Tensor, Optional[Tensor]], Optional[Tensor]] = _hot_run(self)
 
 
