@@ -15,6 +15,11 @@ from torch import Tensor, nn
 # 2-core machine (and makes float reductions deterministic).
 torch.set_num_threads(1)
 
+# JACMODE_TEST_DEVICE=cuda runs the whole suite with CUDA as torch's default device (tensors and
+# modules made without a device land there); bench/gpu.py runs it so on a GPU machine.
+if os.environ.get("JACMODE_TEST_DEVICE"):
+    torch.set_default_device(os.environ["JACMODE_TEST_DEVICE"])
+
 # TorchDynamo (jacmode's guards trace f with it) writes structured traces at DEBUG to the logger
 # "torch.__trace"; pytest's log capture would format every record of every trace.
 logging.getLogger("torch.__trace").propagate = False

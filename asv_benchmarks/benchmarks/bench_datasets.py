@@ -58,7 +58,7 @@ class JacobiansToDisk:
             return
         path = os.path.join(self.dir, "J.npy")
         out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(2_000, 10, 15_910))
-        jm.jacobians(self.net, self.x.split(100), out=out, progress=False)
+        jm.jacobians(self.net, iter(self.x.split(100)), out=out, progress=False)
         del out
         os.remove(path)
 
