@@ -107,7 +107,7 @@ def _flat(t: Any) -> torch.Tensor:
 def checks(device: str, tiny: bool) -> None:
     torch.manual_seed(0)
     tol = {torch.float32: 1e-4, torch.float64: 1e-10}
-        cases: dict[str, Callable[[nn.Module, torch.Tensor], Any]] = {
+    cases: dict[str, Callable[[nn.Module, torch.Tensor], Any]] = {
         "jacobian inputs": lambda m, x: jm.jacobian(m, x),
         "jacobian params": lambda m, x: jm.jacobian(m, x, wrt="params"),
         "jacobian params reverse": lambda m, x: jm.jacobian(m, x, wrt="params", mode="reverse"),

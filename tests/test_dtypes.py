@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -104,7 +104,7 @@ def test_zoo_on_cuda(case, label: str) -> None:
     model, x = instantiate(case)
     model, x = model.cuda(), x.cuda()
     result = call(case, label, model, x)
-    assert result.is_cuda
+    assert all(t.is_cuda for t in torch.utils._pytree.tree_flatten(result)[0])
     check_result(case, label, model, x, result)
 
 
@@ -130,3 +130,42 @@ def test_cuda_model_and_cpu_input_is_a_clear_error() -> None:
     model = nn.Linear(3, 2).cuda()
     with pytest.raises(ValueError, match=r"x: is on cpu but parameter 'weight' of the model is on cuda"):
         jm.jacobian(model, torch.randn(4, 3))
+
+
+def _default_device_ops() -> dict[str, Callable[[nn.Module, Tensor], Any]]:
+    scalar = lambda net: (lambda v: net(v)[:, :1])  # noqa: E731
+    y = torch.randn(5, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return {
+        "jacobian": lambda net, x: jm.jacobian(net, x),
+        "jacobian forward": lambda net, x: jm.jacobian(net, x, mode="forward"),
+        "jacobian params reverse": lambda net, x: jm.jacobian(net, x, wrt="params", mode="reverse"),
+        "jacobian params forward": lambda net, x: jm.jacobian(net, x, wrt="params", mode="forward"),
+        "partial": lambda net, x: jm.partial(net, x, 0),
+        "hessian": lambda net, x: jm.hessian(scalar(net), x),
+        "laplacian": lambda net, x: jm.laplacian(scalar(net), x),
+        "laplacian transform": lambda net, x: jm.transform(jm.laplacian, scalar(net))(x),
+        "partials": lambda net, x: jm.partials(net, x, [(0,), (0, 1), (2, 2)]),
+        "biharmonic": lambda net, x: jm.biharmonic(scalar(net), x),
+        "per_sample_grads": lambda net, x: jm.per_sample_grads(net, x, nn.MSELoss(), y=y),
+        "ntk": lambda net, x: jm.ntk(net, x),
+        "ggn": lambda net, x: jm.ggn(net, x, "mse", diagonal=True),
+        "vjp": lambda net, x: jm.vjp(net, x)[1](torch.ones_like(x))[0],
+        "sparse_hessian": lambda net, x: jm.sparse_hessian(lambda v: (torch.tanh(v) * v.roll(1)).sum(), x[0]).to_dense(),
+    }
+
+
+@pytest.mark.parametrize("name", list(_default_device_ops()))
+def test_a_default_device_elsewhere_changes_nothing(name: str) -> None:
+    """jacmode's own seeds, index sets and results follow the inputs' device, never torch's default
+    device: under ``with torch.device(...)`` (or ``torch.set_default_device``) naming another device,
+    every call of a sequence equals the call made outside it (the meta device stands for a GPU here:
+    a tensor jacmode made there would hold no values)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 16), nn.Tanh(), nn.Linear(16, 3)).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    op = _default_device_ops()[name]
+    want = op(net, x)
+    with torch.device("meta"):
+        got = [op(net, x) for _ in range(4)]
+    for g in got:
+        torch.testing.assert_close(g, want)

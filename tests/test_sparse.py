@@ -5,6 +5,7 @@ structural orthogonality, error paths by message."""
 from __future__ import annotations
 
 import warnings
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
+from torch import Tensor, nn
 
 import jacmode as jm
 from jacmode._sparse.coloring import ORDERS, color
@@ -526,3 +527,20 @@ def test_bidirectional_errors():
         jm.sparse_hessian(energy, x, coloring=c)
     with pytest.raises(ValueError, match=r"partition: expected one of \(.*'bidirectional'\)"):
         jm.coloring(jm.sparsity(arrowhead, x), "bicolour")
+
+
+@pytest.mark.parametrize("f", [
+    lambda v: torch.roll(v, 1) * v + torch.nn.functional.pad(v, (1, 0))[:6] + v.reshape(2, 3).sum(0).repeat(2),
+    lambda v: torch.cumsum(v, 0),  # no rule: read off the op's own Jacobian
+], ids=["rules", "own jacobian"])
+def test_patterns_and_results_do_not_follow_the_default_device(f: Callable[[Tensor], Tensor]) -> None:
+    """Index sets live on the CPU whatever torch's default device is (``torch.set_default_device``,
+    ``with torch.device(...)``): a context naming another device changes neither the pattern nor
+    the sparse Jacobian."""
+    x = torch.randn(6, dtype=torch.float64)
+    want = jm.sparsity(f, x).to_dense()
+    with torch.device("meta"):
+        got = jm.sparsity(f, x).to_dense()
+        jac = jm.sparse_jacobian(f, x)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(jac.to_dense(), torch.func.jacrev(f)(x))

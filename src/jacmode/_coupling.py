@@ -342,8 +342,8 @@ def _swapped_rows(x: Tensor, idx: list[int], member: Tensor, gen: torch.Generato
         if not bool(differ.any(1).all()):
             return None
         pick = torch.multinomial(differ.double().cpu(), member.shape[0], replacement=True, generator=_cpu(gen))
-        rows = torch.as_tensor(cand)[pick].T  # (parts, k)
-        own_rows = torch.as_tensor(idx).expand_as(rows)
+        rows = torch.as_tensor(cand, device="cpu")[pick].T  # (parts, k)
+        own_rows = torch.as_tensor(idx, device="cpu").expand_as(rows)
         return torch.where(member.cpu(), rows, own_rows).to(x.device)
 
 

@@ -530,7 +530,7 @@ def _hessian(f: Fn, x: Tensor, structure: Any, chunk_size: Any, create_graph: An
         n = math.prod(t.in_shape)
         if by_rows(n, math.prod(t.out_shape), t.program is not None):
             return _hessian_rows(t, x, opts)
-        ii, jj = torch.triu_indices(n, n).tolist()
+        ii, jj = torch.triu_indices(n, n, device="cpu").tolist()
         chunks, width = direction_chunks(t, len(ii), opts.chunk_size)
         pairs = [(ii[c.start : c.stop], jj[c.start : c.stop]) for c in chunks]
         blocks = [t.over_samples(width, (len(a),), lambda z, s: t.run("pairs", z, a, b, scale=s))

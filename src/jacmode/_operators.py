@@ -120,7 +120,7 @@ def _vectors(vectors: Optional[Tensor], labels: Sequence[int], z: Tensor) -> Ten
     if vectors is not None:
         return vectors[list(labels)]
     e = z.new_zeros(len(labels), 1, z.shape[1])
-    e[torch.arange(len(labels)), 0, torch.as_tensor(list(labels), dtype=torch.long)] = 1
+    e[torch.arange(len(labels), device=e.device), 0, torch.as_tensor(list(labels), dtype=torch.long, device=e.device)] = 1
     return e
 
 

@@ -36,7 +36,7 @@ Fn = Callable[[Tensor], Tensor]
 def seeds(z: Tensor, dims: Sequence[int]) -> Tensor:
     """Rows e_d for d in dims, shape (k, 1, D), to broadcast over the samples of z (B, D)."""
     seed = z.new_zeros(len(dims), 1, z.shape[-1])
-    seed[torch.arange(len(dims)), 0, torch.as_tensor(list(dims), dtype=torch.long)] = 1
+    seed[torch.arange(len(dims), device=z.device), 0, torch.as_tensor(list(dims), dtype=torch.long, device=z.device)] = 1
     return seed
 
 
@@ -123,8 +123,8 @@ def rows(fn: Fn, z: Tensor, dims: Sequence[int], scale: Optional[Tensor] = None,
     g, pull2 = vjp(grads, z)[:2]
     n_out = g.shape[0]
     cot = z.new_zeros(k, n_out, n_out, 1, n)
-    ks, ys = torch.meshgrid(torch.arange(k), torch.arange(n_out), indexing="ij")
-    cot[ks, ys, ys, 0, torch.as_tensor(list(dims), dtype=torch.long)[ks]] = 1
+    ks, ys = torch.meshgrid(torch.arange(k, device=z.device), torch.arange(n_out, device=z.device), indexing="ij")
+    cot[ks, ys, ys, 0, torch.as_tensor(list(dims), dtype=torch.long, device=z.device)[ks]] = 1
     cot = cot.expand(k, n_out, n_out, batch, n)
     if scale is not None:
         cot = cot * scale

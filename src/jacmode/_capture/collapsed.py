@@ -76,7 +76,7 @@ class Collapsed(Multisets):
         if self.directions is None:
             flat = z.reshape(z.shape[0], -1)
             e = flat.new_zeros(len(labels), 1, flat.shape[1])
-            e[torch.arange(len(labels)), 0, torch.as_tensor(labels, dtype=torch.long)] = 1
+            e[torch.arange(len(labels), device=e.device), 0, torch.as_tensor(labels, dtype=torch.long, device=e.device)] = 1
             vec = {d: e[i].reshape(1, 1, *z.shape[1:]) for i, d in enumerate(labels)}
         else:
             vec = {d: self.directions[d][None] for d in labels}

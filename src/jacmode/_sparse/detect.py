@@ -186,7 +186,7 @@ class Tracer(TorchFunctionMode):
         combined = rules._concat([self.rows(d) for d in deps])
         for k, o in enumerate(outs):
             blocks = [jac[k][j].reshape(o.numel(), d.numel()) for j, d in enumerate(deps)]
-            nz = torch.cat(blocks, dim=1).ne(0).nonzero().numpy()
+            nz = torch.cat(blocks, dim=1).ne(0).nonzero().cpu().numpy()
             rows = sets.pull(combined, nz[:, 0], nz[:, 1], o.numel(), self.n)
             pairs = sets.merge_keys([sets.pairs_within(rows, self.n, self.cap)] +
                                     [self.pairs_of(d) for d in deps]) if self.second else rules.NO_PAIRS
@@ -274,9 +274,9 @@ def _dense_fallback(f: Callable[[Tensor], Tensor], x: Tensor, hessian: bool, why
             jac = torch.func.jacfwd(f)(xx)
             out_shape = tuple(jac.shape[: jac.dim() - x.dim()])
             dense = jac.reshape(math.prod(out_shape), x.numel())
-    nz = dense.ne(0)
+    nz = dense.ne(0).cpu()  # the pattern lives on the CPU
     if hessian:
-        nz = nz | nz.t() | torch.eye(x.numel(), dtype=torch.bool)
+        nz = nz | nz.t() | torch.eye(x.numel(), dtype=torch.bool, device="cpu")
     crow = np.zeros(nz.shape[0] + 1, dtype=np.int64)
     np.cumsum(nz.sum(1).numpy(), out=crow[1:])
     col = nz.nonzero()[:, 1].numpy().astype(np.int64)

@@ -160,10 +160,11 @@ def layout(p: SparsityPattern, vals: Tensor, kind: str, out_shape: tuple[int, ..
     crow = torch.from_numpy(p.crow).to(vals.device)
     col = torch.from_numpy(p.col).to(vals.device)
     if kind == "csr":
-        return torch.sparse_csr_tensor(crow, col, vals, size=p.shape, check_invariants=False)
+        return torch.sparse_csr_tensor(crow, col, vals, size=p.shape, device=vals.device,
+                                       check_invariants=False)
     rows = torch.from_numpy(p.rows()).to(vals.device)
     if kind == "coo":
-        return torch.sparse_coo_tensor(torch.stack([rows, col]), vals, size=p.shape, is_coalesced=True,
+        return torch.sparse_coo_tensor(torch.stack([rows, col]), vals, size=p.shape, device=vals.device, is_coalesced=True,
                                        check_invariants=False)
     dense = vals.new_zeros(p.shape).index_put((rows, col), vals)
     return dense.reshape(*out_shape, *p.in_shape)
@@ -182,12 +183,12 @@ def probe_check(f: Fn, x: Tensor, c: Coloring, vals: Tensor) -> Optional[float]:
     vals = vals.detach()
     xd = x.detach()
     if c.partition == "row":
-        u = torch.randn(p.shape[0], generator=gen, dtype=x.dtype).to(x.device)
+        u = torch.randn(p.shape[0], generator=gen, dtype=x.dtype, device="cpu").to(x.device)
         with recording() as kept:
             exact = kept(vjp(f, xd)[1](u.reshape(p.out_shape))[0]).reshape(-1)
         approx = torch.zeros(p.shape[1], dtype=x.dtype, device=x.device).index_add_(0, col, vals * u[rows])
     else:  # a jvp also checks a bidirectional colouring: a missed nonzero changes J v either way
-        v = torch.randn(p.shape[1], generator=gen, dtype=x.dtype).to(x.device)
+        v = torch.randn(p.shape[1], generator=gen, dtype=x.dtype, device="cpu").to(x.device)
         fn = _gradient(f) if c.partition == "star" else f
         exact = jvp(fn, (xd,), (v.reshape(xd.shape),))[1].reshape(-1)
         approx = torch.zeros(p.shape[0], dtype=x.dtype, device=x.device).index_add_(0, rows, vals * v[col])

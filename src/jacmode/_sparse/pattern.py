@@ -79,7 +79,7 @@ class SparsityPattern:
 
     def to_dense(self) -> Tensor:
         """The pattern as a dense boolean tensor (Y, N); mind the size for large N."""
-        dense = torch.zeros(self.shape, dtype=torch.bool)
+        dense = torch.zeros(self.shape, dtype=torch.bool, device="cpu")
         dense[torch.from_numpy(self.rows()), torch.from_numpy(self.col)] = True
         return dense
 

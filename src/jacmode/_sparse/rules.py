@@ -56,16 +56,16 @@ class Unsupported(Exception):
 
 
 def _ids(shape: tuple[int, ...], base: int = 0) -> Tensor:
-    return torch.arange(base + 1, base + 1 + math.prod(shape), dtype=torch.float64).reshape(shape)
+    return torch.arange(base + 1, base + 1 + math.prod(shape), dtype=torch.float64, device="cpu").reshape(shape)
 
 
 def _src(t: Tensor) -> Index:
     """1-based float ids back to 0-based int64 sources (-1: no source)."""
-    return t.detach().reshape(-1).to(torch.int64).numpy() - 1
+    return t.detach().reshape(-1).to("cpu", torch.int64).numpy() - 1
 
 
 def _broadcast_src(shape: tuple[int, ...], to: tuple[int, ...]) -> Index:
-    ar = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+    ar = torch.arange(math.prod(shape), dtype=torch.int64, device="cpu").reshape(shape)
     return ar.broadcast_to(to).reshape(-1).numpy()
 
 
@@ -91,7 +91,7 @@ def structural(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, fun
                 tainted_index[0] = True
             return a.cpu()  # ids live on the CPU
         if info is None or info.rows is None:
-            return torch.zeros(a.shape, dtype=torch.float64)
+            return torch.zeros(a.shape, dtype=torch.float64, device="cpu")
         ids = _ids(tuple(a.shape), base[0])
         parts.append(info.rows)
         base[0] += a.numel()
@@ -139,7 +139,7 @@ def setitem(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, func: 
     old = tr.get(target)
     vinfo = tr.get(value) if isinstance(value, Tensor) else None
     parts: list[Rows] = []
-    ids_t = torch.zeros(target.shape, dtype=torch.float64)
+    ids_t = torch.zeros(target.shape, dtype=torch.float64, device="cpu")
     if old is not None and old.rows is not None:
         ids_t = _ids(tuple(target.shape))
         parts.append(old.rows)
@@ -149,7 +149,7 @@ def setitem(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, func: 
         ids_v = _ids(tuple(value.shape), base)
         parts.append(vinfo.rows)
     elif isinstance(value, Tensor):
-        ids_v = torch.zeros(value.shape, dtype=torch.float64)
+        ids_v = torch.zeros(value.shape, dtype=torch.float64, device="cpu")
     for leaf in tree_flatten(index)[0]:
         if isinstance(leaf, Tensor) and (i := tr.get(leaf)) is not None and i.tainted:
             tr.local("an assignment at an index computed from the input")
@@ -242,7 +242,7 @@ def fibres(rows: Rows, shape: tuple[int, ...], dims: tuple[int, ...], n: int) ->
     if not shape or not dims:
         m = math.prod(shape)
         return rows, np.arange(m, dtype=np.int64)
-    ar = torch.arange(math.prod(shape), dtype=torch.int64).reshape(shape)
+    ar = torch.arange(math.prod(shape), dtype=torch.int64, device="cpu").reshape(shape)
     rep = ar.amin(dim=dims, keepdim=True)
     reps = rep.reshape(-1).numpy()
     fibre = np.searchsorted(reps, rep.broadcast_to(shape).reshape(-1).numpy())
@@ -280,12 +280,12 @@ def _matmul_rows(tr: "Tracer", a: Optional[Rows], ashape: tuple, b: Optional[Row
     numel = math.prod(full)
     if a is not None:
         ra, _ = fibres(a, a2, (len(a2) - 1,), tr.n)
-        ids = torch.arange(ra.m).reshape(a2[:-1] + (1,)).broadcast_to(full).reshape(-1).numpy()
+        ids = torch.arange(ra.m, device="cpu").reshape(a2[:-1] + (1,)).broadcast_to(full).reshape(-1).numpy()
         tr.check_size(int(ra.lengths()[ids].sum()), numel)
         parts.append(sets.gather(ra, ids))
     if b is not None:
         rb, _ = fibres(b, b2, (len(b2) - 2,), tr.n)
-        ids = torch.arange(rb.m).reshape(b2[:-2] + (1, b2[-1])).broadcast_to(full).reshape(-1).numpy()
+        ids = torch.arange(rb.m, device="cpu").reshape(b2[:-2] + (1, b2[-1])).broadcast_to(full).reshape(-1).numpy()
         tr.check_size(int(rb.lengths()[ids].sum()), numel)
         parts.append(sets.gather(rb, ids))
     rows = sets.union(parts, tr.n)
@@ -307,7 +307,7 @@ def matmul(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, func: C
         w = args[1]
         wt = None
         if _is_dep(tr, w):
-            src = torch.arange(w.numel()).reshape(w.shape).t().reshape(-1).numpy()
+            src = torch.arange(w.numel(), device="cpu").reshape(w.shape).t().reshape(-1).numpy()
             wt = sets.gather(tr.rows(w), src)
         rows, own = _matmul_rows(tr, tr.rows(a) if _is_dep(tr, a) else None, tuple(a.shape), wt,
                                  tuple(w.t().shape) if w.dim() == 2 else tuple(w.shape), out)
@@ -359,12 +359,12 @@ def conv(tr: "Tracer", name: str, args: tuple, kwargs: dict, out: Any, func: Cal
     groups = int(got.get("groups", 1))
     bsz, _, length = unf.shape
     unf = unf.reshape(bsz, groups, -1, length)
-    dst = torch.arange(bsz * groups * length).reshape(bsz, groups, 1, length).expand_as(unf)
+    dst = torch.arange(bsz * groups * length, device="cpu").reshape(bsz, groups, 1, length).expand_as(unf)
     src_ids = _src(unf)
     keep = src_ids >= 0
     grouped = sets.pull(tr.rows(x), dst.reshape(-1).numpy()[keep], src_ids[keep], bsz * groups * length, tr.n)
     o_per_group = w.shape[0] // groups
-    gid = (torch.arange(bsz * groups * length).reshape(bsz, groups, 1, length)
+    gid = (torch.arange(bsz * groups * length, device="cpu").reshape(bsz, groups, 1, length)
            .expand(bsz, groups, o_per_group, length).reshape(-1).numpy())
     pairs = tr.pairs_of(x) if tr.second else NO_PAIRS
     tr.put(out, Info(sets.gather(grouped, gid), True, pairs))
