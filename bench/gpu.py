@@ -3,6 +3,7 @@
 Made for a short lease on a GPU machine: every section is guarded (a failure is a row, the run
 goes on), the table is printed last, and the raw figures go to ``--json``. Sections:
 
+* ``repeat``: whether repeated calls keep what the first found (and if not, why), with their times.
 * ``check``: each entry point on the device against a float64 CPU reference (float32 and float64).
 * ``sync``: host-device synchronisations per repeated call (``torch.cuda.set_sync_debug_mode``),
   with the jacmode line that caused each.
@@ -229,6 +230,42 @@ def syncs(device: str, tiny: bool) -> None:
         one()
 
 
+# ---- repeat: whether repeated calls reuse what the first found, and what that saves -------------------
+
+def repeats(device: str, tiny: bool) -> None:
+    from jacmode import _guard, _profile
+
+    torch.manual_seed(0)
+    mlp, xm = MLP(784, 20, 10).to(device), torch.rand(2, 784, device=device)
+    netx, t = NetX().to(device), torch.rand(100, 1, device=device)
+    pinn, xp = PinnNet(2, 64, 2, 1).to(device), torch.rand(256, 2, device=device)
+    cases = {
+        "jacobian params MLP B=2": (mlp, lambda: jm.jacobian(mlp, xm, wrt="params")),
+        "jacobian net_x B=100": (netx, lambda: jm.jacobian(netx, t)),
+        "derivative net_x B=100": (netx, lambda: jm.derivative(netx, t)),
+        "laplacian PinnNet B=256": (pinn, lambda: jm.laplacian(pinn, xp)),
+        "partials PinnNet B=256": (pinn, lambda: jm.partials(pinn, xp, [(0,), (1, 1)])),
+        "per_sample_grads MLP B=2": (mlp, lambda: jm.per_sample_grads(mlp, xm, lambda o: o.sum(1))),
+    }
+    for name, (f, fn) in cases.items():
+        @guarded("repeat", name)
+        def one(name: str = name, f: Any = f, fn: Callable = fn) -> None:
+            times = []
+            for _ in range(6):
+                sync(device)
+                t0 = time.perf_counter()
+                fn()
+                sync(device)
+                times.append((time.perf_counter() - t0) * 1e3)
+            ms = median_ms(fn, device, budget=1.0)
+            kept = bool(_profile._LAST.get(f))
+            why = _guard.why_not(f)
+            row("repeat", name, f"calls 1-6 {', '.join(f'{v:.1f}' for v in times)} ms, then {ms:.3f} ms; "
+                f"profile kept: {kept}" + (f"; unguarded: {why[:160]}" if why else ""), "profile kept", ms=ms,
+                first=times, kept=kept, why=why)
+        one()
+
+
 # ---- targets ---------------------------------------------------------------------------------------
 
 def targets(device: str, tiny: bool) -> None:
@@ -400,14 +437,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--json")
-    parser.add_argument("--sections", default="check,sync,targets,asv")
+    parser.add_argument("--sections", default="repeat,check,sync,targets,asv")
     args = parser.parse_args()
     device = args.device
     env = dict(torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
                gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor())
     print(env, flush=True)
     sections = args.sections.split(",")
-    for name, fn in (("check", checks), ("sync", syncs), ("targets", targets)):
+    for name, fn in (("repeat", repeats), ("check", checks), ("sync", syncs), ("targets", targets)):
         if name in sections:
             t0 = time.perf_counter()
             guarded(name, "section")(lambda fn=fn: fn(device, args.tiny))()

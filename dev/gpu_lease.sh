@@ -21,7 +21,14 @@ timeout -s INT "${CUDA_TESTS_S:-60}" $PY -m pytest -q -p no:cacheprovider -p no:
     -k "cuda or CUDA" > "$OUT/cuda_tests.log" 2>&1
 echo "tests written for CUDA: exit $?"; tail -5 "$OUT/cuda_tests.log"
 
-JACMODE_TEST_DEVICE=cuda timeout -s INT "${SUITE_S:-150}" $PY -m pytest tests -q -p no:cacheprovider -p no:warnings \
+if [ -n "${DIAG_FILE:-}" ]; then  # chosen tests, one node id per line, with whole tracebacks
+    mapfile -t ids < "$DIAG_FILE"
+    JACMODE_TEST_DEVICE=cuda timeout -s INT "${DIAG_S:-90}" $PY -m pytest -q -p no:cacheprovider -p no:warnings \
+        --tb=long -o addopts="" "${ids[@]}" > "$OUT/diag.log" 2>&1
+    echo "chosen tests: exit $?"; tail -3 "$OUT/diag.log"
+fi
+
+[ "${SUITE_S:-150}" = 0 ] || JACMODE_TEST_DEVICE=cuda timeout -s INT "${SUITE_S:-150}" $PY -m pytest tests -q -p no:cacheprovider -p no:warnings \
     -n "${WORKERS:-12}" -rfE --tb=line -o addopts="" > "$OUT/suite.log" 2>&1
 echo "suite with CUDA as default device: exit $?"
 grep -E "^(FAILED|ERROR)" "$OUT/suite.log" | sed -E 's/ - (.{0,160}).*/ - \1/' | head -60
