@@ -192,7 +192,7 @@ def syncs(device: str, tiny: bool) -> None:
         "jacobian params MLP reverse": lambda: jm.jacobian(mlp, xm, wrt="params", mode="reverse"),
         "laplacian PinnNet": lambda: jm.laplacian(pinn, xp),
         "partials PinnNet": lambda: jm.partials(pinn, xp, [(0,), (1, 1)]),
-        "per_sample_grads MLP": lambda: jm.per_sample_grads(mlp, xm, lambda o: o.sum()),
+        "per_sample_grads MLP": lambda: jm.per_sample_grads(mlp, xm, lambda o: o.sum(1)),
         "ntk MLP": lambda: jm.ntk(mlp, xm),
         "ggn diag MLP": lambda: jm.ggn(mlp, xm, "cross_entropy", diagonal=True),
     }
@@ -246,6 +246,10 @@ def repeats(device: str, tiny: bool) -> None:
         "laplacian PinnNet B=256": (pinn, lambda: jm.laplacian(pinn, xp)),
         "partials PinnNet B=256": (pinn, lambda: jm.partials(pinn, xp, [(0,), (1, 1)])),
         "per_sample_grads MLP B=2": (mlp, lambda: jm.per_sample_grads(mlp, xm, lambda o: o.sum(1))),
+        "compile=True jacobian params MLP B=2": (mlp, (lambda tr: lambda: tr(xm))(
+            jm.transform(jm.jacobian, mlp, wrt="params", compile=True))),
+        "compile=True laplacian PinnNet B=256": (pinn, (lambda tr: lambda: tr(xp))(
+            jm.transform(jm.laplacian, pinn, compile=True))),
     }
     for name, (f, fn) in cases.items():
         @guarded("repeat", name)

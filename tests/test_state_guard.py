@@ -352,3 +352,28 @@ def test_calls_inside_vmap_reuse_and_follow_the_state(entry: str) -> None:
     from jacmode import _profile
 
     assert _profile.count(net) >= 1  # reused: the calls inside the transform kept what they found
+
+
+def test_the_guard_is_made_on_a_frame_of_its_own_for_every_state() -> None:
+    """Each state is traced through a new code object that has a source file: torch.compile before
+    2.13 wraps a function without one in a frame shared by all (its guards then out of reach, and
+    the recompile limit reached after eight states). Ten states of one function all get a guard."""
+    import inspect
+
+    first, second = _guard._sentinel(), _guard._sentinel()
+    assert first.__code__ is not second.__code__
+    assert inspect.getsourcefile(first) is not None
+
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.scale = nn.Linear(2, 2), 1.0
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.lin(x) * self.scale
+
+    net, x = Scaled(), torch.randn(3, 2)
+    jm.jacobian(net, x)
+    for k in range(10):
+        net.scale = float(k + 2)
+        assert _guard.generation(net, (x,), {}) is not None, f"state {k}: {_guard.why_not(net)}"

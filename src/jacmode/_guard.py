@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import linecache
 import threading
 import weakref
 from typing import Any, Callable, Optional, TypeVar
@@ -267,6 +268,23 @@ class _Traced(Exception):
 
 
 _SENTINEL_SOURCE = "def sentinel(f, args, kwargs):\n    return f(*args, **kwargs)\n"
+_SENTINEL_FILE = "<jacmode guard>"
+
+
+def _sentinel() -> Callable[..., Any]:
+    """A new function ``sentinel(f, args, kwargs)``: a code object of its own per trace.
+
+    Its source is registered with ``linecache``, so that ``inspect.getsourcefile`` finds it:
+    torch.compile before 2.13 wraps a function without a source file in one shared frame
+    (``external_utils.wrap_inline``), where every trace would land on the same code object, its
+    guards out of reach of this code object and the recompile limit reached after eight.
+    """
+    if _SENTINEL_FILE not in linecache.cache:  # (no modification time: linecache.checkcache keeps it)
+        linecache.cache[_SENTINEL_FILE] = (len(_SENTINEL_SOURCE), None, _SENTINEL_SOURCE.splitlines(True),
+                                           _SENTINEL_FILE)
+    namespace: dict[str, Any] = {"__builtins__": __builtins__}
+    exec(compile(_SENTINEL_SOURCE, _SENTINEL_FILE, "exec"), namespace)
+    return namespace["sentinel"]  # type: ignore[no-any-return]
 
 
 def _made(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -282,9 +300,7 @@ def _made(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
     except Exception as err:  # noqa: BLE001 -- a torch without Dynamo: nothing is guarded
         return f"TorchDynamo is not available ({type(err).__name__})"
-    namespace: dict[str, Any] = {"__builtins__": __builtins__}
-    exec(compile(_SENTINEL_SOURCE, f"<jacmode guard {next(_NUMBERS)}>", "exec"), namespace)
-    sentinel = namespace["sentinel"]
+    sentinel = _sentinel()
     refused: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
