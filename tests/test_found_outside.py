@@ -391,3 +391,32 @@ def test_a_model_of_several_arguments_with_hooks_of_its_own_gets_its_hooks_on_it
     grads = vmap(grad(lambda p, xb, mb: one(p, xb, mb).sum()), in_dims=(None, 0, 0))(params, x, m)
     torch.testing.assert_close(jm.per_sample_grads(net, (x, m), lambda out: out.sum(1)),
                                torch.cat([grads[k].reshape(4, -1) for k in params], -1))
+
+
+@pytest.mark.parametrize("couple", ["", "mean", "cumsum", "flip"])
+def test_on_an_accelerator_the_check_changes_samples_to_other_samples(couple: str, monkeypatch: Any) -> None:
+    """On a GPU an id moved off the embedding table is a device-side assert that kills the process's
+    CUDA context, so there the independence check changes samples to other samples of the batch from
+    the start (simulated here on the CPU): f never sees an id the user did not pass, independent
+    samples give the users' loop, coupled ones are refused."""
+    from jacmode import _coupling
+
+    monkeypatch.setattr(_coupling, "_noise_is_safe", lambda x: False)
+    m, x = _tok(couple, seed=2), _ids(12, seed=3)
+    seen: list[Tensor] = []
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # (the engines' vmapped passes: the user's x)
+    m.register_forward_pre_hook(lambda mod, args: None if wrapped(args[0]) else seen.append(args[0].detach().clone()))
+    if couple:
+        with pytest.raises(jm.CoupledBatchError, match="other samples of the batch changed the output"):
+            jm.jacobian(m, x, wrt="params")
+    else:
+        J = jm.jacobian(m, x, wrt="params")
+        params = list(m.parameters())
+        want = torch.stack([
+            torch.stack([torch.cat([g.reshape(-1) for g in torch.autograd.grad(o, params, retain_graph=True)])
+                         for o in m(x[i : i + 1])[0]])
+            for i in range(12)
+        ])
+        torch.testing.assert_close(J, want, rtol=1e-10, atol=1e-12)
+    given = {tuple(r.tolist()) for r in x}
+    assert seen and all(tuple(r.tolist()) in given for s in seen for r in s.reshape(-1, 6))

@@ -16,7 +16,9 @@ otherwise); both from a private generator. Where f raises on those changes thoug
 probed samples (float token ids cast with ``.long()`` that noise moves off the embedding table, a
 range check), the value check is redone with the batch's own samples as the changes: each changed
 sample takes the input (and per-sample riders) of another sample of the batch whose input differs,
-so f sees only values the user passed. If some probed sample has no such other sample (every sample
+so f sees only values the user passed. On an accelerator the batch's own samples are the changes
+from the start (an index moved off its table there is a device-side assert, which no error handler
+survives); noise is used there only where the batch has no distinct samples. If some probed sample has no such other sample (every sample
 the same), jacmode cannot tell and says so (a ValueError) rather than guess; if f fails on a
 selection of its own samples it is not a function of each sample alone (a ValueError too).
 Values alone miss a dependency that only the derivative has (``z + m - m.detach()`` with
@@ -273,7 +275,10 @@ def _run_probe(
         gen = torch.Generator(device=x.device).manual_seed(0)
         changed = torch.where(member.view(*member.shape, *[1] * (xs.dim() - 1)), _changes(xs, x, len(split), gen), xs)
         others = _changed_riders(fk, member, gen)  # per-sample riders change with their samples
+        own = None if _noise_is_safe(x) else _swapped_rows(x, idx, member, gen)
         try:
+            if own is not None:
+                raise _ChangedFailed(RuntimeError("changes drawn from the batch's own samples"), own)
             for j, (a, c) in enumerate(split):
                 replay.reset()
                 with torch.no_grad():
@@ -283,7 +288,8 @@ def _run_probe(
                     return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) changed "
                                    f"the output of sample {idx[drift]}")
         except _ChangedFailed as failed:  # f refuses the changed values (float ids cast to long, a range check)
-            drift_of = _swapped_passes(whole, x, idx, rows, member, kept, gen, replay, validate, failed, ways_out)
+            drift_of = _swapped_passes(whole, x, idx, rows, member, kept, gen, replay, validate, failed, ways_out,
+                                       failed.chosen)
             if drift_of is not None:
                 a, drift = drift_of
                 return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) to that of "
@@ -300,12 +306,20 @@ def _run_probe(
     return shape, True
 
 
+def _noise_is_safe(x: Tensor) -> bool:
+    """Whether f may see noise on ``x``: on an accelerator, an index that noise moves off its table
+    (float ids cast with ``.long()``) is a device-side assert that no error handler survives, so the
+    batch's own samples are the changes there, from the start (noise only where the batch has no
+    distinct samples)."""
+    return not x.is_floating_point() or x.device.type in ("cpu", "meta")
+
+
 class _ChangedFailed(Exception):
     """f raised on the changed inputs of the probe though it ran on the probed samples themselves."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error: Exception, chosen: Optional[Tensor] = None) -> None:
         super().__init__(str(error))
-        self.error = error
+        self.error, self.chosen = error, chosen
 
 
 def _changed_pass(f: Callable[[Tensor], Tensor], z: Tensor) -> Any:
@@ -358,7 +372,7 @@ def _cpu(gen: torch.Generator) -> torch.Generator:
 def _swapped_passes(
     whole: Any, x: Tensor, idx: list[int], rows: Tensor, member: Tensor, kept: list[Tensor],
     gen: torch.Generator, replay: RngReplay, validate: Callable[[Any, int], Tensor], failed: _ChangedFailed,
-    ways_out: str,
+    ways_out: str, chosen: Optional[Tensor] = None,
 ) -> Optional[tuple[tuple[int, ...], int]]:
     """The value check with the batch's own samples as the changes, after f refused the made-up ones.
 
@@ -372,7 +386,8 @@ def _swapped_passes(
     """
     k = len(idx)
     split = parts(k)
-    chosen = _swapped_rows(x, idx, member, gen)
+    if chosen is None:
+        chosen = _swapped_rows(x, idx, member, gen)
     if chosen is None:
         raise ValueError(
             f"f: raised {_describe(failed.error)} when jacmode's independence check changed the inputs of "
