@@ -1,8 +1,10 @@
 """jvp, vjp, hvp, linearize and the Gauss-Newton-vector product: products without the Jacobian.
 
-The fronts validate every argument once (errors name it), describe the differentiated tensors as
-lists of leaves and restore torch.func's layout; the engines are in ``_autodiff/vector.py`` (see
-its note [Vector products]).
+The fronts validate every argument once (errors name it), describe the call with ``_args``
+(``describe_call(..., as_leaves=True)``: f as a function of the list of its differentiated leaves,
+:meth:`Call.on_leaves`; for parameters, the functional call of the model at the selected tensors)
+and restore torch.func's layout; the engines are in ``_autodiff/vector.py`` (see its note
+[Vector products]).
 
 Conventions (docs/products.md, "Vector products"):
 * wrt="inputs": torch.func's. ``primals`` is f's positional arguments (a tensor or a tuple of
