@@ -1,8 +1,10 @@
 """jvp, vjp, hvp, linearize and the Gauss-Newton-vector product: products without the Jacobian.
 
-The fronts validate every argument once (errors name it), describe the differentiated tensors as
-lists of leaves and restore torch.func's layout; the engines are in ``_autodiff/vector.py`` (see
-its note [Vector products]).
+The fronts validate every argument once (errors name it), describe the call with ``_args``
+(``describe_call(..., as_leaves=True)``: f as a function of the list of its differentiated leaves,
+:meth:`Call.on_leaves`; for parameters, the functional call of the model at the selected tensors)
+and restore torch.func's layout; the engines are in ``_autodiff/vector.py`` (see its note
+[Vector products]).
 
 Conventions (docs/products.md, "Vector products"):
 * wrt="inputs": torch.func's. ``primals`` is f's positional arguments (a tensor or a tuple of
@@ -35,7 +37,8 @@ from ._threads import clone_tree
 from . import _checks, _losses
 from ._coupling import probe
 from ._autodiff import vector as _eng
-from ._args.flat import _fmt
+from ._args import Call, describe_call
+from ._args.flat import _fmt, children
 from ._args.params import bound, rebinding
 from ._autodiff.bags import holds_bags, primitive_bags
 from ._problem import _has_random_layers
@@ -89,19 +92,22 @@ def _as_args(primals: Any, name: str = "primals") -> tuple[Any, ...]:
     return (primals,)
 
 
-def _leaves(tree: Any, name: str) -> tuple[list[Tensor], TreeSpec]:
-    leaves, spec = tree_flatten(tree)
+def _inputs_call(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], has_aux: bool) -> Call:
+    """``f(*args, **kwargs)`` differentiated in every tensor of ``args`` (``primals``, checked here)."""
+    leaves, spec = tree_flatten(args)
     if not leaves:
-        raise ValueError(f"{name}: holds no tensors ({_fmt(tree)}).")
+        raise ValueError(f"primals: holds no tensors ({_fmt(args)}).")
     for i, t in enumerate(leaves):
-        where = name if len(leaves) == 1 else f"{name} (leaf {i})"
+        where = "primals" if len(leaves) == 1 else f"primals (leaf {i})"
         if not isinstance(t, Tensor):
             raise TypeError(f"{where}: expected a tensor or a pytree (tuple, list, dict) of tensors, got "
                             f"{type(t).__name__} ({_fmt(t)}). Pass the other arguments through kwargs= or a closure.")
         if not t.is_floating_point():
             raise TypeError(f"{where}: differentiating needs a real floating dtype, got {t.dtype}. Convert with "
                             "`.float()`, or pass integer arguments (token ids, masks) through kwargs= or a closure.")
-    return leaves, spec
+    nums = tuple(k for k, arg in enumerate(children(spec)) if arg.num_leaves)  # every argument holding tensors
+    return describe_call(f, args, kwargs, argnums=nums, has_aux=has_aux, batched=False, floating=False,
+                         as_leaves=True)
 
 
 def _like(value: Any, spec: TreeSpec, like: Sequence[Tensor], name: str, of: str) -> list[Tensor]:
@@ -136,33 +142,50 @@ def _wrt_kind(wrt: Any) -> str:
                     f"{_fmt(wrt)}.")
 
 
+def _functional(model: nn.Module, params: dict[str, Tensor], *args: Any, **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)`` at ``params`` (``functional_call`` on a structural clone): the call
+    the products with respect to parameters describe, differentiated in ``params``."""
+    # an EmbeddingBag in primitives: torch defines neither its forward-mode formula nor its second
+    # derivative, which J v (forward, or the transpose of a vjp) and H v need (_autodiff/bags.py)
+    with primitive_bags(holds_bags(model)):
+        return functional_call(clone_tree(model), params, args, kwargs)
+
+
 @dataclass
 class Params:
-    """The differentiated parameters: names, primal values, and the layout results come back in."""
+    """The differentiated parameters: the model's call at them, and the layout results come back in."""
 
     model: nn.Module
-    names: list[str]
-    values: list[Tensor]
+    call: Call  # _functional(model, {name: tensor}, *args, **kwargs), differentiated in argument 1
     as_dict: bool
     functional: bool  # values are the user's (functional_call), not the module's own
 
     @property
+    def names(self) -> list[str]:
+        return list(self.call.diff_specs[1].context)
+
+    @property
+    def values(self) -> list[Tensor]:
+        return self.call.diff_values()
+
+    @property
     def sizes(self) -> list[int]:
-        return [v.numel() for v in self.values]
+        return [leaf.size for leaf in self.call.diff]
 
     def primals(self, create_graph: bool) -> list[Tensor]:
-        return list(self.values) if create_graph else [v.detach() for v in self.values]
+        return self.values if create_graph else [v.detach() for v in self.values]
 
     def vector(self, v: Any, name: str) -> list[Tensor]:
         """A parameter vector: a dict over the names, or one flat (P,) tensor."""
         if isinstance(v, dict):
-            missing = [n for n in self.names if n not in v]
-            extra = [n for n in v if n not in self.names]
+            names = self.names
+            missing = [n for n in names if n not in v]
+            extra = [n for n in v if n not in names]
             if missing or extra:
-                raise ValueError(f"{name}: expected one tensor per differentiated parameter {self.names[:4]}"
-                                 f"{'...' if len(self.names) > 4 else ''}; missing {missing[:3]}, unexpected {extra[:3]}.")
-            out = [v[n] for n in self.names]
-            for n, t, p in zip(self.names, out, self.values):
+                raise ValueError(f"{name}: expected one tensor per differentiated parameter {names[:4]}"
+                                 f"{'...' if len(names) > 4 else ''}; missing {missing[:3]}, unexpected {extra[:3]}.")
+            out = [v[n] for n in names]
+            for n, t, p in zip(names, out, self.values):
                 if not isinstance(t, Tensor) or t.shape != p.shape or t.dtype != p.dtype or t.device != p.device:
                     got = (f"{type(t).__name__}" if not isinstance(t, Tensor)
                            else f"shape {tuple(t.shape)}, {t.dtype} on {t.device}")
@@ -184,22 +207,18 @@ class Params:
 
     def parts(self, flat: Tensor) -> list[Tensor]:
         """A flat (P,) vector as one tensor per parameter, unchecked."""
-        return [t.view(p.shape) for t, p in zip(flat.split(self.sizes), self.values)]
+        return [t.view(leaf.shape) for t, leaf in zip(flat.split(self.sizes), self.call.diff)]
 
     def join(self, parts: Sequence[Tensor], lead: tuple[int, ...] = ()) -> Vector:
         if self.as_dict:
-            return {n: t.reshape(*lead, *p.shape) for n, t, p in zip(self.names, parts, self.values)}
+            return {n: t.reshape(*lead, *leaf.shape) for n, t, leaf in zip(self.names, parts, self.call.diff)}
         return torch.cat([t.reshape(*lead, -1) for t in parts], dim=-1)
 
-    def call(self, leaves: Sequence[Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # an EmbeddingBag in primitives: torch defines neither its forward-mode formula nor its second
-        # derivative, which J v (forward, or the transpose of a vjp) and H v need (_autodiff/bags.py)
-        with primitive_bags(holds_bags(self.model)):
-            return functional_call(clone_tree(self.model), dict(zip(self.names, leaves)), args, kwargs)
 
-
-def params_of(f: Any, wrt: Any, v: Any = None, flatten: bool = True) -> Params:
-    """The selection of ``wrt`` ("params": the trainable ones, or the keys of a dict ``v``)."""
+def params_of(f: Any, wrt: Any, v: Any, flatten: bool, args: tuple[Any, ...], kwargs: dict[str, Any],
+              has_aux: bool = False) -> Params:
+    """The selection of ``wrt`` ("params": the trainable ones, or the keys of a dict ``v``) and the call
+    ``f(*args, **kwargs)`` differentiated in it."""
     kind = _wrt_kind(wrt)
     if not isinstance(f, nn.Module):
         raise TypeError(f"f: wrt={'a dict' if kind == 'dict' else repr(wrt)} differentiates a module's parameters, "
@@ -207,6 +226,8 @@ def params_of(f: Any, wrt: Any, v: Any = None, flatten: bool = True) -> Params:
                         "arguments.")
     _check_flag(flatten, "flatten")
     if kind == "dict":
+        if not wrt:  # (as _checks.check_param_values says it for the other entry points)
+            raise ValueError("wrt: got an empty dict of parameters. Give at least one name -> tensor, or wrt='params'.")
         known = dict(f.named_parameters()) | dict(f.named_buffers())
         for n, t in wrt.items():
             if n not in known:
@@ -214,53 +235,15 @@ def params_of(f: Any, wrt: Any, v: Any = None, flatten: bool = True) -> Params:
                                  f"{list(known)[:4]}).")
             if not isinstance(t, Tensor) or not t.is_floating_point():
                 raise TypeError(f"wrt: {n!r} must be a floating tensor, got {type(t).__name__}.")
-        return Params(f, list(wrt), list(wrt.values()), True, True)
-    names: Optional[Sequence[str]] = list(wrt) if kind == "names" else None
-    if kind == "params" and isinstance(v, dict):
-        names = list(v)
-    selected = _checks.check_param_selection(f, names)
-    return Params(f, [n for n, _ in selected], [p for _, p in selected], isinstance(v, dict) or not flatten, False)
-
-
-def _outputs(out: Any, has_aux: bool) -> tuple[list[Tensor], TreeSpec, Any]:
-    aux = None
-    if has_aux:
-        if not (isinstance(out, tuple) and len(out) == 2):
-            raise TypeError(f"f: has_aux=True expects f to return a pair (output, aux), got {type(out).__name__}. "
-                            "Return `out, aux`, or pass has_aux=False.")
-        out, aux = out
-    leaves, spec = tree_flatten(out)
-    if not leaves or not all(isinstance(t, Tensor) and t.is_floating_point() for t in leaves):
-        raise TypeError(f"f: expected f to return a floating tensor or a pytree of floating tensors, got "
-                        f"{type(out).__name__} ({_fmt(out)}). Put anything else in the auxiliary output with "
-                        "has_aux=True.")
-    return leaves, spec, aux
-
-
-class _Flat:
-    """f as a function of a list of leaves: output leaves, with the spec and aux kept."""
-
-    def __init__(self, rebuild: Callable[[list[Tensor]], Any], has_aux: bool) -> None:
-        self.rebuild, self.has_aux = rebuild, has_aux
-        self.spec: Optional[TreeSpec] = None
-
-    def __call__(self, leaves: list[Tensor]) -> tuple[list[Tensor], Any]:
-        outs, self.spec, aux = _outputs(self.rebuild(leaves), self.has_aux)
-        return outs, aux
-
-
-def _inputs_flat(f: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-                 has_aux: bool) -> tuple[_Flat, list[Tensor], TreeSpec]:
-    leaves, spec = _leaves(args, "primals")
-
-    def rebuild(ls: list[Tensor]) -> Any:
-        return f(*tree_unflatten(ls, spec), **kwargs)
-
-    return _Flat(rebuild, has_aux), leaves, spec
-
-
-def _params_flat(sel: Params, args: tuple[Any, ...], kwargs: dict[str, Any], has_aux: bool) -> _Flat:
-    return _Flat(lambda ls: sel.call(ls, args, kwargs), has_aux)
+        selected, as_dict = dict(wrt), True
+    else:
+        names: Optional[Sequence[str]] = list(wrt) if kind == "names" else None
+        if kind == "params" and isinstance(v, dict):
+            names = list(v)
+        selected, as_dict = dict(_checks.check_param_selection(f, names)), isinstance(v, dict) or not flatten
+    call = describe_call(_functional, (f, selected, *args), kwargs, argnums=1, has_aux=has_aux, batched=False,
+                         floating=False, as_leaves=True)
+    return Params(f, call, as_dict, kind == "dict")
 
 
 # ---- jvp --------------------------------------------------------------------------------------
@@ -305,38 +288,29 @@ def jvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
     _check_flag(has_aux, "has_aux")
     _check_flag(create_graph, "create_graph")
     kw = _kwargs(kwargs)
+    args = _as_args(primals)
     if _wrt_kind(wrt) == "inputs":
-        args = _as_args(primals)
-        flat, leaves, spec = _inputs_flat(f, args, kw, has_aux)
-        tans = _like(_as_args(tangents, "tangents") if isinstance(primals, tuple) else (tangents,), spec, leaves,
-                     "tangents", "primals")
-        if in_transform():
-            return _threads.jvp(lambda *a: f(*a, **kw), args, tuple(tree_unflatten(tans, spec)), has_aux=has_aux)
-        with preserved_state(f):  # also a model behind a lambda: BatchNorm's running statistics stay
-            outs, jv, aux = _eng.jvp_any(flat, leaves if create_graph else [t.detach() for t in leaves],
-                                         tans if create_graph else [t.detach() for t in tans], create_graph)
+        call = _inputs_call(f, args, kw, has_aux)
+        values = call.diff_values()
+        tans = _like(_as_args(tangents, "tangents") if isinstance(primals, tuple) else (tangents,),
+                     children(call.args_spec)[0], values, "tangents", "primals")
+        route = _eng.jvp_any
     else:
-        sel = params_of(f, wrt, tangents)
-        args = _as_args(primals)
-        tans = sel.vector(tangents, "tangents")
-        flat = _params_flat(sel, args, kw, has_aux)
-        if in_transform():
-            return _threads.jvp(lambda *p: sel.call(list(p), args, kw), tuple(sel.values), tuple(tans),
-                                  has_aux=has_aux)
-        with preserved_state(f):
-            outs, jv, aux = _jvp_params(sel, flat, sel.primals(create_graph), tans, create_graph)
-    assert flat.spec is not None
-    res = (tree_unflatten(outs, flat.spec), tree_unflatten(jv, flat.spec))
+        sel = params_of(f, wrt, tangents, True, args, kw, has_aux)
+        call, values, tans, route = sel.call, sel.values, sel.vector(tangents, "tangents"), _jvp_route(sel)
+    if in_transform():
+        return _threads.jvp(lambda *p: call.at(p), tuple(values), tuple(tans), has_aux=has_aux)
+    with preserved_state(f):  # also a model behind a lambda: BatchNorm's running statistics stay
+        outs, jv, aux = route(call.on_leaves, values if create_graph else [t.detach() for t in values],
+                              tans if create_graph else [t.detach() for t in tans], create_graph)
+    res = (tree_unflatten(outs, call.out_spec), tree_unflatten(jv, call.out_spec))
     return (*res, aux) if has_aux else res
 
 
-def _jvp_params(sel: Params, flat: _Flat, primals: list[Tensor], tangents: list[Tensor],
-                create_graph: bool) -> tuple[list[Tensor], list[Tensor], Any]:
+def _jvp_route(sel: Params) -> Callable[..., tuple[list[Tensor], list[Tensor], Any]]:
     """J v over parameters: forward mode, or the reverse route where forward mode runs but is not exact
     for a selected parameter (torch's forward formula of embedding ignores padding_idx)."""
-    if forward_gap(sel.model, sel.names) is not None:
-        return _eng.jvp_reverse(flat, primals, tangents, create_graph)
-    return _eng.jvp_any(flat, primals, tangents, create_graph)
+    return _eng.jvp_reverse if forward_gap(sel.model, sel.names) is not None else _eng.jvp_any
 
 
 def _check_grad_mode(what: str) -> None:
@@ -395,57 +369,48 @@ def vjp(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", has_aux: bool
     _check_flag(create_graph, "create_graph")
     kw = _kwargs(kwargs)
     args = _as_args(primals)
-    kind = _wrt_kind(wrt)
-    if kind == "inputs":
+    layout: Callable[[list[Tensor]], Any]  # J^T u in the form of the primals or the parameter vectors
+    if _wrt_kind(wrt) == "inputs":
         if per_sample is not None:
             raise ValueError("per_sample: applies to wrt='params'; with respect to the inputs the rows of J^T u are "
                              "already per sample (row b is u_b^T J_b for independent samples). Leave it out.")
-        flat, leaves, spec = _inputs_flat(f, args, kw, has_aux)
+        call = _inputs_call(f, args, kw, has_aux)
         if in_transform():
             return torch.func.vjp(lambda *a: f(*a, **kw), *args, has_aux=has_aux)
-        with preserved_state(f):  # as jvp: the model's buffers (BatchNorm's running statistics) stay
-            rec = _eng.Recorded(flat, leaves, create_graph)
-        assert flat.spec is not None
-        out_spec, outs = flat.spec, rec.outs
+        spec = children(call.args_spec)[0]
+        values, layout = call.diff_values(), lambda grads: tuple(tree_unflatten(grads, spec))
+    else:
+        per = True if per_sample is None else _check_flag(per_sample, "per_sample")
+        sel = params_of(f, wrt, None, flatten, args, kw, has_aux)
+        if in_transform():
+            return torch.func.vjp(lambda *p: sel.call.at(p), *sel.values, has_aux=has_aux)
+        if per:
+            if has_aux or create_graph:
+                raise ValueError(f"{'has_aux' if has_aux else 'create_graph'}: per-sample products (per_sample=True) "
+                                 "return plain (B, P) rows of a model with one tensor output; pass per_sample=False "
+                                 "for torch.func's whole-batch vjp, which takes it.")
+            engine = _per_sample_engine(sel.model, args, kw, in_dims, sel, chunk_size)
+            out = engine.output
 
-        def vjp_fn(u: Any) -> tuple[Any, ...]:
-            us = _like(u, out_spec, outs, "u", "f's output")
-            return tuple(tree_unflatten(rec.vjp(us), spec))
+            def per_sample_fn(u: Any) -> Vector:
+                if not isinstance(u, Tensor) or u.shape != out.shape:
+                    raise ValueError(f"u: expected a tensor shaped like f's output {tuple(out.shape)}, got "
+                                     f"{tuple(u.shape) if isinstance(u, Tensor) else type(u).__name__}.")
+                if u.dtype != out.dtype:
+                    raise TypeError(f"u: expected dtype {out.dtype} (that of f's output), got {u.dtype}.")
+                return _split_rows(sel, engine(u))
 
-        res = (tree_unflatten(rec.values(), out_spec), vjp_fn)
-        return (*res, rec.extra) if has_aux else res
-    per = True if per_sample is None else _check_flag(per_sample, "per_sample")
-    sel = params_of(f, wrt, None, flatten)
-    if in_transform():
-        return torch.func.vjp(lambda *p: sel.call(list(p), args, kw), *sel.values, has_aux=has_aux)
-    if not per:
-        flat = _params_flat(sel, args, kw, has_aux)
-        with preserved_state(f):
-            rec = _eng.Recorded(flat, sel.primals(create_graph), create_graph)
-        assert flat.spec is not None
-        out_spec, outs = flat.spec, rec.outs
+            return out, per_sample_fn
+        call, values, layout = sel.call, sel.primals(create_graph), sel.join
+    with preserved_state(f):  # as jvp: the model's buffers (BatchNorm's running statistics) stay
+        rec = _eng.Recorded(call.on_leaves, values, create_graph)
+    out_spec, outs = call.out_spec, rec.outs
 
-        def summed(u: Any) -> Vector:
-            return sel.join(rec.vjp(_like(u, out_spec, outs, "u", "f's output")))
+    def vjp_fn(u: Any) -> Any:
+        return layout(rec.vjp(_like(u, out_spec, outs, "u", "f's output")))
 
-        res2 = (tree_unflatten(rec.values(), out_spec), summed)
-        return (*res2, rec.extra) if has_aux else res2
-    if has_aux or create_graph:
-        raise ValueError(f"{'has_aux' if has_aux else 'create_graph'}: per-sample products (per_sample=True) return "
-                         "plain (B, P) rows of a model with one tensor output; pass per_sample=False for torch.func's "
-                         "whole-batch vjp, which takes it.")
-    engine = _per_sample_engine(sel.model, args, kw, in_dims, sel, chunk_size)
-    out = engine.output
-
-    def per_sample_fn(u: Any) -> Vector:
-        if not isinstance(u, Tensor) or u.shape != out.shape:
-            raise ValueError(f"u: expected a tensor shaped like f's output {tuple(out.shape)}, got "
-                             f"{tuple(u.shape) if isinstance(u, Tensor) else type(u).__name__}.")
-        if u.dtype != out.dtype:
-            raise TypeError(f"u: expected dtype {out.dtype} (that of f's output), got {u.dtype}.")
-        return _split_rows(sel, engine(u))
-
-    return out, per_sample_fn
+    res = (tree_unflatten(rec.values(), out_spec), vjp_fn)
+    return (*res, rec.extra) if has_aux else res
 
 
 def _split_rows(sel: Params, rows: Tensor) -> Vector:
@@ -581,11 +546,12 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
         if loss is not None or y is not None:
             raise ValueError("loss: f is a function of the parameters, so f itself is the loss; pass loss= only with "
                              "a model.")
-        leaves, spec = _leaves(primals, "primals")
-        tans = _like(tangents, spec, leaves, "tangents", "primals")
+        call = _inputs_call(f, (primals,), kw, False)
+        spec, values = call.diff_specs[0], call.diff_values()
+        tans = _like(tangents, spec, values, "tangents", "primals")
 
         def scalar_p(ls: list[Tensor]) -> Tensor:
-            out = f(tree_unflatten(ls, spec), **kw)
+            out = call.at(ls)
             if not isinstance(out, Tensor) or out.numel() != 1:
                 raise ValueError(f"f: hvp needs f(params) to be one scalar, got "
                                  f"{tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__}.")
@@ -595,10 +561,10 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
             def scalar_tree(p: Any) -> Tensor:
                 return scalar_p(tree_flatten(p)[0])
             return _threads.jvp(torch.func.grad(scalar_tree), (primals,), (tangents,))[1]
-        return tree_unflatten(_eng.hvp(scalar_p, leaves, tans, "reverse" if mode == "auto" else mode, create_graph),
+        return tree_unflatten(_eng.hvp(scalar_p, values, tans, "reverse" if mode == "auto" else mode, create_graph),
                               spec)
-    sel = params_of(f, wrt, tangents)
     args = _as_args(primals)
+    sel = params_of(f, wrt, tangents, True, args, kw)
     vs = sel.vector(tangents, "tangents")
     total = _loss_of(loss, y, args)
     gap = forward_gap(sel.model, sel.names)
@@ -607,7 +573,7 @@ def hvp(f: Callable[..., Any], primals: Any, tangents: Any, *, wrt: Any = "input
                          "'reverse'.")
 
     def scalar_m(ls: list[Tensor]) -> Tensor:
-        return total(sel.call(ls, args, kw))
+        return total(sel.call.at(ls))
 
     with preserved_state(f):
         if in_transform():
@@ -675,27 +641,25 @@ def ggn_vector(f: nn.Module, x: Any, loss: Any, y: Optional[Tensor], v: Any, wrt
     """G v = sum_b J_b^T H_b J_b v: one jvp, the loss Hessians, one vjp (see :func:`jacmode.ggn`)."""
     _check_grad_mode("ggn")
     kw = _kwargs(kwargs)
-    sel = params_of(f, wrt, v)
+    sel = params_of(f, wrt, v, True, _as_args(x, "x"), kw)
     vs = sel.vector(v, "v")
-    args = _as_args(x, "x")
     with bound(f, x, kw or None, in_dims) as (g, xx):
-        return _ggn_vector(f, g, xx, loss, y, sel, vs, args, kw)
+        return _ggn_vector(f, g, xx, loss, y, sel, vs)
 
 
-def _ggn_vector(f: nn.Module, g: Any, xx: Tensor, loss: Any, y: Optional[Tensor], sel: Params, vs: list[Tensor],
-                args: tuple[Any, ...], kw: dict[str, Any]) -> Vector:
+def _ggn_vector(f: nn.Module, g: Any, xx: Tensor, loss: Any, y: Optional[Tensor], sel: Params,
+                vs: list[Tensor]) -> Vector:
     _checks.check_input(xx, wrt="params", batched=True)
     _checks.check_ggn_target(loss, y, xx.shape[0])
     with preserved_state(f):
         with torch.no_grad():
             probe(g, xx, check=xx.shape[0] > 1, ways_out=PRODUCT_WAYS_OUT,
                   validate=lambda out, n: _checks.check_output(out, batched=True, n_in=n))
-        flat = _params_flat(sel, args, kw, False)
-        outs, jv, _ = _jvp_params(sel, flat, sel.primals(False), vs, False)
+        outs, jv, _ = _jvp_route(sel)(sel.call.on_leaves, sel.primals(False), vs, False)
         if len(outs) != 1:
             raise TypeError("f: ggn needs a model with one tensor output.")
         hjv = output_hessian_times(loss, outs[0], jv[0], y)
-        rec = _eng.Recorded(flat, sel.primals(False), False)
+        rec = _eng.Recorded(sel.call.on_leaves, sel.primals(False), False)
         return sel.join(rec.vjp([hjv.to(outs[0].dtype)]))
 
 
@@ -711,12 +675,12 @@ class Linearized:
         out: f at the primals (shaped like f's output).
     """
 
-    def __init__(self, rec: _eng.Recorded, in_spec: Optional[TreeSpec], out_spec: TreeSpec,
-                 sel: Optional[Params] = None, per_sample: Optional[Callable[[], _eng.PerSampleVjp]] = None) -> None:
-        self._rec, self._in, self._outspec, self._sel = rec, in_spec, out_spec, sel
+    def __init__(self, rec: _eng.Recorded, call: Call, sel: Optional[Params] = None,
+                 per_sample: Optional[Callable[[], _eng.PerSampleVjp]] = None) -> None:
+        self._rec, self._in, self._outspec, self._sel = rec, children(call.args_spec)[0], call.out_spec, sel
         self._make_rows = per_sample
         self._rows: Optional[_eng.PerSampleVjp] = None
-        self.out = tree_unflatten(rec.values(), out_spec)
+        self.out = tree_unflatten(rec.values(), self._outspec)
 
     def jvp(self, *tangents: Any) -> Any:
         """J v: ``tangents`` one per primal (wrt="inputs"), or one parameter vector; shaped like f's output."""
@@ -735,7 +699,6 @@ class Linearized:
     def vjp(self, u: Any) -> Any:
         """J^T u: a tuple with one entry per primal (wrt="inputs"), or per-sample rows (B, P) / the sum (P,)."""
         if self._sel is None:
-            assert self._in is not None
             return tuple(tree_unflatten(self._rec.vjp(tree_flatten(u)[0]), self._in))
         if self._make_rows is not None:
             if self._rows is None:
@@ -785,18 +748,16 @@ def linearize(f: Callable[..., Any], *primals: Any, wrt: Any = "inputs", kwargs:
     if _wrt_kind(wrt) == "inputs":
         if per_sample is not None:
             raise ValueError("per_sample: applies to wrt='params'. Leave it out.")
-        flat, leaves, spec = _inputs_flat(f, args, kw, False)
+        call = _inputs_call(f, args, kw, False)
         with preserved_state(f):
-            rec = _eng.Recorded(flat, leaves, create_graph)
-        assert flat.spec is not None
-        return Linearized(rec, spec, flat.spec)
-    sel = params_of(f, wrt, None, flatten)
-    flat = _params_flat(sel, args, kw, False)
+            rec = _eng.Recorded(call.on_leaves, call.diff_values(), create_graph)
+        return Linearized(rec, call)
+    sel = params_of(f, wrt, None, flatten, args, kw)
     with preserved_state(f):
-        rec = _eng.Recorded(flat, sel.primals(create_graph), create_graph)
-    assert flat.spec is not None
+        rec = _eng.Recorded(sel.call.on_leaves, sel.primals(create_graph), create_graph)
     per = True if per_sample is None else _check_flag(per_sample, "per_sample")
+
     def rows() -> _eng.PerSampleVjp:
         return _per_sample_engine(sel.model, args, kw, in_dims, sel, None)
 
-    return Linearized(rec, None, flat.spec, sel, rows if per else None)
+    return Linearized(rec, sel.call, sel, rows if per else None)

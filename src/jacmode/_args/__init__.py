@@ -25,6 +25,13 @@ pytree outputs) is reduced to that form here, once per call:
   tuples (one entry per argnum) of input pytrees, each block (B, *out_leaf, *in_leaf); and
   :meth:`Call.outputs` does the same for per-sample results shaped like f's output, (B, *out).
 
+The vector products (``_vector.py``: jvp, vjp, hvp, linearize, G v) describe their calls with the same
+:func:`describe_call` (``as_leaves=True``, unbatched): their engines take the differentiated leaves
+as a list, not concatenated, so no flat function is built; :meth:`Call.on_leaves` evaluates f on
+such a list and returns its output leaves and aux, the output structure recorded as for
+:class:`Flat`. A product with respect to parameters describes the functional call of the model at
+the selected tensors (a dict name -> tensor as the differentiated argument).
+
 The functional style with shared differentiated arguments (``jm.jacobian(fn, params, x, argnums=0,
 in_dims=(None, 0))``, ``_functional.py``) is described by the same :func:`describe_call`
 (``shared=True``): its differentiated leaves keep their whole shape, B is dim 0 of the batched

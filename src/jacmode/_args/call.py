@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -101,27 +101,59 @@ class Call:
         if known is not None and self.out_spec is None:
             self.out_spec, self.out_shapes = known
 
+    def diff_values(self) -> list[Any]:
+        """The differentiated leaves as given, in order."""
+        return [self.leaves[leaf.index] for leaf in self.diff]
+
+    # ---- evaluations of f ----------------------------------------------------------------
+    def evaluate(self, leaves: Sequence[Any]) -> Any:
+        """f's output (with aux) on ``leaves``: every leaf of (args, kwargs), in order."""
+        pos, kw = tree_unflatten(list(leaves), self.args_spec)
+        return self.f(*pos, **kw)
+
+    def at(self, values: Sequence[Any]) -> Any:
+        """f's output (with aux) with the differentiated leaves replaced by ``values``, in order."""
+        leaves = list(self.leaves)
+        for leaf, v in zip(self.diff, values):
+            leaves[leaf.index] = v
+        return self.evaluate(leaves)
+
+    def on_leaves(self, values: Sequence[Tensor]) -> tuple[list[Tensor], Any]:
+        """f as a function of its differentiated leaves (``describe_call``'s ``as_leaves=True``): the output
+        leaves, floating, and the auxiliary output (None without ``has_aux``)."""
+        return self.output_leaves(self.at(values), None, floating=True)
+
     # ---- outputs -------------------------------------------------------------------------
-    def flat_output(self, out: Any, b: Optional[int]) -> Tensor:
-        """f's output without aux, as one tensor: a single tensor as is, else (b, Y) / (Y,)."""
+    def output_leaves(self, out: Any, b: Optional[int], floating: bool = False) -> tuple[list[Tensor], Any]:
+        """f's output as its leaves and its auxiliary output; the first evaluation records the output
+        structure (``b``: the batch, per-sample shapes; None: whole shapes), later ones must keep it."""
+        aux = None
         if self.has_aux:
-            out = _split_aux(out)[0]
+            out, aux = _split_aux(out)
         leaves, spec = tree_flatten(out)
-        if not leaves or not all(isinstance(t, Tensor) for t in leaves):
+        if not leaves or not all(isinstance(t, Tensor) and (t.is_floating_point() or not floating) for t in leaves):
+            kind = "floating tensor" if floating else "tensor"
             raise TypeError(
-                f"f: expected f to return a tensor or a pytree (tuple, list, dict) of tensors, got "
-                f"{type(out).__name__} ({_fmt(out)}). Return tensors only; put anything else in the auxiliary "
+                f"f: expected f to return a {kind} or a pytree (tuple, list, dict) of {kind}s, got "
+                f"{type(out).__name__} ({_fmt(out)}). Return {kind}s only; put anything else in the auxiliary "
                 "output with has_aux=True.")
         shapes = [tuple(t.shape[1:]) if b is not None else tuple(t.shape) for t in leaves]
         if self.out_spec is None:
             self.out_spec, self.out_shapes = spec, shapes
-            self._remember()
         elif spec != self.out_spec or shapes != self.out_shapes:
             raise ValueError(
                 f"f: returned a different output structure on a later evaluation ({spec} with per-sample shapes "
                 f"{shapes}, first {self.out_spec} with {self.out_shapes}). jacmode evaluates f several times; "
                 "its outputs must keep their structure.")
-        if len(leaves) == 1 and not isinstance(out, (tuple, list, dict)):
+        return leaves, aux
+
+    def flat_output(self, out: Any, b: Optional[int]) -> Tensor:
+        """f's output without aux, as one tensor: a single tensor as is, else (b, Y) / (Y,)."""
+        first = self.out_spec is None
+        leaves = self.output_leaves(out, b)[0]
+        if first:
+            self._remember()
+        if self.out_spec.num_leaves == 1 and self.out_spec.type is None:
             return leaves[0]
         if b is not None:
             for t in leaves:
@@ -201,8 +233,7 @@ class Call:
 
     def aux(self) -> Any:
         """The auxiliary output of ``has_aux=True`` at the call's arguments (one more call of f)."""
-        pos, kw = tree_unflatten(list(self.leaves), self.args_spec)
-        return _split_aux(self.f(*pos, **kw))[1]
+        return _split_aux(self.evaluate(self.leaves))[1]
 
     # ---- coordinates ---------------------------------------------------------------------
     def coordinate(self, c: Any, name: str = "dims") -> int:

@@ -16,7 +16,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten
 
 from .._cache import register
 from .call import Call
-from .flat import Argnums, Flat, InDims, Leaf, Rider, _fmt
+from .flat import Argnums, Flat, InDims, Leaf, Rider, _fmt, children
 
 
 _SIGNATURES: "weakref.WeakKeyDictionary[Any, tuple[tuple[str, ...], Optional[bool]]]" = register(
@@ -127,6 +127,7 @@ def describe_call(
     floating: bool = True,
     flat: bool = False,
     shared: bool = False,
+    as_leaves: bool = False,
 ) -> Call:
     """Describe ``f(*args, **kwargs)`` as a flat problem (see the note).
 
@@ -147,6 +148,8 @@ def describe_call(
             ``vmap(jacrev(f), in_dims=(None, 0))``: their leaves keep their whole shape, B is dim 0
             of the batched riders (at least one), and no flat function is built (the caller runs
             the call as a module of those tensors, which checks their dtypes and devices).
+        as_leaves: the engines take the differentiated leaves as a list (:meth:`Call.on_leaves`, the vector
+            products): they may differ in dtype and device, and no flat function or input is built.
 
     Returns:
         The :class:`Call`; ``call.fn`` and ``call.x`` are what the engines take.
@@ -158,21 +161,21 @@ def describe_call(
     check_in_dims(in_dims, len(args))
     names = parameter_names(f)
     leaves, spec = tree_flatten((tuple(args), kwargs))
+    arg_specs, kw_specs = (children(c) for c in children(spec))
     # leaf index ranges per positional argument
-    starts, i = [], 0
-    for a in args:
-        starts.append(i)
-        i += len(tree_flatten(a)[0])
-    n_pos = i
-    owner = [next(k for k in range(len(args)) if starts[k] <= j < (starts[k + 1] if k + 1 < len(args) else n_pos))
-             for j in range(n_pos)]
+    starts: list[int] = []
+    owner: list[int] = []
+    for k, a_spec in enumerate(arg_specs):
+        starts.append(len(owner))
+        owner += [k] * a_spec.num_leaves
+    n_pos = len(owner)
     diff: list[Leaf] = []
     diff_specs: dict[int, TreeSpec] = {}
     batch: Optional[int] = None
     lo = 0
     for a in nums:
-        a_leaves, a_spec = tree_flatten(args[a])
-        diff_specs[a] = a_spec
+        a_spec = diff_specs[a] = arg_specs[a]
+        a_leaves = leaves[starts[a]:starts[a] + a_spec.num_leaves]
         if not a_leaves:
             raise ValueError(f"argnums: argument {a} holds no tensors to differentiate ({_fmt(args[a])}).")
         for k, t in enumerate(a_leaves):
@@ -203,15 +206,15 @@ def describe_call(
             lo += size
     dtypes = {leaves[d.index].dtype for d in diff}
     devices = {leaves[d.index].device for d in diff}
-    if not shared and (len(dtypes) > 1 or len(devices) > 1):
+    if not (shared or as_leaves) and (len(dtypes) > 1 or len(devices) > 1):
         raise TypeError(
             f"argnums: the differentiated tensors must share one dtype and device, got {sorted(map(str, dtypes))} on "
             f"{sorted(map(str, devices))}. Convert them, e.g. `t.to(x)`.")
     diff_index = {d.index for d in diff}
     kw_leaf_owner: dict[int, str] = {}
     j = n_pos
-    for name in kwargs:
-        for _ in tree_flatten(kwargs[name])[0]:
+    for name, kw_spec in zip(kwargs, kw_specs):
+        for _ in range(kw_spec.num_leaves):
             kw_leaf_owner[j] = name
             j += 1
     dims = {j: _in_dim(in_dims, owner[j] if j < n_pos else None, kw_leaf_owner.get(j), names) if batched else None
@@ -243,7 +246,7 @@ def describe_call(
         riders[j] = Rider(value=t, batched=dim == 0)
     call = Call(f=f, batched=batched, argnums=nums, int_argnums=as_int, has_aux=has_aux, args_spec=spec,
                 leaves=leaves, diff=diff, diff_specs=diff_specs, riders=riders, batch=b, names=names, shared=shared)
-    if shared:
+    if shared or as_leaves:
         return call
     simple = (not flat and len(args) == 1 and not kwargs and len(diff) == 1 and not has_aux and as_int
               and diff_specs[nums[0]].num_leaves == 1 and diff_specs[nums[0]].type is None)

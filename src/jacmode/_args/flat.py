@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten
 
 from .._cache import Keyed
 
@@ -20,6 +20,12 @@ if TYPE_CHECKING:
 
 Argnums = Union[int, tuple[int, ...]]
 InDims = Union[None, int, Sequence[Optional[int]], dict[Union[str, int], Optional[int]]]
+
+
+def children(spec: TreeSpec) -> list[TreeSpec]:
+    """The specs of a pytree node's children (``TreeSpec.children()``; ``children_specs`` in older torch)."""
+    method = getattr(spec, "children", None)
+    return list(method() if method is not None else spec.children_specs)
 
 
 def _fmt(value: Any) -> str:
@@ -95,10 +101,7 @@ class Flat(Keyed):
             cols = z[..., leaf.lo:leaf.lo + leaf.size] if len(call.diff) > 1 else z
             shape = (b, *leaf.shape) if b is not None else leaf.shape
             leaves[leaf.index] = cols.reshape(shape)
-        args = tree_unflatten(leaves, call.args_spec)
-        pos, kw = args
-        out = call.f(*pos, **kw)
-        return call.flat_output(out, b)
+        return call.flat_output(call.evaluate(leaves), b)
 
 
 def traced_body(call: "Call") -> Callable[[Any, Any], Any]:
@@ -117,8 +120,7 @@ def traced_body(call: "Call") -> Callable[[Any, Any], Any]:
             cols = z[:, leaf.lo:leaf.lo + leaf.size]  # (b, size): a reshape only where the leaf is not flat,
             leaves[leaf.index] = cols if leaf.shape == (leaf.size,) else cols.reshape(-1, *leaf.shape)  # (it
             # would give the seeds, shared by all samples, a batch dimension of b)
-        pos, kw = tree_unflatten(leaves, call.args_spec)
-        out = call.f(*pos, **kw)
+        out = call.evaluate(leaves)
         if call.has_aux:
             out = out[0]
         outs = tree_flatten(out)[0]
