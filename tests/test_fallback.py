@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import jacmode as jm
 from jacmode import JacmodeWarning, _cache, _guard
@@ -272,3 +272,32 @@ def test_gaps_found_while_running_are_handled(blind_probe):
     torch.testing.assert_close(Jp, ref_param_jacobian(branchy, xb))
     with pytest.raises(ValueError, match=r"vectorises over samples"):
         jm.jacobian(branchy, xb, wrt="params", mode="reverse")
+
+
+class _StorageReader(nn.Module):
+    """Raises as cuDNN's LSTM and GRU kernels do on a GPU when a torch.func transform wraps their
+    inputs (they read the inputs' memory directly); plain autograd runs them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        if wrapped(x) or wrapped(self.lin.weight):
+            raise RuntimeError("Cannot access data pointer of Tensor that doesn't have storage")
+        return torch.tanh(self.lin(x))
+
+
+@pytest.mark.parametrize("wrt", ["inputs", "params"])
+def test_an_operation_that_reads_memory_directly_falls_back_to_autograd_loops(wrt: str) -> None:
+    torch.manual_seed(0)
+    m, x = _StorageReader().double(), torch.randn(4, 3, dtype=torch.float64)
+    want = ref_input_jacobian(m, x) if wrt == "inputs" else ref_param_jacobian(m, x)
+    with pytest.warns(jm.JacmodeWarning, match="reads its inputs' memory directly"):
+        got = [jm.jacobian(m, x, wrt=wrt) for _ in range(3)]
+    for g in got:
+        torch.testing.assert_close(g, want)
+    with pytest.raises(ValueError, match="mode: 'forward' runs f under torch.func transforms, which cannot run an "
+                                         "operation that reads its inputs' memory directly"):
+        jm.jacobian(m, x, wrt=wrt, mode="forward")

@@ -9,8 +9,9 @@ answer:
 * ``.item()``, Python branching on tensor values, or a custom ``autograd.Function`` without a
   vmap rule: ``vmap`` over samples cannot run (vmap over directions usually can, since the primal
   is not batched); a Python loop over samples with vmap over directions can.
-* an ``autograd.Function`` written the old way (``forward(ctx, ...)`` without ``setup_context``):
-  no ``torch.func`` transform runs it; plain ``torch.autograd.grad`` loops can.
+* an ``autograd.Function`` written the old way (``forward(ctx, ...)`` without ``setup_context``),
+  or a kernel that reads its inputs' memory directly (cuDNN's LSTM and GRU on a GPU): no
+  ``torch.func`` transform runs it; plain ``torch.autograd.grad`` loops can.
 
 ``capabilities`` finds these before computing, by one jvp, one vjp and (for per-sample parameter
 Jacobians) one vmap over two samples, on one sample, cached per function. Errors the probe could
@@ -89,6 +90,8 @@ def classify(exc: BaseException) -> Optional[tuple[str, str]]:
     fn = _function_name(exc)
     if "setup_context staticmethod" in msg:
         return "functorch", f"custom autograd.Function {fn or '?'} without setup_context{_where(exc)}"
+    if "doesn't have storage" in msg or "storage of TensorWrapper" in msg:  # (cuDNN's RNN kernels on a GPU)
+        return "functorch", f"an operation that reads its inputs' memory directly{_where(exc)}"
     if "forward AD" in msg or "jvp function for custom autograd.Function" in msg:
         m = re.search(r"forward AD with (\S+) that", msg)
         what = f"aten::{m.group(1)}" if m else f"custom autograd.Function {fn or '?'} without jvp"
