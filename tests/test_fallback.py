@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -301,3 +302,44 @@ def test_an_operation_that_reads_memory_directly_falls_back_to_autograd_loops(wr
     with pytest.raises(ValueError, match="mode: 'forward' runs f under torch.func transforms, which cannot run an "
                                          "operation that reads its inputs' memory directly"):
         jm.jacobian(m, x, wrt=wrt, mode="forward")
+
+
+class _JvpFails(torch.autograd.Function):
+    """tanh whose forward-mode formula fails with an error torch gives no name to (as torch's jvp of
+    CUDA layer norm in float16 does: a float32 tangent meets a float16 weight)."""
+
+    @staticmethod
+    def forward(x: Tensor) -> Tensor:
+        return torch.tanh(x)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: Any, output: Tensor) -> None:
+        ctx.save_for_backward(output)
+        ctx.save_for_forward(output)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Tensor:
+        (y,) = ctx.saved_tensors
+        return g * (1 - y * y)
+
+    @staticmethod
+    def jvp(ctx: Any, t: Tensor) -> Tensor:
+        raise RuntimeError("expected mat1 and mat2 to have the same dtype, but got: float != c10::Half")
+
+    @staticmethod
+    def vmap(info: Any, in_dims: Any, x: Tensor) -> Any:
+        return _JvpFails.apply(x), in_dims[0]
+
+
+def test_a_forward_mode_that_fails_where_reverse_runs_is_a_gap_of_forward_mode() -> None:
+    """auto takes reverse mode, and its plan names the error; mode='forward' says why it cannot run."""
+    torch.manual_seed(0)
+    lin = nn.Linear(1, 8).double()  # one input, eight outputs: auto would take forward mode
+    f = lambda x: _JvpFails.apply(lin(x))  # noqa: E731
+    x = torch.randn(4, 1, dtype=torch.float64)
+    plan = jm.plan(f, x)
+    assert plan.mode == "reverse" and "forward mode fails here (RuntimeError: expected mat1 and mat2" in plan.reason
+    for g in [jm.jacobian(f, x) for _ in range(3)]:
+        torch.testing.assert_close(g, ref_input_jacobian(f, x))
+    with pytest.raises(ValueError, match="mode: 'forward' needs a forward-AD .* forward mode fails here"):
+        jm.jacobian(f, x, mode="forward")

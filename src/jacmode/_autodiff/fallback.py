@@ -132,11 +132,12 @@ def _one_sample(f: Any, p: Problem) -> tuple[Any, Tensor]:
 
 
 def _try(call: Any, any_error: bool = False) -> Optional[tuple[str, str]]:
-    """Why ``call`` fails (see ``classify``); None if it runs. ``any_error``: every error counts."""
+    """Why ``call`` fails (see ``classify``); None if it runs. ``any_error``: every error counts
+    (kind "error", with the error's type and message)."""
     try:
         call()
     except Exception as exc:  # noqa: BLE001 - anything unforeseen surfaces in the real run
-        return classify(exc) or (("error", str(exc)) if any_error else None)
+        return classify(exc) or (("error", f"{type(exc).__name__}: {exc}") if any_error else None)
     return None
 
 
@@ -157,13 +158,18 @@ def capabilities(f: Any, key: tuple, p: Problem) -> Caps:
         with rng_kept(p.device), torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             with recording():  # each probe under the grad mode of the engine it stands for
-                gap = _try(lambda: _pull_ones(*vjp(g, pt)))
+                gap = _try(lambda: _pull_ones(*vjp(g, pt)), any_error=True)
             if gap is not None and gap[0] == "functorch":
                 caps.functorch = gap[1]
             else:
-                gap = None if caps.forward else _try(lambda: jvp(g, (pt,), (torch.ones_like(pt),)))
+                # where reverse mode runs, any error of forward mode is a gap of forward mode (torch's
+                # jvp of CUDA layer norm in half precision mixes float32 into the tangent, for one)
+                reverse_runs = gap is None
+                gap = None if caps.forward else _try(lambda: jvp(g, (pt,), (torch.ones_like(pt),)),
+                                                     any_error=reverse_runs)
                 if gap is not None:
-                    caps.forward = gap[1]
+                    caps.forward = gap[1] if gap[0] != "error" else \
+                        f"an operation whose forward mode fails here ({gap[1].strip().splitlines()[0][:200]})"
                 one = p.sample_fn
                 if p.kind == "params" and p.batched and p.structure == "independent" and one is not None:
                     xs = p.x[:2].detach().clone()
