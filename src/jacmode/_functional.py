@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _checks, _guard, _losses
 from ._args import Call, Leaf, _in_dim, check_argnums, check_in_dims, describe_call, parameter_names
+from ._args.params import LOOP, FunctionRows, arguments, batched_leaves, rows_bound, shared_rows
 from ._cache import register, rng_kept
 from ._state import bind, bound_values, preserved_state, used_modules
 from ._threads import clone_tree, transient_hooks
@@ -197,62 +198,6 @@ def routes(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return False
 
 
-class _Applied(nn.Module):
-    """fn as a module of its batched input: slots p0, p1, ... are the differentiated leaves (see the note)."""
-
-    _jacmode_wrapper = True  # its children are the modules fn refers to, which fn itself feeds
-
-    def __init__(self, fn: Callable[..., Any], call: Call, modules: list[nn.Module], tensor_output: bool = False,
-                 sample_dims: Any = None) -> None:
-        super().__init__()
-        self.tensor_output = tensor_output
-        self.sample_dims = sample_dims  # fn written for one sample: vmap's in_dims, or LOOP (see _spelling)
-        try:  # the cache of wrappers is keyed weakly by fn: no strong reference back to it
-            ref: Callable[[], Any] = weakref.ref(fn)
-        except TypeError:
-            ref = lambda: fn  # noqa: E731
-        self._fn, self.leaves, self.spec = ref, call.leaves, call.args_spec
-        self.diff, self.batched = [leaf.index for leaf in call.diff], _batched(call)
-        for k, leaf in enumerate(call.diff):  # placeholders without storage: each call binds the user's tensors
-            t = call.leaves[leaf.index]
-            self._parameters[f"p{k}"] = torch.empty(t.shape, dtype=t.dtype, device="meta")  # type: ignore[assignment]
-        self.used = nn.ModuleList(modules)
-        self.out_spec: Any = None
-        self.out_shapes: list[tuple[int, ...]] = []
-
-    @property
-    def fn(self) -> Callable[..., Any]:
-        return cast(Callable[..., Any], self._fn())
-
-    def forward(self, xin: Tensor) -> Tensor:
-        leaves = list(self.leaves)
-        for k, j in enumerate(self.diff):
-            leaves[j] = self._parameters[f"p{k}"]
-        if len(self.batched) == 1:
-            leaves[self.batched[0]] = xin
-        else:
-            for j in self.batched:
-                leaves[j] = self.leaves[j].index_select(0, xin)
-        out = _batched_call(self.fn, leaves, self.spec, self.batched, self.sample_dims)
-        if self.tensor_output and not isinstance(out, Tensor):
-            raise TypeError(f"f: per_sample_grads needs f to return one tensor (the loss's input), got "
-                            f"{type(out).__name__}. Return the model's output; put the rest in the loss.")
-        outs, spec = tree_flatten(out)
-        if not outs or not all(isinstance(t, Tensor) for t in outs):
-            raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
-        shapes = [tuple(t.shape[1:]) for t in outs]
-        if self.out_spec is None:
-            self.out_spec, self.out_shapes = spec, shapes
-        elif spec != self.out_spec or shapes != self.out_shapes:
-            raise ValueError(
-                f"f: returned a different output structure on a later evaluation ({spec} with per-sample shapes "
-                f"{shapes}, first {self.out_spec} with {self.out_shapes}). jacmode evaluates f several times; "
-                "its outputs must keep their structure.")
-        if len(outs) == 1 and isinstance(out, Tensor):
-            return out
-        return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
-
-
 def _describe(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> Call:
     """The call ``f(*args)`` with broadcast differentiated arguments, described (see the note)."""
     if isinstance(f, nn.Module) or not callable(f):
@@ -269,34 +214,31 @@ def _describe(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> Call
     return call
 
 
-def _batched(call: Call) -> list[int]:
-    """The leaf indices of the batched tensors (the riders with the samples along dim 0)."""
-    return [j for j, r in call.riders.items() if r.batched]
-
-
-def _target(f: Any, call: Call, tensor_output: bool
-            ) -> tuple[nn.Module, Tensor, dict[str, Tensor], dict[str, int], Optional[_Applied]]:
-    """(module, its input, wrt dict, slot -> leaf index, the wrapper or None): what the module path runs."""
-
-    hidden = None
+def _target(f: Any, call: Call, tensor_output: bool) -> tuple[nn.Module, Tensor, dict[str, Tensor], dict[str, int]]:
+    """(module, its input, wrt dict, slot -> leaf index): what the module path runs. For a module of
+    sample rows (``call.fn`` is the module), the caller binds the call (``rows_bound``)."""
     sample_dims = _spelling(f, call)
-    batched = _batched(call)
-    if sample_dims is None and len(batched) == 1 and not in_transform():
+    if sample_dims is None and len(batched_leaves(call)) == 1 and not in_transform():
         hidden = _disguised(f, call)
-    if hidden is not None:
-        model, x_in, slots, _ = hidden
-        return model, x_in, {slot: call.leaves[j] for slot, j in slots.items()}, slots, None
-    wrapper = _wrapper_for(f, call, tensor_output, used_modules(f), sample_dims)
-    first = call.leaves[batched[0]]
-    xin = first if len(batched) == 1 else torch.arange(call.batch, device=first.device)
+        if hidden is not None:
+            model, x_in, slots, _ = hidden
+            return model, x_in, {slot: call.leaves[j] for slot, j in slots.items()}, slots
+    shared_rows(call, used_modules(f), tensor_output, sample_dims)
     slots = {f"p{k}": leaf.index for k, leaf in enumerate(call.diff)}
-    return wrapper, xin, {slot: call.leaves[j] for slot, j in slots.items()}, slots, wrapper
+    return call.fn, call.x, {slot: call.leaves[j] for slot, j in slots.items()}, slots
 
 
-# fn (weakly) -> {structure of the call: its wrapper}: a repeated call finds the same module, so the
-# caches keyed by it (coupling verdict, footprint, probe coverage, repeated calls) hit
-_WRAPPERS: "weakref.WeakKeyDictionary[Any, dict[tuple, _Applied]]" = register(weakref.WeakKeyDictionary(),
-                                                                             "wrappers of functions of parameters")
+def _run(f: Any, fargs: tuple[Any, ...], call: Call, tensor_output: bool,
+         run: Callable[[nn.Module, Tensor, dict[str, Tensor]], Any]) -> tuple[Any, dict[str, int]]:
+    """``run(module, input, wrt dict)`` of the module path, in the scope of ``f`` (a module of rows
+    follows f's generation) with the call bound for its duration; and the slots."""
+
+    def scoped() -> tuple[Any, dict[str, int]]:
+        module, xin, values, slots = _target(f, call, tensor_output)
+        with rows_bound(call) if module is call.fn else contextlib.nullcontext():
+            return run(module, xin, values), slots
+
+    return cast(tuple[Any, dict[str, int]], _guard.scoped_call(f, fargs, {}, scoped))
 
 
 def _meta(v: Any) -> Any:
@@ -310,26 +252,9 @@ def _meta(v: Any) -> Any:
 
 
 def _structure(call: Call) -> tuple:
-    """What a call's structure is to the caches of this module: its signature (the pytree, which leaves
-    are differentiated and batched), and each leaf's whole shape, dtype, device and flag (tensors) or value."""
+    """What a call's structure is to the spelling's cache: its signature (the pytree, which leaves are
+    differentiated and batched), and each leaf's whole shape, dtype, device and flag (tensors) or value."""
     return (call.signature(), tuple(_meta(v) for v in call.leaves))
-
-
-def _wrapper_for(f: Any, call: Call, tensor_output: bool, modules: list[nn.Module],
-                 sample_dims: Any = None) -> _Applied:
-    """The :class:`_Applied` of ``f`` for a call of this structure, holding this call's arguments."""
-    key = (*_structure(call), tensor_output, tuple(id(m) for m in modules), str(sample_dims))
-    try:
-        table = _WRAPPERS.setdefault(f, {})
-    except TypeError:  # not weakly referenceable: a wrapper of its own
-        table = {}
-    wrapper = table.get(key)
-    if wrapper is None or wrapper.leaves:  # (in use by an enclosing call: another one)
-        wrapper = _Applied(f, call, modules, tensor_output, sample_dims)
-        _guard.derived(wrapper, f)
-        table.setdefault(key, wrapper)
-    wrapper.leaves = list(call.leaves)
-    return wrapper
 
 
 def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layout: str) -> None:
@@ -348,20 +273,15 @@ def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any,
     argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
     _no_layout_options(kwargs, argnums, in_dims, "(B, *out, *leaf.shape)")
     call = _describe(f, args, argnums, in_dims)
-    module, xin, values, slots, wrapper = _target(f, call, tensor_output=False)
-    try:
-        res = entry(module, xin, wrt=values, flatten=False, **kwargs)
-    finally:
-        if wrapper is not None:
-            wrapper.leaves = []  # the call's arguments are not kept
+    res, slots = _run(f, args, call, False, lambda m, xin, values: entry(m, xin, wrt=values, flatten=False, **kwargs))
     if entry.__name__ == "plan":
         return res
     by_leaf = {j: res[slot] for slot, j in slots.items()}
-    if wrapper is None:  # the model's own output, one tensor: blocks (B, *out, *leaf.shape)
+    if isinstance(call.fn, FunctionRows):
+        call.out_spec, call.out_shapes = call.fn.out_spec, call.fn.out_shapes
+    else:  # the model's own output, one tensor: blocks (B, *out, *leaf.shape)
         blk, leaf = by_leaf[call.diff[0].index], call.diff[0]
         call.out_spec, call.out_shapes = tree_flatten(blk)[1], [tuple(blk.shape[1:blk.dim() - len(leaf.shape)])]
-    else:
-        call.out_spec, call.out_shapes = wrapper.out_spec, wrapper.out_shapes
     single = call.single_output()
 
     def out_block(lo: int, n_y: int, s_y: tuple[int, ...]) -> Any:
@@ -385,12 +305,8 @@ def functional_per_sample_grads(entry: Callable[..., Any], f: Any, args: tuple[A
     _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)")
     call_args, rest = args[0], args[1:]
     call = _describe(f, tuple(call_args), argnums, in_dims)
-    module, xin, values, slots, wrapper = _target(f, call, tensor_output=True)
-    try:
-        res = entry(module, xin, *rest, wrt=values, flatten=False, **kwargs)
-    finally:
-        if wrapper is not None:
-            wrapper.leaves = []  # the call's arguments are not kept
+    res, slots = _run(f, tuple(call_args), call, True,
+                      lambda m, xin, values: entry(m, xin, *rest, wrt=values, flatten=False, **kwargs))
     by_leaf = {j: res[slot] for slot, j in slots.items()}
     return call.per_argnum(lambda leaf: by_leaf[leaf.index])
 
@@ -405,9 +321,9 @@ def _one_slice(t: Tensor, dim: int) -> Tensor:
 def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str, int], tuple[int, ...]]]:
     """(model, its input, slot name -> leaf index, per-sample output shape) when ``f`` is
     ``functional_call(model, params, x)`` in disguise (see the note), else None."""
-    leaves, diff, batched = call.leaves, [leaf.index for leaf in call.diff], _batched(call)
+    leaves, diff, batched = call.leaves, [leaf.index for leaf in call.diff], batched_leaves(call)
 
-    roots = [m for m in used_modules(f) if not isinstance(m, _Applied)]
+    roots = [m for m in used_modules(f) if not isinstance(m, FunctionRows)]
     if not roots or isinstance(f, nn.Module) or torch.is_inference_mode_enabled():
         return None  # (inference mode records no graph: the dependence checks below would see nothing)
     fresh = list(leaves)
@@ -436,7 +352,7 @@ def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str
                                            with_kwargs=True) for m in roots]
         try:
             with preserved_state(f), torch.enable_grad(), rng_kept(leaves[batched[0]].device):
-                out = f(*_arguments(fresh, call.args_spec))  # (random draws of this check leave the user's stream alone)
+                out = f(*arguments(fresh, call.args_spec))  # (random draws of this check leave the user's stream alone)
         except Exception:  # noqa: BLE001 -- fn fails here as it would anyway: the generic route says how
             return None
         finally:
@@ -477,32 +393,9 @@ def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str
 # when fn runs on one sample (the wrapper stacks a loop over the samples). A fn that runs under
 # neither reading is refused with both errors, instead of torch's error of the batched call.
 
-LOOP = "loop"  # per-sample fn without a vmap batching rule: a loop over the samples
-
 # fn (weakly) -> {structure of the call: its spelling (None: batched, vmap's in_dims, or LOOP)}
 _SPELLINGS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = register(weakref.WeakKeyDictionary(),
                                                                        "how functions take the batch")
-
-
-def _arguments(leaves: list[Any], spec: Any) -> tuple[Any, ...]:
-    """f's positional arguments from the leaves of its call (a routed call has no keyword arguments)."""
-    return tuple(tree_unflatten(leaves, spec)[0])
-
-
-def _batched_call(fn: Callable[..., Any], leaves: list[Any], spec: Any, batched: list[int], sample_dims: Any) -> Any:
-    """fn on the batch: called as is (batched), through vmap, or stacked over a loop (per-sample)."""
-    if sample_dims is None:
-        return fn(*_arguments(leaves, spec))
-    if sample_dims != LOOP:
-        return vmap(fn, in_dims=sample_dims, randomness="different")(*_arguments(leaves, spec))
-    rows = set(batched)
-    n = leaves[batched[0]].shape[0]
-    outs = [fn(*_arguments([v[b] if j in rows else v for j, v in enumerate(leaves)], spec)) for b in range(n)]
-    flat = [tree_flatten(o) for o in outs]
-    if any(s != flat[0][1] for _, s in flat) or not all(isinstance(t, Tensor) for ls, _ in flat for t in ls):
-        raise TypeError(f"f: expected f to return a tensor or a pytree of tensors of one structure for every sample, "
-                        f"got {type(outs[0]).__name__}.")
-    return tree_unflatten([torch.stack(ts) for ts in zip(*(ls for ls, _ in flat))], flat[0][1])
 
 
 def _spelling(f: Any, call: Call) -> Any:
@@ -519,10 +412,9 @@ def _spelling(f: Any, call: Call) -> Any:
 
 def _read_spelling(f: Any, call: Call) -> Any:
     leaves, spec, n = call.leaves, call.args_spec, call.batch
-    batched_leaves = _batched(call)
-    rows = set(batched_leaves)
-    first = leaves[batched_leaves[0]]
-    dims = _arguments([0 if j in rows else None for j in range(len(leaves))], spec)
+    rows = set(batched_leaves(call))
+    first = leaves[min(rows)]
+    dims = arguments([0 if j in rows else None for j in range(len(leaves))], spec)
 
     def follows(out: Any, m: int) -> bool:
         ts = tree_flatten(out)[0]
@@ -530,12 +422,12 @@ def _read_spelling(f: Any, call: Call) -> Any:
 
     def samples(m: int) -> Any:
         idx = torch.arange(m, device=first.device) % n
-        return _arguments([v.index_select(0, idx) if j in rows else v for j, v in enumerate(leaves)], spec)
+        return arguments([v.index_select(0, idx) if j in rows else v for j, v in enumerate(leaves)], spec)
 
     err: Optional[Exception] = None
     with preserved_state(f), rng_kept(first.device):
         try:
-            batched = follows(f(*_arguments(leaves, spec)), n)
+            batched = follows(f(*arguments(leaves, spec)), n)
         except Exception as e:  # noqa: BLE001 -- fn's own error: judged with the per-sample reading below
             batched, err = False, e
         if batched:
@@ -546,7 +438,7 @@ def _read_spelling(f: Any, call: Call) -> Any:
             except Exception:  # noqa: BLE001 -- fn does not follow the number of samples
                 pass
         try:
-            if follows(vmap(f, in_dims=dims, randomness="different")(*_arguments(leaves, spec)), n):
+            if follows(vmap(f, in_dims=dims, randomness="different")(*arguments(leaves, spec)), n):
                 return dims
         except Exception as e:  # noqa: BLE001
             err_v: Exception = e
@@ -555,7 +447,7 @@ def _read_spelling(f: Any, call: Call) -> Any:
         if batched:
             return None  # ran on the batch, if not on another number of samples: the documented reading
         try:
-            one = f(*_arguments([v[0] if j in rows else v for j, v in enumerate(leaves)], spec))
+            one = f(*arguments([v[0] if j in rows else v for j, v in enumerate(leaves)], spec))
             if tree_flatten(one)[0] and all(isinstance(t, Tensor) for t in tree_flatten(one)[0]):
                 return LOOP
         except Exception:  # noqa: BLE001
