@@ -167,10 +167,13 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
 #   engines fire, as for the module's own parameters. (A forward that reads a tensor fn stored
 #   outside the module, in a global, is the one route this check does not see.) Inside torch.func
 #   transforms the probes do not run, so the check is skipped there;
-# * otherwise fn is wrapped in a module (:class:`_Applied`) whose slots are the differentiated
-#   leaves, whose children are the modules fn refers to (their flags, state and dropout are seen)
-#   and whose forward rebuilds fn's arguments (the batched tensors from its one input: the single
-#   batched tensor itself, or sample indices when there are several); the generic engines serve it.
+# * otherwise fn runs as a module of sample rows (``_args.params.shared_rows``, the note [Several
+#   arguments of a model]) whose slots are the differentiated leaves, whose children are the
+#   modules fn refers to (their flags, state and dropout are seen) and whose input is the row
+#   indices; the call is bound to it for the call's duration (``rows_bound``) and the generic
+#   engines serve it. Such a module reads the call in progress, which TorchDynamo's guard does not
+#   read, so the call runs in the scope of fn itself (``_guard.scoped_call``: the generation of fn's
+#   state, which the module follows).
 #
 # The result is torch.func's layout (``Call.per_output``, ``Call.per_argnum``): for each output leaf
 # of fn, the pytree of the differentiated argument (a tuple of them for a tuple ``argnums``) of blocks
@@ -385,13 +388,14 @@ def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str
 # (v[None],))[0]``, differentiated as ``vmap(jacrev(fn), in_dims=(None, 0))(p, x)``. jacmode calls every
 # function on the whole batch, where such an fn raises torch's shape errors or, worse, returns another
 # layout (a batch of one gives (*out) where (1, *out) is meant). :func:`_spelling` reads the spelling
-# once per call structure (cached weakly by fn): fn is *batched* when it runs on the batch with every
-# output leading with B and still does on another number of samples (the first ones repeated); the
-# documented convention wins whenever it holds, so batched functions keep the fast engines. Otherwise
-# fn is *per-sample* when ``vmap(fn, in_dims)`` runs (the wrapper then evaluates torch.func's
-# ``vmap(fn)``, exactly what torch.func differentiates), or, where vmap has no batching rule (RNNs),
-# when fn runs on one sample (the wrapper stacks a loop over the samples). A fn that runs under
-# neither reading is refused with both errors, instead of torch's error of the batched call.
+# once per call structure and generation of fn (cached weakly by fn): fn is *batched* when it runs on
+# the batch with every output leading with B and still does on another number of samples (the first
+# ones repeated); the documented convention wins whenever it holds, so batched functions keep the
+# fast engines. Otherwise fn is *per-sample* when ``vmap(fn, in_dims)`` runs (the module of rows then
+# evaluates torch.func's ``vmap(fn)``, exactly what torch.func differentiates), or, where vmap has no
+# batching rule (RNNs), when fn runs on one sample (the module of rows stacks a loop over the
+# samples, ``LOOP``). A fn that runs under neither reading is refused with both errors, instead of
+# torch's error of the batched call.
 
 # fn (weakly) -> {structure of the call: its spelling (None: batched, vmap's in_dims, or LOOP)}
 _SPELLINGS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = register(weakref.WeakKeyDictionary(),

@@ -1,4 +1,4 @@
-"""Parameters of a module called with several arguments: the module of sample rows the engines see.
+"""Modules of sample rows: a model called with several arguments, a function of shared tensors.
 
 See the note [Several arguments] in ``_args/__init__.py``.
 
@@ -20,12 +20,23 @@ read the per-layer inputs of the whole-batch forward). The model's own hooks see
 arguments, never the rows, and a structural clone of the module (``_threads.clone_tree``) reads
 the call of the module it copies.
 
-There is one such module per model, call structure (``Call.signature``) and output form (the
-Jacobian engines get the output flattened into one tensor, the products the model's own output
-for their loss), so that what jacmode caches per module (problem, plan, coupling verdict, probe
-coverage) serves the next call of a training loop. The module holds no tensor of a call: it reads
-the call in progress, which :func:`rows_bound` names for the duration of the call and forgets
-after it, also on error (a finished call's tensors are not kept alive).
+The functional style with shared differentiated arguments (``jm.jacobian(fn, params, x, argnums=0,
+in_dims=(None, 0))``, the note [Broadcast parameters] in ``_functional.py``) runs on the same kind
+of module: a :class:`FunctionRows`, whose slots p0, p1, ... are the shared tensors (each call binds
+its own into them, ``_state.bind``), whose children are the modules fn refers to, and whose
+forward (the same :func:`_forward_rows`) passes fn the batched tensors of the rows asked and the
+slots in place of the shared ones, calling fn as its spelling says (batched, through vmap, or in
+a loop over the samples) and checking that its output keeps its structure.
+
+There is one such module per model or function, call structure (``Call.signature``) and output
+form (the Jacobian engines get the output flattened into one tensor, the products the model's own
+output for their loss; a function's module also by its slots' shapes, the modules it refers to and
+its spelling), so that what jacmode caches per module (problem, plan, coupling verdict, probe
+coverage) serves the next call of a training loop; their caches follow the generation of the model
+or function (``_guard.derived``). The module holds no tensor of a call and no reference to a
+function: it reads the call in progress, which :func:`rows_bound` names for the duration of the
+call and forgets after it, also on error (a finished call's tensors are not kept alive). A module
+that a call in progress reads (an enclosing call's, another thread's) is not handed to another.
 """
 
 from __future__ import annotations
