@@ -37,7 +37,6 @@ with the result assembled functionally.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -217,31 +216,32 @@ def _describe(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> Call
     return call
 
 
-def _target(f: Any, call: Call, tensor_output: bool) -> tuple[nn.Module, Tensor, dict[str, Tensor], dict[str, int]]:
-    """(module, its input, wrt dict, slot -> leaf index): what the module path runs. For a module of
-    sample rows (``call.fn`` is the module), the caller binds the call (``rows_bound``)."""
-    sample_dims = _spelling(f, call)
-    if sample_dims is None and len(batched_leaves(call)) == 1 and not in_transform():
-        hidden = _disguised(f, call)
-        if hidden is not None:
-            model, x_in, slots, _ = hidden
-            return model, x_in, {slot: call.leaves[j] for slot, j in slots.items()}, slots
-    shared_rows(call, used_modules(f), tensor_output, sample_dims)
-    slots = {f"p{k}": leaf.index for k, leaf in enumerate(call.diff)}
-    return call.fn, call.x, {slot: call.leaves[j] for slot, j in slots.items()}, slots
-
-
-def _run(f: Any, fargs: tuple[Any, ...], call: Call, tensor_output: bool,
-         run: Callable[[nn.Module, Tensor, dict[str, Tensor]], Any]) -> tuple[Any, dict[str, int]]:
-    """``run(module, input, wrt dict)`` of the module path, in the scope of ``f`` (a module of rows
-    follows f's generation) with the call bound for its duration; and the slots."""
+def _run(entry: Callable[..., Any], f: Any, fargs: tuple[Any, ...], rest: tuple[Any, ...], kwargs: dict[str, Any],
+         tensor_output: bool) -> tuple[Any, Call, dict[str, int]]:
+    """``entry(module, input, *rest, wrt=dict, flatten=False, **kwargs)`` for ``f(*fargs)`` with broadcast
+    differentiated arguments (see the note), in the scope of ``f``; and the call, and slot -> leaf index."""
+    kwargs = dict(kwargs)
+    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
+    _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)" if tensor_output else "(B, *out, *leaf.shape)")
+    call = _describe(f, fargs, argnums, in_dims)
 
     def scoped() -> tuple[Any, dict[str, int]]:
-        module, xin, values, slots = _target(f, call, tensor_output)
-        with rows_bound(call) if module is call.fn else contextlib.nullcontext():
-            return run(module, xin, values), slots
+        sample_dims = _spelling(f, call)
+        hidden = None
+        if sample_dims is None and len(batched_leaves(call)) == 1 and not in_transform():
+            hidden = _disguised(f, call)
+        if hidden is not None:  # the model itself, on its own input
+            model, x_in, slots, _ = hidden
+            values = {slot: call.leaves[j] for slot, j in slots.items()}
+            return entry(model, x_in, *rest, wrt=values, flatten=False, **kwargs), slots
+        shared_rows(call, used_modules(f), tensor_output, sample_dims)
+        slots = {f"p{k}": leaf.index for k, leaf in enumerate(call.diff)}
+        with rows_bound(call):
+            values = {slot: call.leaves[j] for slot, j in slots.items()}
+            return entry(call.fn, call.x, *rest, wrt=values, flatten=False, **kwargs), slots
 
-    return cast(tuple[Any, dict[str, int]], _guard.scoped_call(f, fargs, {}, scoped))
+    res, slots = _guard.scoped_call(f, fargs, {}, scoped)
+    return res, call, slots
 
 
 def _meta(v: Any) -> Any:
@@ -272,11 +272,7 @@ def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layou
 def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> Any:
     """``entry(f, *args, argnums=, in_dims=, ...)`` with broadcast differentiated arguments (see the note)."""
-    kwargs = dict(kwargs)
-    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
-    _no_layout_options(kwargs, argnums, in_dims, "(B, *out, *leaf.shape)")
-    call = _describe(f, args, argnums, in_dims)
-    res, slots = _run(f, args, call, False, lambda m, xin, values: entry(m, xin, wrt=values, flatten=False, **kwargs))
+    res, call, slots = _run(entry, f, tuple(args), (), kwargs, False)
     if entry.__name__ == "plan":
         return res
     by_leaf = {j: res[slot] for slot, j in slots.items()}
@@ -303,13 +299,7 @@ def functional_per_sample_grads(entry: Callable[..., Any], f: Any, args: tuple[A
                                 kwargs: dict[str, Any]) -> Any:
     """``per_sample_grads(fn, (params, x), loss, argnums=0, in_dims=(None, 0))``: torch.func's
     ``vmap(grad(lambda p, xb: loss(fn(p, xb))), in_dims=(None, 0))`` layout, (B, *leaf.shape) per leaf."""
-    kwargs = dict(kwargs)
-    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
-    _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)")
-    call_args, rest = args[0], args[1:]
-    call = _describe(f, tuple(call_args), argnums, in_dims)
-    res, slots = _run(f, tuple(call_args), call, True,
-                      lambda m, xin, values: entry(m, xin, *rest, wrt=values, flatten=False, **kwargs))
+    res, call, slots = _run(entry, f, tuple(args[0]), args[1:], kwargs, True)
     by_leaf = {j: res[slot] for slot, j in slots.items()}
     return call.per_argnum(lambda leaf: by_leaf[leaf.index])
 

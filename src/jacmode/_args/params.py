@@ -54,7 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import _guard
 from .._cache import register
 from .._threads import original
-from .call import Call
+from .call import Call, kept
 from .describe import describe_call
 from .flat import Rider
 
@@ -140,14 +140,7 @@ class FunctionRows(torch.nn.Module):
         outs, spec = tree_flatten(out)
         if not outs or not all(isinstance(t, Tensor) for t in outs):
             raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
-        shapes = [tuple(t.shape[1:]) for t in outs]
-        if self.out_spec is None:
-            self.out_spec, self.out_shapes = spec, shapes
-        elif spec != self.out_spec or shapes != self.out_shapes:
-            raise ValueError(
-                f"f: returned a different output structure on a later evaluation ({spec} with per-sample shapes "
-                f"{shapes}, first {self.out_spec} with {self.out_shapes}). jacmode evaluates f several times; "
-                "its outputs must keep their structure.")
+        kept(self, spec, [tuple(t.shape[1:]) for t in outs])
         if len(outs) == 1 and isinstance(out, Tensor):
             return out
         return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
