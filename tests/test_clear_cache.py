@@ -99,7 +99,7 @@ def test_the_known_caches_are_registered() -> None:
     registered = {id(obj) for _, obj in _cache.registered()}
     for qualified in ("jacmode._transform._EAGER", "jacmode._args.call._OUTPUTS", "jacmode._args.describe._SIGNATURES",
                       "jacmode._operands._NO_FORWARD_AD", "jacmode._sparse.api._COLORINGS",
-                      "jacmode._sparse.api._VERIFIED", "jacmode._sparse.evaluate._SEEDS", "jacmode._functional._WRAPPERS",
+                      "jacmode._sparse.api._VERIFIED", "jacmode._sparse.evaluate._SEEDS",
                       "jacmode._functional._SPELLINGS", "jacmode._args.params._HANDLES",
                       "jacmode._args.params._SUBCLASSES", "jacmode._profile._LAST", "jacmode._profile._PROFILES",
                       "jacmode._capture.capture._PROGRAMS", "jacmode._coupling._masks"):
@@ -168,7 +168,7 @@ def test_clear_cache_empties_every_registered_cache() -> None:
     # the caches these calls fill, for certain (others depend on the engines chosen)
     for name in ("profiles", "profiles of the last repeated calls", "eager calls' transforms", "captured programs",
                  "output structures of calls with several arguments", "positional parameters of functions",
-                 "modules of sample rows", "module classes of sample rows", "wrappers of functions of parameters",
+                 "modules of sample rows", "module classes of sample rows",
                  "sparsity patterns", "sparse colourings", "autotune", "checked options"):
         assert name in full, f"{name!r} is empty after the calls: {sorted(full)}"
     kept = [weakref.ref(p) for _, _, p in _profile._PROFILES.items()]

@@ -508,16 +508,16 @@ def test_functional_style_keeps_no_arguments_alive() -> None:
     import gc
     import weakref
 
-    from jacmode import _functional
+    from jacmode._args import params as rows
 
     def by_hand(p: Params, v: Tensor) -> Tensor:
         return torch.tanh(v @ p["0.weight"].T + p["0.bias"]) @ p["2.weight"].T + p["2.bias"]
 
     x, params = torch.randn(4, 3, dtype=DT), other(NET)
-    for _ in range(2):  # the second call reuses the first call's wrapper module
+    for _ in range(2):  # the second call reuses the first call's module of sample rows
         close(jm.jacobian(by_hand, params, x, argnums=0, in_dims=(None, 0)),
               vmap(jacrev(lambda p, xb: by_hand(p, xb[None])[0]), in_dims=(None, 0))(params, x))
-    assert len(_functional._WRAPPERS[by_hand]) == 1
+    assert len(rows._HANDLES[by_hand]) == 1
     refs = [weakref.ref(x), *(weakref.ref(t) for t in params.values()), weakref.ref(by_hand)]
     del x, params, by_hand
     gc.collect()

@@ -101,7 +101,7 @@ NOT_CACHES: dict[str, str] = {
     "jacmode._cache._REGISTERED": "the registry of caches itself",
     "jacmode._cache.NOT_CACHES": "this list",
     "jacmode.__main__._MOVED": _CONSTANT,
-    "jacmode._args.params._ROWS_OF": _IN_FLIGHT + " (the arguments a module of sample rows reads, rows_bound)",
+    "jacmode._args.params._ROWS_OF": _IN_FLIGHT + " (the call a module of sample rows reads, rows_bound)",
     "jacmode._state._BOUND": _IN_FLIGHT + " (the tensors bound into a model for the call, bind)",
     "jacmode._state._KERNELS": _IN_FLIGHT + " (how many calls hold the attention kernels' guard, the flags to restore)",
     "jacmode._state._MKLDNN": _IN_FLIGHT + " (how many calls hold the mkldnn guard, the flag to restore)",
@@ -335,8 +335,8 @@ def clear_cache() -> None:
     coupling verdicts, probe coverage, footprints, capabilities and fallbacks (the fallback
     warnings already given and the functions marked as having no forward mode too), autotuned
     modes, sparsity patterns, colourings and their seeds, the output structures and signatures
-    of functions called with several arguments, the wrappers of functions of parameters, the
-    modules of sample rows, checked options and the free-memory reading. Objects held only by
+    of functions called with several arguments, the modules of sample rows (of models called
+    with several arguments and of functions of shared parameters), checked options and the free-memory reading. Objects held only by
     those (programs, profiles and what they keep) go with them. Left alone: the tables that
     are not caches (:data:`NOT_CACHES`: rule tables, the state of calls in flight) and
     ``torch.compile``'s own caches (``torch._dynamo.reset()`` empties those).

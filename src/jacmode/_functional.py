@@ -37,7 +37,6 @@ with the result assembled functionally.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import threading
@@ -51,6 +50,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _checks, _guard, _losses
 from ._args import Call, Leaf, _in_dim, check_argnums, check_in_dims, describe_call, parameter_names
+from ._args.params import LOOP, FunctionRows, arguments, batched_leaves, rows_bound, shared_rows
 from ._cache import register, rng_kept
 from ._state import bind, bound_values, preserved_state, used_modules
 from ._threads import clone_tree, transient_hooks
@@ -166,10 +166,13 @@ def per_sample_grads_transformed(f: Any, x: Any, loss: Callable[..., Tensor], y:
 #   engines fire, as for the module's own parameters. (A forward that reads a tensor fn stored
 #   outside the module, in a global, is the one route this check does not see.) Inside torch.func
 #   transforms the probes do not run, so the check is skipped there;
-# * otherwise fn is wrapped in a module (:class:`_Applied`) whose slots are the differentiated
-#   leaves, whose children are the modules fn refers to (their flags, state and dropout are seen)
-#   and whose forward rebuilds fn's arguments (the batched tensors from its one input: the single
-#   batched tensor itself, or sample indices when there are several); the generic engines serve it.
+# * otherwise fn runs as a module of sample rows (``_args.params.shared_rows``, the note [Several
+#   arguments of a model]) whose slots are the differentiated leaves, whose children are the
+#   modules fn refers to (their flags, state and dropout are seen) and whose input is the row
+#   indices; the call is bound to it for the call's duration (``rows_bound``) and the generic
+#   engines serve it. Such a module reads the call in progress, which TorchDynamo's guard does not
+#   read, so the call runs in the scope of fn itself (``_guard.scoped_call``: the generation of fn's
+#   state, which the module follows).
 #
 # The result is torch.func's layout (``Call.per_output``, ``Call.per_argnum``): for each output leaf
 # of fn, the pytree of the differentiated argument (a tuple of them for a tuple ``argnums``) of blocks
@@ -197,62 +200,6 @@ def routes(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return False
 
 
-class _Applied(nn.Module):
-    """fn as a module of its batched input: slots p0, p1, ... are the differentiated leaves (see the note)."""
-
-    _jacmode_wrapper = True  # its children are the modules fn refers to, which fn itself feeds
-
-    def __init__(self, fn: Callable[..., Any], call: Call, modules: list[nn.Module], tensor_output: bool = False,
-                 sample_dims: Any = None) -> None:
-        super().__init__()
-        self.tensor_output = tensor_output
-        self.sample_dims = sample_dims  # fn written for one sample: vmap's in_dims, or LOOP (see _spelling)
-        try:  # the cache of wrappers is keyed weakly by fn: no strong reference back to it
-            ref: Callable[[], Any] = weakref.ref(fn)
-        except TypeError:
-            ref = lambda: fn  # noqa: E731
-        self._fn, self.leaves, self.spec = ref, call.leaves, call.args_spec
-        self.diff, self.batched = [leaf.index for leaf in call.diff], _batched(call)
-        for k, leaf in enumerate(call.diff):  # placeholders without storage: each call binds the user's tensors
-            t = call.leaves[leaf.index]
-            self._parameters[f"p{k}"] = torch.empty(t.shape, dtype=t.dtype, device="meta")  # type: ignore[assignment]
-        self.used = nn.ModuleList(modules)
-        self.out_spec: Any = None
-        self.out_shapes: list[tuple[int, ...]] = []
-
-    @property
-    def fn(self) -> Callable[..., Any]:
-        return cast(Callable[..., Any], self._fn())
-
-    def forward(self, xin: Tensor) -> Tensor:
-        leaves = list(self.leaves)
-        for k, j in enumerate(self.diff):
-            leaves[j] = self._parameters[f"p{k}"]
-        if len(self.batched) == 1:
-            leaves[self.batched[0]] = xin
-        else:
-            for j in self.batched:
-                leaves[j] = self.leaves[j].index_select(0, xin)
-        out = _batched_call(self.fn, leaves, self.spec, self.batched, self.sample_dims)
-        if self.tensor_output and not isinstance(out, Tensor):
-            raise TypeError(f"f: per_sample_grads needs f to return one tensor (the loss's input), got "
-                            f"{type(out).__name__}. Return the model's output; put the rest in the loss.")
-        outs, spec = tree_flatten(out)
-        if not outs or not all(isinstance(t, Tensor) for t in outs):
-            raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
-        shapes = [tuple(t.shape[1:]) for t in outs]
-        if self.out_spec is None:
-            self.out_spec, self.out_shapes = spec, shapes
-        elif spec != self.out_spec or shapes != self.out_shapes:
-            raise ValueError(
-                f"f: returned a different output structure on a later evaluation ({spec} with per-sample shapes "
-                f"{shapes}, first {self.out_spec} with {self.out_shapes}). jacmode evaluates f several times; "
-                "its outputs must keep their structure.")
-        if len(outs) == 1 and isinstance(out, Tensor):
-            return out
-        return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
-
-
 def _describe(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> Call:
     """The call ``f(*args)`` with broadcast differentiated arguments, described (see the note)."""
     if isinstance(f, nn.Module) or not callable(f):
@@ -269,34 +216,32 @@ def _describe(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> Call
     return call
 
 
-def _batched(call: Call) -> list[int]:
-    """The leaf indices of the batched tensors (the riders with the samples along dim 0)."""
-    return [j for j, r in call.riders.items() if r.batched]
+def _run(entry: Callable[..., Any], f: Any, fargs: tuple[Any, ...], rest: tuple[Any, ...], kwargs: dict[str, Any],
+         tensor_output: bool) -> tuple[Any, Call, dict[str, int]]:
+    """``entry(module, input, *rest, wrt=dict, flatten=False, **kwargs)`` for ``f(*fargs)`` with broadcast
+    differentiated arguments (see the note), in the scope of ``f``; and the call, and slot -> leaf index."""
+    kwargs = dict(kwargs)
+    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
+    _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)" if tensor_output else "(B, *out, *leaf.shape)")
+    call = _describe(f, fargs, argnums, in_dims)
 
+    def scoped() -> tuple[Any, dict[str, int]]:
+        sample_dims = _spelling(f, call)
+        hidden = None
+        if sample_dims is None and len(batched_leaves(call)) == 1 and not in_transform():
+            hidden = _disguised(f, call)
+        if hidden is not None:  # the model itself, on its own input
+            model, x_in, slots, _ = hidden
+            values = {slot: call.leaves[j] for slot, j in slots.items()}
+            return entry(model, x_in, *rest, wrt=values, flatten=False, **kwargs), slots
+        shared_rows(call, used_modules(f), tensor_output, sample_dims)
+        slots = {f"p{k}": leaf.index for k, leaf in enumerate(call.diff)}
+        with rows_bound(call):
+            values = {slot: call.leaves[j] for slot, j in slots.items()}
+            return entry(call.fn, call.x, *rest, wrt=values, flatten=False, **kwargs), slots
 
-def _target(f: Any, call: Call, tensor_output: bool
-            ) -> tuple[nn.Module, Tensor, dict[str, Tensor], dict[str, int], Optional[_Applied]]:
-    """(module, its input, wrt dict, slot -> leaf index, the wrapper or None): what the module path runs."""
-
-    hidden = None
-    sample_dims = _spelling(f, call)
-    batched = _batched(call)
-    if sample_dims is None and len(batched) == 1 and not in_transform():
-        hidden = _disguised(f, call)
-    if hidden is not None:
-        model, x_in, slots, _ = hidden
-        return model, x_in, {slot: call.leaves[j] for slot, j in slots.items()}, slots, None
-    wrapper = _wrapper_for(f, call, tensor_output, used_modules(f), sample_dims)
-    first = call.leaves[batched[0]]
-    xin = first if len(batched) == 1 else torch.arange(call.batch, device=first.device)
-    slots = {f"p{k}": leaf.index for k, leaf in enumerate(call.diff)}
-    return wrapper, xin, {slot: call.leaves[j] for slot, j in slots.items()}, slots, wrapper
-
-
-# fn (weakly) -> {structure of the call: its wrapper}: a repeated call finds the same module, so the
-# caches keyed by it (coupling verdict, footprint, probe coverage, repeated calls) hit
-_WRAPPERS: "weakref.WeakKeyDictionary[Any, dict[tuple, _Applied]]" = register(weakref.WeakKeyDictionary(),
-                                                                             "wrappers of functions of parameters")
+    res, slots = _guard.scoped_call(f, fargs, {}, scoped)
+    return res, call, slots
 
 
 def _meta(v: Any) -> Any:
@@ -310,26 +255,9 @@ def _meta(v: Any) -> Any:
 
 
 def _structure(call: Call) -> tuple:
-    """What a call's structure is to the caches of this module: its signature (the pytree, which leaves
-    are differentiated and batched), and each leaf's whole shape, dtype, device and flag (tensors) or value."""
+    """What a call's structure is to the spelling's cache: its signature (the pytree, which leaves are
+    differentiated and batched), and each leaf's whole shape, dtype, device and flag (tensors) or value."""
     return (call.signature(), tuple(_meta(v) for v in call.leaves))
-
-
-def _wrapper_for(f: Any, call: Call, tensor_output: bool, modules: list[nn.Module],
-                 sample_dims: Any = None) -> _Applied:
-    """The :class:`_Applied` of ``f`` for a call of this structure, holding this call's arguments."""
-    key = (*_structure(call), tensor_output, tuple(id(m) for m in modules), str(sample_dims))
-    try:
-        table = _WRAPPERS.setdefault(f, {})
-    except TypeError:  # not weakly referenceable: a wrapper of its own
-        table = {}
-    wrapper = table.get(key)
-    if wrapper is None or wrapper.leaves:  # (in use by an enclosing call: another one)
-        wrapper = _Applied(f, call, modules, tensor_output, sample_dims)
-        _guard.derived(wrapper, f)
-        table.setdefault(key, wrapper)
-    wrapper.leaves = list(call.leaves)
-    return wrapper
 
 
 def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layout: str) -> None:
@@ -344,24 +272,15 @@ def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layou
 def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> Any:
     """``entry(f, *args, argnums=, in_dims=, ...)`` with broadcast differentiated arguments (see the note)."""
-    kwargs = dict(kwargs)
-    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
-    _no_layout_options(kwargs, argnums, in_dims, "(B, *out, *leaf.shape)")
-    call = _describe(f, args, argnums, in_dims)
-    module, xin, values, slots, wrapper = _target(f, call, tensor_output=False)
-    try:
-        res = entry(module, xin, wrt=values, flatten=False, **kwargs)
-    finally:
-        if wrapper is not None:
-            wrapper.leaves = []  # the call's arguments are not kept
+    res, call, slots = _run(entry, f, tuple(args), (), kwargs, False)
     if entry.__name__ == "plan":
         return res
     by_leaf = {j: res[slot] for slot, j in slots.items()}
-    if wrapper is None:  # the model's own output, one tensor: blocks (B, *out, *leaf.shape)
+    if isinstance(call.fn, FunctionRows):
+        call.out_spec, call.out_shapes = call.fn.out_spec, call.fn.out_shapes
+    else:  # the model's own output, one tensor: blocks (B, *out, *leaf.shape)
         blk, leaf = by_leaf[call.diff[0].index], call.diff[0]
         call.out_spec, call.out_shapes = tree_flatten(blk)[1], [tuple(blk.shape[1:blk.dim() - len(leaf.shape)])]
-    else:
-        call.out_spec, call.out_shapes = wrapper.out_spec, wrapper.out_shapes
     single = call.single_output()
 
     def out_block(lo: int, n_y: int, s_y: tuple[int, ...]) -> Any:
@@ -380,17 +299,7 @@ def functional_per_sample_grads(entry: Callable[..., Any], f: Any, args: tuple[A
                                 kwargs: dict[str, Any]) -> Any:
     """``per_sample_grads(fn, (params, x), loss, argnums=0, in_dims=(None, 0))``: torch.func's
     ``vmap(grad(lambda p, xb: loss(fn(p, xb))), in_dims=(None, 0))`` layout, (B, *leaf.shape) per leaf."""
-    kwargs = dict(kwargs)
-    argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
-    _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)")
-    call_args, rest = args[0], args[1:]
-    call = _describe(f, tuple(call_args), argnums, in_dims)
-    module, xin, values, slots, wrapper = _target(f, call, tensor_output=True)
-    try:
-        res = entry(module, xin, *rest, wrt=values, flatten=False, **kwargs)
-    finally:
-        if wrapper is not None:
-            wrapper.leaves = []  # the call's arguments are not kept
+    res, call, slots = _run(entry, f, tuple(args[0]), args[1:], kwargs, True)
     by_leaf = {j: res[slot] for slot, j in slots.items()}
     return call.per_argnum(lambda leaf: by_leaf[leaf.index])
 
@@ -405,9 +314,9 @@ def _one_slice(t: Tensor, dim: int) -> Tensor:
 def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str, int], tuple[int, ...]]]:
     """(model, its input, slot name -> leaf index, per-sample output shape) when ``f`` is
     ``functional_call(model, params, x)`` in disguise (see the note), else None."""
-    leaves, diff, batched = call.leaves, [leaf.index for leaf in call.diff], _batched(call)
+    leaves, diff, batched = call.leaves, [leaf.index for leaf in call.diff], batched_leaves(call)
 
-    roots = [m for m in used_modules(f) if not isinstance(m, _Applied)]
+    roots = [m for m in used_modules(f) if not isinstance(m, FunctionRows)]
     if not roots or isinstance(f, nn.Module) or torch.is_inference_mode_enabled():
         return None  # (inference mode records no graph: the dependence checks below would see nothing)
     fresh = list(leaves)
@@ -436,7 +345,7 @@ def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str
                                            with_kwargs=True) for m in roots]
         try:
             with preserved_state(f), torch.enable_grad(), rng_kept(leaves[batched[0]].device):
-                out = f(*_arguments(fresh, call.args_spec))  # (random draws of this check leave the user's stream alone)
+                out = f(*arguments(fresh, call.args_spec))  # (random draws of this check leave the user's stream alone)
         except Exception:  # noqa: BLE001 -- fn fails here as it would anyway: the generic route says how
             return None
         finally:
@@ -469,40 +378,18 @@ def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str
 # (v[None],))[0]``, differentiated as ``vmap(jacrev(fn), in_dims=(None, 0))(p, x)``. jacmode calls every
 # function on the whole batch, where such an fn raises torch's shape errors or, worse, returns another
 # layout (a batch of one gives (*out) where (1, *out) is meant). :func:`_spelling` reads the spelling
-# once per call structure (cached weakly by fn): fn is *batched* when it runs on the batch with every
-# output leading with B and still does on another number of samples (the first ones repeated); the
-# documented convention wins whenever it holds, so batched functions keep the fast engines. Otherwise
-# fn is *per-sample* when ``vmap(fn, in_dims)`` runs (the wrapper then evaluates torch.func's
-# ``vmap(fn)``, exactly what torch.func differentiates), or, where vmap has no batching rule (RNNs),
-# when fn runs on one sample (the wrapper stacks a loop over the samples). A fn that runs under
-# neither reading is refused with both errors, instead of torch's error of the batched call.
-
-LOOP = "loop"  # per-sample fn without a vmap batching rule: a loop over the samples
+# once per call structure and generation of fn (cached weakly by fn): fn is *batched* when it runs on
+# the batch with every output leading with B and still does on another number of samples (the first
+# ones repeated); the documented convention wins whenever it holds, so batched functions keep the
+# fast engines. Otherwise fn is *per-sample* when ``vmap(fn, in_dims)`` runs (the module of rows then
+# evaluates torch.func's ``vmap(fn)``, exactly what torch.func differentiates), or, where vmap has no
+# batching rule (RNNs), when fn runs on one sample (the module of rows stacks a loop over the
+# samples, ``LOOP``). A fn that runs under neither reading is refused with both errors, instead of
+# torch's error of the batched call.
 
 # fn (weakly) -> {structure of the call: its spelling (None: batched, vmap's in_dims, or LOOP)}
 _SPELLINGS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = register(weakref.WeakKeyDictionary(),
                                                                        "how functions take the batch")
-
-
-def _arguments(leaves: list[Any], spec: Any) -> tuple[Any, ...]:
-    """f's positional arguments from the leaves of its call (a routed call has no keyword arguments)."""
-    return tuple(tree_unflatten(leaves, spec)[0])
-
-
-def _batched_call(fn: Callable[..., Any], leaves: list[Any], spec: Any, batched: list[int], sample_dims: Any) -> Any:
-    """fn on the batch: called as is (batched), through vmap, or stacked over a loop (per-sample)."""
-    if sample_dims is None:
-        return fn(*_arguments(leaves, spec))
-    if sample_dims != LOOP:
-        return vmap(fn, in_dims=sample_dims, randomness="different")(*_arguments(leaves, spec))
-    rows = set(batched)
-    n = leaves[batched[0]].shape[0]
-    outs = [fn(*_arguments([v[b] if j in rows else v for j, v in enumerate(leaves)], spec)) for b in range(n)]
-    flat = [tree_flatten(o) for o in outs]
-    if any(s != flat[0][1] for _, s in flat) or not all(isinstance(t, Tensor) for ls, _ in flat for t in ls):
-        raise TypeError(f"f: expected f to return a tensor or a pytree of tensors of one structure for every sample, "
-                        f"got {type(outs[0]).__name__}.")
-    return tree_unflatten([torch.stack(ts) for ts in zip(*(ls for ls, _ in flat))], flat[0][1])
 
 
 def _spelling(f: Any, call: Call) -> Any:
@@ -519,10 +406,9 @@ def _spelling(f: Any, call: Call) -> Any:
 
 def _read_spelling(f: Any, call: Call) -> Any:
     leaves, spec, n = call.leaves, call.args_spec, call.batch
-    batched_leaves = _batched(call)
-    rows = set(batched_leaves)
-    first = leaves[batched_leaves[0]]
-    dims = _arguments([0 if j in rows else None for j in range(len(leaves))], spec)
+    rows = set(batched_leaves(call))
+    first = leaves[min(rows)]
+    dims = arguments([0 if j in rows else None for j in range(len(leaves))], spec)
 
     def follows(out: Any, m: int) -> bool:
         ts = tree_flatten(out)[0]
@@ -530,12 +416,12 @@ def _read_spelling(f: Any, call: Call) -> Any:
 
     def samples(m: int) -> Any:
         idx = torch.arange(m, device=first.device) % n
-        return _arguments([v.index_select(0, idx) if j in rows else v for j, v in enumerate(leaves)], spec)
+        return arguments([v.index_select(0, idx) if j in rows else v for j, v in enumerate(leaves)], spec)
 
     err: Optional[Exception] = None
     with preserved_state(f), rng_kept(first.device):
         try:
-            batched = follows(f(*_arguments(leaves, spec)), n)
+            batched = follows(f(*arguments(leaves, spec)), n)
         except Exception as e:  # noqa: BLE001 -- fn's own error: judged with the per-sample reading below
             batched, err = False, e
         if batched:
@@ -546,7 +432,7 @@ def _read_spelling(f: Any, call: Call) -> Any:
             except Exception:  # noqa: BLE001 -- fn does not follow the number of samples
                 pass
         try:
-            if follows(vmap(f, in_dims=dims, randomness="different")(*_arguments(leaves, spec)), n):
+            if follows(vmap(f, in_dims=dims, randomness="different")(*arguments(leaves, spec)), n):
                 return dims
         except Exception as e:  # noqa: BLE001
             err_v: Exception = e
@@ -555,7 +441,7 @@ def _read_spelling(f: Any, call: Call) -> Any:
         if batched:
             return None  # ran on the batch, if not on another number of samples: the documented reading
         try:
-            one = f(*_arguments([v[0] if j in rows else v for j, v in enumerate(leaves)], spec))
+            one = f(*arguments([v[0] if j in rows else v for j, v in enumerate(leaves)], spec))
             if tree_flatten(one)[0] and all(isinstance(t, Tensor) for t in tree_flatten(one)[0]):
                 return LOOP
         except Exception:  # noqa: BLE001

@@ -31,8 +31,8 @@ call's path from then on. ``jm.clear_cache()`` forgets every guard.
 Scopes: a public entry point enters a scope for its ``f`` and the arguments f is called with
 (:func:`entry`); the generation is computed once, at entry, under the caller's own grad mode and
 settings. Nested entry points on the same f share the outer scope; a wrapper jacmode makes of f
-(a module of sample rows, a functional call as a module) follows f's generation (:func:`derived`);
-a cache consulted for any other function finds no generation and is bypassed. Scopes are per
+(a module of sample rows of a model or of a function) follows f's generation (:func:`derived`),
+and an entry point called on it inside f's scope stays in that scope; a cache consulted for any other function finds no generation and is bypassed. Scopes are per
 thread. Inside a torch.func transform (``vmap`` over an ensemble's inputs, ``grad`` of a
 meta-objective) the generation is the same as outside: the transforms' stack is cleared while
 the guard is traced or checked, and each tensor the transforms wrap is read as the tensor it
@@ -112,17 +112,27 @@ def _stack() -> list[tuple[Any, Optional[int]]]:
 
 
 # wrapper (weakly) -> its owner, weakly too: a wrapper is kept in a cache under its owner
-# (_functional._WRAPPERS, _args.params._HANDLES), so a strong owner here would keep both alive
+# (_args.params._HANDLES), so a strong owner here would keep both alive
 _OWNERS: "weakref.WeakKeyDictionary[Any, weakref.ref[Any]]" = weakref.WeakKeyDictionary()
 
 
 def derived(obj: Any, owner: Any) -> None:
-    """``obj`` (a wrapper jacmode made of ``owner``: a module of sample rows, a functional call as a
-    module) computes what ``owner`` computes: its cached facts follow the generation of ``owner``."""
+    """``obj`` (a wrapper jacmode made of ``owner``: a module of sample rows of a model or of a
+    function) computes what ``owner`` computes: its cached facts follow the generation of ``owner``,
+    and an entry point called on it in ``owner``'s scope stays in that scope."""
     try:
         _OWNERS[obj] = weakref.ref(owner)
     except TypeError:
         pass
+
+
+def _owner(obj: Any) -> Any:
+    """What ``obj`` was :func:`derived` from, or None."""
+    try:
+        ref = _OWNERS.get(obj)
+    except TypeError:
+        return None
+    return None if ref is None else ref()
 
 
 def current(ident: Any) -> Optional[int]:
@@ -134,11 +144,7 @@ def current(ident: Any) -> Optional[int]:
     for f, gen in reversed(stack):
         if f is ident:
             return gen
-    try:
-        ref = _OWNERS.get(ident)
-    except TypeError:
-        return None
-    owner = None if ref is None else ref()
+    owner = _owner(ident)
     return None if owner is None else current(owner)
 
 
@@ -366,7 +372,7 @@ def entry(inputs: Inputs = _inputs) -> Callable[[F], F]:
         @functools.wraps(op)
         def scoped(f: Any, *args: Any, **options: Any) -> Any:
             stack = _stack()
-            if stack and stack[-1][0] is f:
+            if stack and (stack[-1][0] is f or _owner(f) is stack[-1][0]):  # (f's wrapper: f's scope)
                 return op(f, *args, **options)
             try:
                 fargs, fkwargs = inputs(f, args, options)

@@ -35,8 +35,9 @@ the selected tensors (a dict name -> tensor as the differentiated argument).
 The functional style with shared differentiated arguments (``jm.jacobian(fn, params, x, argnums=0,
 in_dims=(None, 0))``, ``_functional.py``) is described by the same :func:`describe_call`
 (``shared=True``): its differentiated leaves keep their whole shape, B is dim 0 of the batched
-riders, and no flat function is built (that call runs as a module of the shared tensors); the
-same :meth:`Call.per_argnum` and :meth:`Call.per_output` give its result torch.func's layout.
+riders, and no flat function is built (that call runs as a module of sample rows whose slots are
+the shared tensors, ``params.py``); the same :meth:`Call.per_argnum` and :meth:`Call.per_output`
+give its result torch.func's layout.
 
 Coordinates of the derivative operators are counted in z: argument ``argnums[0]``'s leaves first,
 flat per sample, then the next argnum's; :meth:`Call.coordinate` also reads names (``"t"``, the
@@ -44,8 +45,8 @@ name of a parameter of f with one coordinate per sample, or ``("x", 1)``).
 
 The modules: ``flat.py`` (the flat function and its sub-batches), ``call.py`` (the described call
 and torch.func's layout), ``describe.py`` (argnums, in_dims, leaves and riders), ``front.py`` (the
-entry points' front and tail, old forms, named coordinates), ``params.py`` (parameters of a module
-called with several arguments).
+entry points' front and tail, old forms, named coordinates), ``params.py`` (the modules of sample
+rows: a model called with several arguments, a function of shared tensors).
 """
 
 from __future__ import annotations

@@ -137,14 +137,7 @@ class Call:
                 f"f: expected f to return a {kind} or a pytree (tuple, list, dict) of {kind}s, got "
                 f"{type(out).__name__} ({_fmt(out)}). Return {kind}s only; put anything else in the auxiliary "
                 "output with has_aux=True.")
-        shapes = [tuple(t.shape[1:]) if b is not None else tuple(t.shape) for t in leaves]
-        if self.out_spec is None:
-            self.out_spec, self.out_shapes = spec, shapes
-        elif spec != self.out_spec or shapes != self.out_shapes:
-            raise ValueError(
-                f"f: returned a different output structure on a later evaluation ({spec} with per-sample shapes "
-                f"{shapes}, first {self.out_spec} with {self.out_shapes}). jacmode evaluates f several times; "
-                "its outputs must keep their structure.")
+        kept(self, spec, [tuple(t.shape[1:]) if b is not None else tuple(t.shape) for t in leaves])
         return leaves, aux
 
     def flat_output(self, out: Any, b: Optional[int]) -> Tensor:
@@ -274,6 +267,20 @@ class Call:
                 f"{name}: {label!r} is not the name of a positional argument of f (its arguments are "
                 f"{list(self.names)}). Name coordinates by f's parameter names, or by position as (argnum, i).")
         return self.names.index(label)
+
+
+def kept(holder: Any, spec: Any, shapes: list[tuple[int, ...]]) -> bool:
+    """Keep an output structure in ``holder.out_spec`` and ``holder.out_shapes`` on the first evaluation
+    (True), or check that a later one has the same (False), else raise."""
+    if holder.out_spec is None:
+        holder.out_spec, holder.out_shapes = spec, shapes
+        return True
+    if spec != holder.out_spec or shapes != holder.out_shapes:
+        raise ValueError(
+            f"f: returned a different output structure on a later evaluation ({spec} with per-sample shapes "
+            f"{shapes}, first {holder.out_spec} with {holder.out_shapes}). jacmode evaluates f several times; "
+            "its outputs must keep their structure.")
+    return False
 
 
 def _split_aux(out: Any) -> tuple[Any, Any]:

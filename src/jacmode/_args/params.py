@@ -1,4 +1,4 @@
-"""Parameters of a module called with several arguments: the module of sample rows the engines see.
+"""Modules of sample rows: a model called with several arguments, a function of shared tensors.
 
 See the note [Several arguments] in ``_args/__init__.py``.
 
@@ -20,12 +20,23 @@ read the per-layer inputs of the whole-batch forward). The model's own hooks see
 arguments, never the rows, and a structural clone of the module (``_threads.clone_tree``) reads
 the call of the module it copies.
 
-There is one such module per model, call structure (``Call.signature``) and output form (the
-Jacobian engines get the output flattened into one tensor, the products the model's own output
-for their loss), so that what jacmode caches per module (problem, plan, coupling verdict, probe
-coverage) serves the next call of a training loop. The module holds no tensor of a call: it reads
-the call in progress, which :func:`rows_bound` names for the duration of the call and forgets
-after it, also on error (a finished call's tensors are not kept alive).
+The functional style with shared differentiated arguments (``jm.jacobian(fn, params, x, argnums=0,
+in_dims=(None, 0))``, the note [Broadcast parameters] in ``_functional.py``) runs on the same kind
+of module: a :class:`FunctionRows`, whose slots p0, p1, ... are the shared tensors (each call binds
+its own into them, ``_state.bind``), whose children are the modules fn refers to, and whose
+forward (the same :func:`_forward_rows`) passes fn the batched tensors of the rows asked and the
+slots in place of the shared ones, calling fn as its spelling says (batched, through vmap, or in
+a loop over the samples) and checking that its output keeps its structure.
+
+There is one such module per model or function, call structure (``Call.signature``) and output
+form (the Jacobian engines get the output flattened into one tensor, the products the model's own
+output for their loss; a function's module also by its slots' shapes, the modules it refers to and
+its spelling), so that what jacmode caches per module (problem, plan, coupling verdict, probe
+coverage) serves the next call of a training loop; their caches follow the generation of the model
+or function (``_guard.derived``). The module holds no tensor of a call and no reference to a
+function: it reads the call in progress, which :func:`rows_bound` names for the duration of the
+call and forgets after it, also on error (a finished call's tensors are not kept alive). A module
+that a call in progress reads (an enclosing call's, another thread's) is not handed to another.
 """
 
 from __future__ import annotations
@@ -37,12 +48,13 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, cast
 
 import torch
 from torch import Tensor
+from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _guard
 from .._cache import register
 from .._threads import original
-from .call import Call
+from .call import Call, kept
 from .describe import describe_call
 from .flat import Rider
 
@@ -50,22 +62,28 @@ from .flat import Rider
 _ROWS_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Call]" = weakref.WeakKeyDictionary()
 _SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = register(weakref.WeakKeyDictionary(),
                                                               "module classes of sample rows")
-# model -> {(output form, call signature): module of rows}
-_HANDLES: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, torch.nn.Module]]" = register(
+# model or function -> {(output form, call signature, ...): module of rows}
+_HANDLES: "weakref.WeakKeyDictionary[Any, dict[tuple, torch.nn.Module]]" = register(
     weakref.WeakKeyDictionary(), "modules of sample rows")
-MAX_FORMS = 8  # modules of rows kept per model (a model called in ever new forms starts over)
+MAX_FORMS = 8  # modules of rows kept per model or function (one called in ever new forms starts over)
+LOOP = "loop"  # a function of one sample without a vmap batching rule: a loop over the samples
 
 
 def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Any:
-    """forward of :func:`module_of_rows`: the model's own forward on the arguments of samples ``rows``."""
+    """forward of every module of sample rows: f on the arguments of samples ``rows`` of the call in
+    progress (:func:`rows_bound`), the shared tensors of a function of shared tensors from its slots."""
     call = _ROWS_OF.get(original(self))  # a structural clone (_threads.py) reads its original's call
     if call is None:
-        raise RuntimeError("jacmode internal error: the module of sample indices of a model of several arguments "
-                           "ran outside its call (report this)")
+        raise RuntimeError("jacmode internal error: a module of sample rows ran outside its call (report this)")
     leaves = list(call.leaves)
     for j, r in call.riders.items():
         if r.batched:
             leaves[j] = r.value.index_select(0, rows.to(r.value.device))
+    if call.shared:
+        assert isinstance(self, FunctionRows)
+        for k, leaf in enumerate(call.diff):
+            leaves[leaf.index] = self._parameters[f"p{k}"]
+        return self.output(_batched_call(call.f, leaves, call.args_spec, batched_leaves(call), self.sample_dims))
     pos, kw = tree_unflatten(leaves, call.args_spec)
     d = self.__dict__
     if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]:
@@ -83,7 +101,7 @@ def _forward_rows(self: torch.nn.Module, rows: Tensor) -> Any:
 
 
 def _call_rows(self: torch.nn.Module, rows: Tensor) -> Any:
-    """``__call__`` of :func:`module_of_rows`: its forward, without the hooks (they are the model's,
+    """``__call__`` of a model's module of rows: its forward, without the hooks (they are the model's,
     and run inside the forward on the model's arguments)."""
     return _forward_rows(self, rows)
 
@@ -93,6 +111,66 @@ def _as_model(module: torch.nn.Module, model: torch.nn.Module) -> torch.nn.Modul
     seen = object.__new__(type(model))
     seen.__dict__.update(module.__dict__)
     return seen
+
+
+class FunctionRows(torch.nn.Module):
+    """The module of sample rows of a function of shared tensors ``fn(params, x)`` (``Call.shared``):
+    slots p0, p1, ... are the differentiated leaves, its children the modules fn refers to (their
+    flags, state and dropout are seen). It holds no reference to fn: it runs the call in progress."""
+
+    _jacmode_wrapper = True  # its children are the modules fn refers to, which fn itself feeds
+    forward = _forward_rows
+
+    def __init__(self, call: Call, modules: list[torch.nn.Module], tensor_output: bool, sample_dims: Any) -> None:
+        super().__init__()
+        self.tensor_output = tensor_output  # per_sample_grads: fn returns the loss's input, one tensor
+        self.sample_dims = sample_dims  # fn written for one sample: vmap's in_dims, or LOOP
+        for k, leaf in enumerate(call.diff):  # placeholders without storage: each call binds the user's tensors
+            t = call.leaves[leaf.index]
+            self._parameters[f"p{k}"] = torch.empty(t.shape, dtype=t.dtype, device="meta")  # type: ignore[assignment]
+        self.used = torch.nn.ModuleList(modules)
+        self.out_spec: Any = None  # fn's output structure, kept from its first evaluation on
+        self.out_shapes: list[tuple[int, ...]] = []
+
+    def output(self, out: Any) -> Tensor:
+        """fn's output as one tensor: a single tensor as is, else (b, Y); its structure checked."""
+        if self.tensor_output and not isinstance(out, Tensor):
+            raise TypeError(f"f: per_sample_grads needs f to return one tensor (the loss's input), got "
+                            f"{type(out).__name__}. Return the model's output; put the rest in the loss.")
+        outs, spec = tree_flatten(out)
+        if not outs or not all(isinstance(t, Tensor) for t in outs):
+            raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
+        kept(self, spec, [tuple(t.shape[1:]) for t in outs])
+        if len(outs) == 1 and isinstance(out, Tensor):
+            return out
+        return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
+
+
+def arguments(leaves: list[Any], spec: Any) -> tuple[Any, ...]:
+    """f's positional arguments from the leaves of its call (a call of shared tensors has no keywords)."""
+    return tuple(tree_unflatten(leaves, spec)[0])
+
+
+def _batched_call(fn: Callable[..., Any], leaves: list[Any], spec: Any, batched: list[int], sample_dims: Any) -> Any:
+    """fn on the batch: called as is (batched), through vmap (``sample_dims``, vmap's in_dims of a
+    function of one sample), or stacked over a loop (LOOP: one without a vmap batching rule)."""
+    if sample_dims is None:
+        return fn(*arguments(leaves, spec))
+    if sample_dims != LOOP:
+        return vmap(fn, in_dims=sample_dims, randomness="different")(*arguments(leaves, spec))
+    rows = set(batched)
+    n = leaves[batched[0]].shape[0]
+    outs = [fn(*arguments([v[b] if j in rows else v for j, v in enumerate(leaves)], spec)) for b in range(n)]
+    flat = [tree_flatten(o) for o in outs]
+    if any(s != flat[0][1] for _, s in flat) or not all(isinstance(t, Tensor) for ls, _ in flat for t in ls):
+        raise TypeError(f"f: expected f to return a tensor or a pytree of tensors of one structure for every sample, "
+                        f"got {type(outs[0]).__name__}.")
+    return tree_unflatten([torch.stack(ts) for ts in zip(*(ls for ls, _ in flat))], flat[0][1])
+
+
+def batched_leaves(call: Call) -> list[int]:
+    """The leaf indices of the batched tensors (the riders with the samples along dim 0)."""
+    return [j for j, r in call.riders.items() if r.batched]
 
 
 def several(x: Any) -> bool:
@@ -136,32 +214,58 @@ def _rows_call(f: torch.nn.Module, args: tuple[Any, ...], kwargs: Any, *, in_dim
         call.riders[leaf.index] = Rider(call.leaves[leaf.index], batched=batched)
     call.diff, call.simple, call._signature = [], False, None  # the structure changed: no memo
     call.flat_rows = flat
-    device = call.leaves[next(iter(call.riders))].device if call.riders else torch.device("cpu")
-    call.fn = module_of_rows(call)
-    call.x = torch.arange(call.batch if batched else 1, device=device)
+    call.fn = module_of_rows(call, (), _over_model)
+    return _with_rows(call)
+
+
+def shared_rows(call: Call, modules: list[torch.nn.Module], tensor_output: bool, sample_dims: Any) -> Call:
+    """``call`` (of a function of shared tensors, ``Call.shared``) with its module of sample rows
+    (``call.fn``, a :class:`FunctionRows` whose slots are the shared tensors) and row indices (``call.x``)."""
+    diff = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in (call.leaves[d.index] for d in call.diff))
+    key = (diff, tensor_output, tuple(id(m) for m in modules), str(sample_dims))
+    call.fn = module_of_rows(call, key, lambda c: FunctionRows(c, modules, tensor_output, sample_dims))
+    return _with_rows(call)
+
+
+def _with_rows(call: Call) -> Call:
+    """``call`` with its row indices ``call.x``: 0..B-1 (unbatched: [0]), where the batched tensors are."""
+    riders = sorted(call.riders.values(), key=lambda r: not r.batched)
+    device = riders[0].value.device if riders else torch.device("cpu")
+    call.x = torch.arange(call.batch if call.batched else 1, device=device)
     return call
 
 
-def module_of_rows(call: Call) -> torch.nn.Module:
+def module_of_rows(call: Call, key: tuple, make: Callable[[Call], torch.nn.Module]) -> torch.nn.Module:
+    """f of ``call`` as a module of sample indices (``make(call)``), whose forward selects the
+    arguments of the samples asked and runs f on them (:func:`_forward_rows`). One such module per
+    f, call structure (``Call.signature``), output form (``Call.flat_rows``) and ``key``, so that what
+    jacmode caches per module (problem, plan, coupling verdict, probe coverage) serves the next call
+    of a training loop; it reads the arguments of the call in progress (:func:`rows_bound`), and one
+    in use by a call in progress (an enclosing call, another thread's) is not shared: a new one."""
+    key = (call.flat_rows, call.signature(), *key)
+    try:
+        forms: Optional[dict[tuple, torch.nn.Module]] = _HANDLES.setdefault(call.f, {})
+        known = forms.get(key) if forms is not None else None
+    except TypeError:  # f not weakly referenceable, or an unhashable key: a module for this call only
+        known, forms = None, None
+    stale = known is None or (not call.shared and known.__dict__ is not call.f.__dict__)  # a model's new __dict__
+    if known is not None and not stale and known not in _ROWS_OF:
+        return known
+    h = make(call)
+    _guard.derived(h, call.f)
+    if forms is not None and stale:
+        if len(forms) >= MAX_FORMS:
+            forms.clear()
+        forms[key] = h
+    return h
+
+
+def _over_model(call: Call) -> torch.nn.Module:
     """The model as a module of sample indices: same parameters, buffers, submodules, hooks and
-    flags (its ``__dict__`` is the model's), a forward that selects the arguments of the samples
-    asked and runs the model's own forward on them. One such module per model, call structure
-    (``Call.signature``) and output form (``Call.flat_rows``), so that what jacmode caches per
-    module (problem, plan, coupling verdict, probe coverage) serves the next call of a training
-    loop; it reads the arguments of the call in progress (:func:`rows_bound`)."""
+    flags (its ``__dict__`` is the model's), an object of a subclass of its class."""
     model = call.f
     assert isinstance(model, torch.nn.Module)  # _rows_call's callers checked it
     base = type(model)
-    key = (call.flat_rows, call.signature())
-    forms = _HANDLES.get(model)
-    if forms is None:
-        forms = _HANDLES[model] = {}
-    try:
-        known = forms.get(key)
-    except TypeError:  # an unhashable key: a module for this call only
-        known, forms = None, None
-    if known is not None and known.__dict__ is model.__dict__:  # (a model may be given a new __dict__)
-        return known
     cls = _SUBCLASSES.get(base)
     if cls is None:
         cls = type(base.__name__, (base,), {"forward": _forward_rows, "__call__": _call_rows,
@@ -169,18 +273,13 @@ def module_of_rows(call: Call) -> torch.nn.Module:
         _SUBCLASSES[base] = cls
     h: torch.nn.Module = base.__new__(cls)  # type: ignore[call-overload]
     object.__setattr__(h, "__dict__", model.__dict__)
-    _guard.derived(h, model)
-    if forms is not None:
-        if len(forms) >= MAX_FORMS:
-            forms.clear()
-        forms[key] = h
     return h
 
 
 @contextlib.contextmanager
 def rows_bound(call: Call) -> Iterator[None]:
-    """Within: the module of :func:`module_of_rows` reads this call's arguments (and after it, none:
-    a finished call's tensors are not kept alive)."""
+    """Within: the module of sample rows ``call.fn`` reads this call's arguments (and after it,
+    none: a finished call's tensors are not kept alive)."""
     h = call.fn
     previous = _ROWS_OF.get(h)
     _ROWS_OF[h] = call
