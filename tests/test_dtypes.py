@@ -117,7 +117,13 @@ def test_low_precision_on_cuda(dtype: torch.dtype, name: str) -> None:
     model, x = model.to("cuda", dtype), x.to("cuda", dtype)
     for wrt in ("inputs", "params"):
         for mode in ("forward", "reverse"):
-            got = jm.jacobian(model, x, wrt=wrt, mode=mode)
+            try:
+                got = jm.jacobian(model, x, wrt=wrt, mode=mode)
+            except ValueError as err:
+                # exact or a clear error: torch's forward-mode formula of CUDA layer norm in float16 and
+                # bfloat16 gives a float32 tangent, which the next matmul refuses (reverse mode runs)
+                assert mode == "forward" and dtype != torch.float32 and "forward mode fails here" in str(err)
+                continue
             assert got.dtype == dtype and got.is_cuda
             # TF32 and fused kernels on the GPU round differently from the CPU; float32 gets
             # the float16 tolerance there.
