@@ -377,3 +377,25 @@ def test_the_guard_is_made_on_a_frame_of_its_own_for_every_state() -> None:
     for k in range(10):
         net.scale = float(k + 2)
         assert _guard.generation(net, (x,), {}) is not None, f"state {k}: {_guard.why_not(net)}"
+
+
+_WIDTH = {"n": 3}
+
+
+def _narrowing(w: Tensor, x: Tensor) -> Tensor:
+    return torch.tanh(x @ w)[:, : _WIDTH["n"]]
+
+
+def test_a_functional_style_output_that_narrows_between_calls_is_followed() -> None:
+    """fn(params, x) whose output narrows when a global it reads changes: every call of the sequence
+    is the Jacobian of fn as it is at that call (not an error about an output that changed within a call)."""
+    w = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    try:
+        for k, n in enumerate([3, 3, 3, 2, 2, 2, 3]):
+            _WIDTH["n"] = n
+            got = jm.jacobian(_narrowing, w, x, argnums=0, in_dims=(None, 0))
+            want = vmap(jacrev(lambda w_, xb: _narrowing(w_, xb[None])[0]), in_dims=(None, 0))(w, x)
+            torch.testing.assert_close(got, want, msg=lambda m: f"call {k + 1}: {m}")
+    finally:
+        _WIDTH["n"] = 3

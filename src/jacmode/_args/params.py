@@ -129,8 +129,9 @@ class FunctionRows(torch.nn.Module):
             t = call.leaves[leaf.index]
             self._parameters[f"p{k}"] = torch.empty(t.shape, dtype=t.dtype, device="meta")  # type: ignore[assignment]
         self.used = torch.nn.ModuleList(modules)
-        self.out_spec: Any = None  # fn's output structure, kept from its first evaluation on
+        self.out_spec: Any = None  # fn's output structure, kept from its first evaluation in a state of fn
         self.out_shapes: list[tuple[int, ...]] = []
+        self.generation: Optional[int] = None  # that state (_guard.py)
 
     def output(self, out: Any) -> Tensor:
         """fn's output as one tensor: a single tensor as is, else (b, Y); its structure checked."""
@@ -140,7 +141,11 @@ class FunctionRows(torch.nn.Module):
         outs, spec = tree_flatten(out)
         if not outs or not all(isinstance(t, Tensor) for t in outs):
             raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
-        kept(self, spec, [tuple(t.shape[1:]) for t in outs])
+        holder = original(self)  # (a structural clone keeps what it learns in the module it copies)
+        generation = _guard.current(holder)
+        if generation is not None and generation != holder.generation:  # fn's state changed: so may its output
+            holder.out_spec, holder.out_shapes, holder.generation = None, [], generation
+        kept(holder, spec, [tuple(t.shape[1:]) for t in outs])
         if len(outs) == 1 and isinstance(out, Tensor):
             return out
         return torch.cat([t.reshape(t.shape[0], -1) for t in outs], dim=1)
