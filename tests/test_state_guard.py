@@ -399,3 +399,31 @@ def test_a_functional_style_output_that_narrows_between_calls_is_followed() -> N
             torch.testing.assert_close(got, want, msg=lambda m: f"call {k + 1}: {m}")
     finally:
         _WIDTH["n"] = 3
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.scale = nn.Linear(4, 3), 1.0
+
+    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
+        return self.fc(x) * mask * self.scale
+
+
+def test_products_of_a_model_of_several_arguments_are_guarded() -> None:
+    """per_sample_grads and ntk with x a tuple of the model's arguments trace ``model(*x)``: their
+    calls are guarded (repeated calls reuse), and a value the model reads is followed."""
+    torch.manual_seed(0)
+    m = _Masked().double()
+    x, mask = torch.randn(6, 4, dtype=torch.float64), (torch.rand(6, 3) > 0.3).double()
+    y = torch.randn(6, 3, dtype=torch.float64)
+    for k, scale in enumerate([1.0, 1.0, 1.0, 2.0, 2.0]):
+        m.scale = scale
+        got = jm.per_sample_grads(m, (x, mask), nn.MSELoss(reduction="sum"), y=y)
+        params = dict(m.named_parameters())
+        want = vmap(torch.func.grad(lambda p, xb, mb, yb: ((functional_call(m, p, (xb[None], mb[None])) - yb) ** 2)
+                                    .sum()), in_dims=(None, 0, 0, 0))(params, x, mask, y)
+        torch.testing.assert_close(got, torch.cat([want[n].reshape(6, -1) for n in params], 1),
+                                   msg=lambda s: f"call {k + 1}: {s}")
+        assert _guard.why_not(m) == "", _guard.why_not(m)
+    assert _guard.generation(m, (x, mask), {}) is not None

@@ -347,7 +347,11 @@ def _inputs(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tup
 
 
 def first_input(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """f's arguments in an entry point ``op(f, x, ...)`` that calls ``f(x, **kwargs)`` (the products)."""
+    """f's arguments in an entry point ``op(f, x, ...)`` that calls ``f(x, **kwargs)`` (the products), or
+    ``f(*x, **kwargs)`` where x is a tuple of the model's positional arguments."""
+    x = args[0] if args else None
+    if isinstance(x, tuple) and any(isinstance(t, Tensor) for t in torch.utils._pytree.tree_leaves(x)):
+        return x, options.get("kwargs") or {}
     return args[:1], options.get("kwargs") or {}
 
 
