@@ -272,6 +272,12 @@ def repeats(device: str, tiny: bool) -> None:
 
 # ---- targets ---------------------------------------------------------------------------------------
 
+def _problem1(batch: int, device: str) -> tuple[nn.Module, torch.Tensor, int]:
+    """Problem 1's class, a batch of B inputs and P."""
+    model = MLP(784, 20, 10).to(device)
+    return model, torch.rand(batch, 784, device=device), sum(p.numel() for p in model.parameters())
+
+
 def targets(device: str, tiny: bool) -> None:
     torch.manual_seed(0)
 
@@ -308,9 +314,7 @@ def targets(device: str, tiny: bool) -> None:
     @guarded("target", "problem 1, B=8192")
     def p1_large() -> None:
         B = 64 if tiny else 8192
-        model = MLP(784, 20, 10).to(device)
-        x = torch.rand(B, 784, device=device)
-        P = sum(p.numel() for p in model.parameters())
+        model, x, P = _problem1(B, device)
         j_ms = median_ms(lambda: jm.jacobian(model, x, wrt="params"), device, budget=3, reps=20)
         w_ms = median_ms(lambda: torch.empty(B, 10, P, device=device).fill_(1.0), device, budget=3, reps=20)
         h_ms = median_ms(lambda: params_hand_rule(model, x), device, budget=3, reps=20)
@@ -378,9 +382,7 @@ def targets(device: str, tiny: bool) -> None:
     @guarded("target", "chunked memory")
     def chunk() -> None:
         B = 64 if tiny else 4096
-        model = MLP(784, 20, 10).to(device)
-        x = torch.rand(B, 784, device=device)
-        P = sum(p.numel() for p in model.parameters())
+        model, x, P = _problem1(B, device)
         result_mb = B * 10 * P * 4 / 2**20
         budget_mb = max(1, int(result_mb / 8))
         for mode in ("forward", "reverse", "auto"):
