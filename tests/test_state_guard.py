@@ -427,3 +427,28 @@ def test_products_of_a_model_of_several_arguments_are_guarded() -> None:
                                    msg=lambda s: f"call {k + 1}: {s}")
         assert _guard.why_not(m) == "", _guard.why_not(m)
     assert _guard.generation(m, (x, mask), {}) is not None
+
+
+class _Trainer:
+    """A plain object that holds the model, as a trainer or a config does."""
+
+    def __init__(self, net: nn.Module) -> None:
+        self.net = net
+
+
+def test_a_model_held_by_a_plain_object_is_left_as_found() -> None:
+    """fn(params, x) reaching the model through a plain object (``self.model`` of a trainer): its
+    BatchNorm in training mode couples the samples (a clear error, every call), and its running
+    statistics are left as they were, also as the state changes between calls."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    trainer = _Trainer(net)
+    fn = lambda p, xb: functional_call(trainer.net, p, (xb,))  # noqa: E731
+    params = {k: v.detach() for k, v in net.named_parameters()}
+    x = torch.randn(5, 3)
+    for k in range(4):
+        net[1].momentum = 0.1 * (k + 1)
+        before = {n: b.clone() for n, b in net.named_buffers()}
+        with pytest.raises(jm.CoupledBatchError):
+            jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))
+        assert all(torch.equal(before[n], b) for n, b in net.named_buffers()), f"call {k + 1}"

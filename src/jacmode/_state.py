@@ -38,6 +38,7 @@ import functools
 import inspect
 import sys
 import threading
+import types
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -158,7 +159,8 @@ class ModelView:
 def used_modules(fn: Any, depth: int = 3) -> list[nn.Module]:
     """The modules a plain function refers to: in its closure and globals, a bound method's
     ``self``, a ``functools.partial``'s function and arguments, and so on through nested
-    functions (``depth`` levels). Not the modules it reaches through other objects' attributes.
+    functions (``depth`` levels); also the modules held in the attributes of a plain object it
+    refers to (``self.model`` of a trainer, ``cfg.net``), one level deep.
     """
     if isinstance(fn, Keyed):  # a call of several arguments: the user's function
         fn = fn.f
@@ -181,6 +183,10 @@ def used_modules(fn: Any, depth: int = 3) -> list[nn.Module]:
         if isinstance(obj, nn.Module) or callable(obj):
             for m in used_modules(obj, depth - 1):
                 out.setdefault(id(m), m)
+        elif not isinstance(obj, (type, types.ModuleType)) and isinstance(getattr(obj, "__dict__", None), dict):
+            for v in list(vars(obj).values()):
+                if isinstance(v, nn.Module):
+                    out.setdefault(id(v), v)
     return list(out.values())
 
 

@@ -16,7 +16,8 @@ A case (``Case``, plain data) is
   replaced, a module swapped, a hook added, train/eval, dtype, batch size, requires_grad, a buffer
   replaced or set to None, a functional parameters dict changed);
 - an entry point with its options (``ENTRIES``) and a calling convention (eager with the module,
-  a lambda held across calls or made anew each call, or ``jm.transform`` made once);
+  a lambda held across calls or made anew each call, ``jm.transform`` made once, or for parameter
+  Jacobians torch.func's functional style, ``fn(params, x)`` with the parameters shared);
 - the number of calls (1-6), the call index before which the change is applied, and possibly one
   before which it is undone.
 
@@ -733,6 +734,9 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in [
 ]}
 
 CONVENTIONS = ("eager", "transform", "lambda", "lambda_fresh")  # the last two: input entries on a module
+# torch.func's functional style, fn(params, x) with the parameters a shared argument
+# (jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))): parameter Jacobians only
+FUNCTIONAL = "functional"
 
 
 def _trainable(net: nn.Module, names: Optional[list[str]]) -> list[tuple[str, Tensor]]:
@@ -901,6 +905,9 @@ def valid(case: Case) -> bool:
     ch, en = CHANGES[case.change], ENTRIES[case.entry]
     if en.kind == "module" and (ch.input_only or case.convention in ("lambda", "lambda_fresh")):
         return False
+    if case.convention == FUNCTIONAL and (en.name != "jacobian_params" or case.mix is not None
+                                          or case.change == "tuple_out"):  # (blocks per output: torch.func's pytree)
+        return False
     if ch.input_only and case.convention in ("lambda", "lambda_fresh"):
         return False  # f is already the user's lambda
     if case.batch < ch.min_batch:
@@ -920,7 +927,8 @@ def draw(rng: random.Random, seed: int, change: Optional[str] = None, entry: Opt
         d_out = ch.d_out or (d_in if en.name == "divergence" else rng.choice([2, 3]))
         if en.name == "divergence" and d_out != d_in:
             d_in = d_out
-        convention = rng.choice(CONVENTIONS if en.kind == "input" and not ch.input_only else CONVENTIONS[:2])
+        convention = rng.choice(CONVENTIONS if en.kind == "input" and not ch.input_only else
+                                (*CONVENTIONS[:2], FUNCTIONAL) if en.name == "jacobian_params" else CONVENTIONS[:2])
         calls = rng.choice([2, 3, 4, 4, 5, 5, 6, 6, 6]) if rng.random() > 0.03 else 1
         at = rng.choice(range(1, calls)) if calls > 1 and rng.random() > 0.1 else 0
         back = rng.choice(range(at + 1, calls)) if at + 1 < calls and rng.random() < 0.3 else None
@@ -1005,6 +1013,8 @@ def build(case: Case) -> World:
     elif case.convention == "lambda":
         held = w.f
         w.notes["held"] = lambda z: held(z)
+    elif case.convention == FUNCTIONAL:  # one fn for every call, reading the model as it is then
+        w.notes["functional"] = lambda p, xb: functional_call(w.net, p, (xb,))
     return w
 
 
@@ -1044,12 +1054,22 @@ def call(case: Case, w: World, x: Tensor, i: int) -> Any:
             raise t
         return t(x)
     f = w.net if en.kind == "module" else w.f
+    if case.convention == FUNCTIONAL:
+        return _functional_jacobian(w.notes["functional"], w.net, x)
     if case.convention == "lambda":
         f = w.notes["held"]
     elif case.convention == "lambda_fresh":
         held = w.f
         f = lambda z: held(z)  # noqa: E731 -- a new lambda of the same code each call
     return en.op(f, x, **en.opts(case.d_in))
+
+
+def _functional_jacobian(fn: Callable[..., Tensor], net: nn.Module, x: Tensor) -> Tensor:
+    """The parameter Jacobian in torch.func's functional style, ``fn(params, x)``, as (B, Y, P) (the
+    trainable parameters of the model as it is now, in named_parameters() order)."""
+    params = dict(_trainable(net, None))
+    blocks = jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))
+    return torch.cat([blocks[n].reshape(x.shape[0], -1, params[n].numel()) for n in params], -1)
 
 
 def coupled_now(w: World) -> bool:
