@@ -141,7 +141,7 @@ class FunctionRows(torch.nn.Module):
         outs, spec = tree_flatten(out)
         if not outs or not all(isinstance(t, Tensor) for t in outs):
             raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
-        holder = original(self)  # (a structural clone keeps what it learns in the module it copies)
+        holder = cast(FunctionRows, original(self))  # (a structural clone keeps what it learns in the module it copies)
         generation = _guard.current(holder)
         if generation is not None and generation != holder.generation:  # fn's state changed: so may its output
             holder.out_spec, holder.out_shapes, holder.generation = None, [], generation
