@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call, jacfwd, jacrev, vmap
+from torch.func import vmap
 
 import jacmode as jm
 from bench.baselines import MLP, CNN, NetX, PinnNet, params_hand_rule, params_vmap_jacrev
@@ -400,7 +400,6 @@ def targets(device: str, tiny: bool) -> None:
 def asv_suites(device: str) -> None:
     """Every asv suite's benchmarks, set up and run once at their smallest parameters, on ``device``."""
     import importlib
-    import itertools
     import os
     import pkgutil
     import sys

@@ -18,9 +18,10 @@ range check), the value check is redone with the batch's own samples as the chan
 sample takes the input (and per-sample riders) of another sample of the batch whose input differs,
 so f sees only values the user passed. On an accelerator the batch's own samples are the changes
 from the start (an index moved off its table there is a device-side assert, which no error handler
-survives); noise is used there only where the batch has no distinct samples. If some probed sample has no such other sample (every sample
-the same), jacmode cannot tell and says so (a ValueError) rather than guess; if f fails on a
-selection of its own samples it is not a function of each sample alone (a ValueError too).
+survives); noise is used there only where the batch has no distinct samples. If some probed sample
+has no such other sample (every sample the same), jacmode cannot tell and says so (a ValueError)
+rather than guess; if f fails on a selection of its own samples it is not a function of each
+sample alone (a ValueError too).
 Values alone miss a dependency that only the derivative has (``z + m - m.detach()`` with
 ``m = z.mean(0)``, an ``autograd.Function`` whose backward mixes samples), so for floating inputs
 the first pass records an autograd graph and, for each part, a random cotangent on C alone must pull
@@ -276,24 +277,26 @@ def _run_probe(
         changed = torch.where(member.view(*member.shape, *[1] * (xs.dim() - 1)), _changes(xs, x, len(split), gen), xs)
         others = _changed_riders(fk, member, gen)  # per-sample riders change with their samples
         own = None if _noise_is_safe(x) else _swapped_rows(x, idx, member, gen)
-        try:
-            if own is not None:
-                raise _ChangedFailed(RuntimeError("changes drawn from the batch's own samples"), own)
-            for j, (a, c) in enumerate(split):
-                replay.reset()
-                with torch.no_grad():
-                    moved = validate(_changed_pass(fk if others is None else with_riders(fk, others[j]), changed[j]), k)
-                drift = _moved(rows, moved, c, kept[j])
-                if drift is not None:
-                    return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) changed "
-                                   f"the output of sample {idx[drift]}")
-        except _ChangedFailed as failed:  # f refuses the changed values (float ids cast to long, a range check)
-            drift_of = _swapped_passes(whole, x, idx, rows, member, kept, gen, replay, validate, failed, ways_out,
-                                       failed.chosen)
-            if drift_of is not None:
-                a, drift = drift_of
-                return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) to that of "
-                               f"other samples of the batch changed the output of sample {idx[drift]}")
+        drift_of = None
+        if own is not None:
+            drift_of = _swapped_passes(whole, x, idx, rows, member, kept, gen, replay, validate, None, ways_out, own)
+        else:
+            try:
+                for j, (a, c) in enumerate(split):
+                    replay.reset()
+                    with torch.no_grad():
+                        moved = validate(_changed_pass(fk if others is None else with_riders(fk, others[j]),
+                                                       changed[j]), k)
+                    drift = _moved(rows, moved, c, kept[j])
+                    if drift is not None:
+                        return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) "
+                                       f"changed the output of sample {idx[drift]}")
+            except _ChangedFailed as failed:  # f refuses the changed values (float ids cast to long, a range check)
+                drift_of = _swapped_passes(whole, x, idx, rows, member, kept, gen, replay, validate, failed, ways_out)
+        if drift_of is not None:
+            a, drift = drift_of
+            return shape, (f"changing the input of sample(s) {_names(idx, a)} (of those probed) to that of "
+                           f"other samples of the batch changed the output of sample {idx[drift]}")
         if pull is not None:
             keep = (~member).view(*member.shape, *[1] * (rows.dim() - 1))
             cotangents = _randn((len(split), *rows.shape), gen, rows).where(keep, 0.0)
@@ -317,9 +320,9 @@ def _noise_is_safe(x: Tensor) -> bool:
 class _ChangedFailed(Exception):
     """f raised on the changed inputs of the probe though it ran on the probed samples themselves."""
 
-    def __init__(self, error: Exception, chosen: Optional[Tensor] = None) -> None:
+    def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
-        self.error, self.chosen = error, chosen
+        self.error = error
 
 
 def _changed_pass(f: Callable[[Tensor], Tensor], z: Tensor) -> Any:
@@ -371,10 +374,11 @@ def _cpu(gen: torch.Generator) -> torch.Generator:
 
 def _swapped_passes(
     whole: Any, x: Tensor, idx: list[int], rows: Tensor, member: Tensor, kept: list[Tensor],
-    gen: torch.Generator, replay: RngReplay, validate: Callable[[Any, int], Tensor], failed: _ChangedFailed,
-    ways_out: str, chosen: Optional[Tensor] = None,
+    gen: torch.Generator, replay: RngReplay, validate: Callable[[Any, int], Tensor],
+    failed: Optional[_ChangedFailed], ways_out: str, chosen: Optional[Tensor] = None,
 ) -> Optional[tuple[tuple[int, ...], int]]:
-    """The value check with the batch's own samples as the changes, after f refused the made-up ones.
+    """The value check with the batch's own samples as the changes: after f refused the made-up ones
+    (``failed``), or on an accelerator from the start (``chosen``, the rows already drawn).
 
     Each part's changed samples take the inputs (and per-sample riders) of other samples of the
     batch, so f sees only values the user passed. Returns (the changed positions, the first watched
@@ -389,6 +393,7 @@ def _swapped_passes(
     if chosen is None:
         chosen = _swapped_rows(x, idx, member, gen)
     if chosen is None:
+        assert failed is not None  # (with chosen given, rows were found)
         raise ValueError(
             f"f: raised {_describe(failed.error)} when jacmode's independence check changed the inputs of "
             "some samples, and the batch has too few distinct samples to check with its own samples instead, "

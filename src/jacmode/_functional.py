@@ -41,12 +41,12 @@ import functools
 import math
 import threading
 import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, cast
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from . import _checks, _guard, _losses
 from ._args import Call, Leaf, _in_dim, check_argnums, check_in_dims, describe_call, parameter_names
@@ -231,7 +231,7 @@ def _run(entry: Callable[..., Any], f: Any, fargs: tuple[Any, ...], rest: tuple[
         if sample_dims is None and len(batched_leaves(call)) == 1 and not in_transform():
             hidden = _disguised(f, call)
         if hidden is not None:  # the model itself, on its own input
-            model, x_in, slots, _ = hidden
+            model, x_in, slots = hidden
             values = {slot: call.leaves[j] for slot, j in slots.items()}
             return entry(model, x_in, *rest, wrt=values, flatten=False, **kwargs), slots
         shared_rows(call, used_modules(f), tensor_output, sample_dims)
@@ -311,8 +311,8 @@ def _one_slice(t: Tensor, dim: int) -> Tensor:
     return t
 
 
-def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str, int], tuple[int, ...]]]:
-    """(model, its input, slot name -> leaf index, per-sample output shape) when ``f`` is
+def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str, int]]]:
+    """(model, its input, slot name -> leaf index) when ``f`` is
     ``functional_call(model, params, x)`` in disguise (see the note), else None."""
     leaves, diff, batched = call.leaves, [leaf.index for leaf in call.diff], batched_leaves(call)
 
@@ -368,7 +368,7 @@ def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str
             grads = torch.autograd.grad([t.sum() for t in probes], [fresh[j] for j in diff], allow_unused=True)
         if any(g is not None for g in grads):
             return None  # the model's input or another of its tensors depends on the differentiated ones
-    return model, x_in.detach() if not x_in.requires_grad else x_in, slots, tuple(out.shape[1:])
+    return model, x_in.detach() if not x_in.requires_grad else x_in, slots
 
 
 # ---- the per-sample spelling: fn written for one sample, for vmap ---------------------------------

@@ -32,12 +32,12 @@ Scopes: a public entry point enters a scope for its ``f`` and the arguments f is
 (:func:`entry`); the generation is computed once, at entry, under the caller's own grad mode and
 settings. Nested entry points on the same f share the outer scope; a wrapper jacmode makes of f
 (a module of sample rows of a model or of a function) follows f's generation (:func:`derived`),
-and an entry point called on it inside f's scope stays in that scope; a cache consulted for any other function finds no generation and is bypassed. Scopes are per
-thread. Inside a torch.func transform (``vmap`` over an ensemble's inputs, ``grad`` of a
-meta-objective) the generation is the same as outside: the transforms' stack is cleared while
-the guard is traced or checked, and each tensor the transforms wrap is read as the tensor it
-wraps (:func:`_in_transform`); where f holds a wrapped tensor itself (``functional_call``
-inside the transform), nothing is reused.
+and an entry point called on it inside f's scope stays in that scope; a cache consulted for any
+other function finds no generation and is bypassed. Scopes are per thread. Inside a torch.func
+transform (``vmap`` over an ensemble's inputs, ``grad`` of a meta-objective) the generation is the
+same as outside: the transforms' stack is cleared while the guard is traced or checked, and each
+tensor the transforms wrap is read as the tensor it wraps (:func:`_in_transform`); where f holds
+a wrapped tensor itself (``functional_call`` inside the transform), nothing is reused.
 
 Sharing: a guard made for one instance of a class passes for another exactly when everything its
 forward reads is the same, so the states are kept per class (per code object for a plain

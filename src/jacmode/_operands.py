@@ -54,7 +54,7 @@ from ._capture.capture import Program
 from ._problem import captured, connected, describe, riders_independent
 from ._rules import decompositions
 from ._rules.base import Unsupported
-from ._state import RngReplay, Survey, modules_of, preserved_state
+from ._state import RngReplay, Survey, preserved_state
 from ._structure import one_hot
 
 Fn = Callable[[Tensor], Tensor]

@@ -12,24 +12,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import weakref
-from typing import Any, Callable, Iterator, Optional, Sequence, Union, cast
+from typing import Any, Callable, Optional, Sequence, Union, cast
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import _guard
-from . import _args, _checks, _data, _losses, _profile
+from . import _checks, _data, _losses, _profile
 from ._checks import Options, Wrt
 from ._coupling import PRODUCT_WAYS_OUT, probe
 from ._probes import layerio, probes
 from ._probes import ntk as _ntk
 from ._probes import products as _engine
 from ._autodiff.fallback import classify
-from ._cache import register
 from ._probes.layerwise import columns
-from ._threads import original
 from ._args.params import bound, pair_bound, several
 from ._functional import accepts_params_dict, per_sample_grads_transformed
 from ._jacobian import jacobian

@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 
-from torch import Tensor, nn
+from torch import Tensor
 
 from . import _checks, _guard
 from ._cache import register as register_cache

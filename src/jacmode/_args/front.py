@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 

@@ -34,7 +34,6 @@ import contextlib
 import operator
 import threading
 import types
-import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch

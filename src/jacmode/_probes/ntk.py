@@ -19,7 +19,7 @@ The three agree to rounding; ``_planning/ntk.py`` picks one from the sizes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
