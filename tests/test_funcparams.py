@@ -445,6 +445,61 @@ def test_functional_per_sample_grads(name: str) -> None:
         jm.per_sample_grads(lambda p, v: (fn(p, v), 0), (params, x), loss, y=y, argnums=0, in_dims=(None, 0))
 
 
+def _leaf_jacobian(fn: Callable[..., Any], params: Params, x: Tensor) -> Tensor:
+    """(B, Y, P) of torch.func's ``vmap(jacrev(fn1), in_dims=(None, 0))`` for fn's one-sample spelling,
+    the parameters flattened in the dict's order."""
+    blocks = vmap(jacrev(lambda p, xb: fn(p, xb[None])[0]), in_dims=(None, 0))(params, x)
+    return torch.cat([blocks[n].reshape(x.shape[0], -1, params[n].numel()) for n in params], -1)
+
+
+@pytest.mark.parametrize("name", ["functional_call", "after the model", "by hand"])
+def test_functional_ntk_and_ggn(name: str) -> None:
+    """torch.func's NTK tutorial's spelling, fn(params, x) with params shared, for ntk, ntk_plan and ggn."""
+    fn, fast = FNS[name]
+    x1, x2, params = torch.randn(4, 3, dtype=DT), torch.randn(6, 3, dtype=DT), other(NET)
+    before = snapshot(NET)
+    j1, j2 = _leaf_jacobian(fn, params, x1), _leaf_jacobian(fn, params, x2)
+    style = {"argnums": 0, "in_dims": (None, 0)}
+    for _ in range(3):  # repeated calls, as a training loop makes them
+        close(jm.ntk(fn, (params, x1), (params, x2), **style), torch.einsum("byp,czp->bcyz", j1, j2))
+        close(jm.ntk(fn, (params, x1), x2=(params, x2), trace=True, **style), torch.einsum("byp,cyp->bc", j1, j2))
+        close(jm.ntk(fn, (params, x1), **style), torch.einsum("byp,czp->bcyz", j1, j1))
+        close(jm.ggn(fn, (params, x1), "mse", **style), torch.einsum("byp,byq->pq", j1, j1))
+        close(jm.ggn(fn, (params, x1), "mse", diagonal=True, **style), torch.einsum("byp,byp->p", j1, j1))
+        v = torch.randn(j1.shape[-1], dtype=DT)
+        close(jm.ggn(fn, (params, x1), "mse", v=v, **style), torch.einsum("byp,byq,q->p", j1, j1, v))
+    plan = jm.ntk_plan(fn, (params, x1), (params, x2), **style)  # per-layer rules: fn is the model in disguise
+    assert ("structured needs a per-layer rule" not in repr(plan)) == fast
+    assert_unchanged(NET, before)
+    w, b = torch.randn(2, 3, dtype=DT), torch.randn(2, dtype=DT)
+    k = jm.ntk(lambda w, b, v: torch.tanh(v @ w.T + b), (w, b, x1), (w, b, x2), argnums=(0, 1), in_dims=(None, None, 0))
+    jw = vmap(jacrev(lambda w, b, v: torch.tanh(v @ w.T + b), argnums=(0, 1)), in_dims=(None, None, 0))
+    f1, f2 = (torch.cat([t.reshape(t.shape[0], 2, -1) for t in jw(w, b, xs)], -1) for xs in (x1, x2))
+    close(k, torch.einsum("byp,czp->bcyz", f1, f2))
+
+
+def test_functional_products_errors() -> None:
+    fn = FNS["functional_call"][0]
+    x1, x2, params = torch.randn(4, 3, dtype=DT), torch.randn(6, 3, dtype=DT), other(NET)
+    style = {"argnums": 0, "in_dims": (None, 0)}
+    with pytest.raises(TypeError, match=r"x2: give x1 and x2 in the same form, both a tuple of fn's arguments"):
+        jm.ntk(fn, (params, x1), x2, **style)
+    with pytest.raises(ValueError, match=r"x2: broadcast argument leaf 0 \(in_dims=None\) must be the same"):
+        jm.ntk(fn, (params, x1), ({k: v + 1 for k, v in params.items()}, x2), **style)
+    with pytest.raises(ValueError, match=r"x2: argument leaf 4 must be a tensor of per-sample shape \(3,\)"):
+        jm.ntk(fn, (params, x1), (params, x2[:, :2]), **style)
+    with pytest.raises(ValueError, match=r"wrt: not taken with broadcast differentiated arguments"):
+        jm.ggn(fn, (params, x1), wrt="params", **style)
+    with pytest.raises(TypeError, match=r"f: ntk needs f to return one tensor \(the model's output\), got tuple"):
+        jm.ntk(lambda p, v: (fn(p, v), 1), (params, x1), **style)
+    for call in (lambda: jm.jacobian(lambda p, v, s=1.0: fn(p, v) * s, params, x1, kwargs={"s": 2.0}, **style),
+                 lambda: jm.per_sample_grads(fn, (params, x1), lambda o: o.sum(1), kwargs={"s": 2.0}, **style),
+                 lambda: jm.ntk(fn, (params, x1), kwargs={"s": 2.0}, **style)):
+        with pytest.raises(ValueError, match=r"kwargs: not taken with broadcast differentiated arguments .* "
+                                             r"functools\.partial"):
+            call()
+
+
 def test_functional_style_under_inference_mode_and_no_grad() -> None:
     x, params = torch.randn(4, 3, dtype=DT), other(NET)
     want = oracle(NET, params, x)

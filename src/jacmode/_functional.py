@@ -50,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 
 from . import _checks, _guard, _losses
 from ._args import Call, Leaf, _in_dim, check_argnums, check_in_dims, describe_call, parameter_names
-from ._args.params import LOOP, FunctionRows, arguments, batched_leaves, rows_bound, shared_rows
+from ._args.params import LOOP, FunctionRows, arguments, batched_leaves, merge_pair, rows_bound, shared_rows
 from ._cache import register, rng_kept
 from ._state import bind, bound_values, preserved_state, used_modules
 from ._threads import clone_tree, transient_hooks
@@ -61,16 +61,16 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def accepts_params_dict(entry: F) -> F:
     """Let ``entry(f, ..., wrt=...)`` take ``wrt`` as a dict name -> tensor (see the note)."""
-    routed, products = entry.__name__ in _ROUTED, entry.__name__ == "per_sample_grads"
+    routed, products = entry.__name__ in _ROUTED, _PRODUCTS.get(entry.__name__)
 
     @functools.wraps(entry)
     def wrapper(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if not kwargs and not products:  # no wrt, no in_dims: neither a dict nor a routed call (jacobian(f, x))
+        if not kwargs:  # no wrt, no in_dims: neither a dict nor a routed call (jacobian(f, x))
             return entry(f, *args)
         if routed and routes(f, args, kwargs):  # fn(params, x) with params broadcast
             return functional_call_jacobian(wrapper, f, args, kwargs)
-        if products and args and isinstance(args[0], tuple) and routes(f, args[0], kwargs):
-            return functional_per_sample_grads(wrapper, f, args, kwargs)
+        if products is not None and args and isinstance(args[0], tuple) and routes(f, args[0], kwargs):
+            return products(wrapper, f, args, kwargs)  # fn(params, x) in a product
         wrt = kwargs.get("wrt")
         if not isinstance(wrt, dict):
             return entry(f, *args, **kwargs)
@@ -217,13 +217,22 @@ def _describe(f: Any, args: tuple[Any, ...], argnums: Any, in_dims: Any) -> Call
 
 
 def _run(entry: Callable[..., Any], f: Any, fargs: tuple[Any, ...], rest: tuple[Any, ...], kwargs: dict[str, Any],
-         tensor_output: bool) -> tuple[Any, Call, dict[str, int]]:
-    """``entry(module, input, *rest, wrt=dict, flatten=False, **kwargs)`` for ``f(*fargs)`` with broadcast
-    differentiated arguments (see the note), in the scope of ``f``; and the call, and slot -> leaf index."""
+         tensor_output: bool, layout: Optional[str] = None,
+         split: Optional[int] = None) -> tuple[Any, Call, dict[str, int]]:
+    """``entry(module, input, *rest, wrt=dict, **kwargs)`` for ``f(*fargs)`` with broadcast differentiated
+    arguments (see the note), in the scope of ``f``, with ``flatten=False`` where the result is laid out
+    per leaf (``layout``: its blocks, for the errors); and the call, and slot -> leaf index.
+    ``split``: the input is two batches, its first ``split`` rows and the rest (``ntk``'s x1 and x2)."""
     kwargs = dict(kwargs)
     argnums, in_dims = kwargs.pop("argnums", 0), kwargs.pop("in_dims")
-    _no_layout_options(kwargs, argnums, in_dims, "(B, *leaf.shape)" if tensor_output else "(B, *out, *leaf.shape)")
+    _no_layout_options(kwargs, argnums, in_dims, layout)
+    if layout is not None:
+        kwargs["flatten"] = False
     call = _describe(f, fargs, argnums, in_dims)
+
+    def run(module: nn.Module, x: Tensor, values: dict[str, Tensor]) -> Any:
+        inputs = (x,) if split is None else (x[:split], x[split:])
+        return entry(module, *inputs, *rest, wrt=values, **kwargs)
 
     def scoped() -> tuple[Any, dict[str, int]]:
         sample_dims = _spelling(f, call)
@@ -232,13 +241,11 @@ def _run(entry: Callable[..., Any], f: Any, fargs: tuple[Any, ...], rest: tuple[
             hidden = _disguised(f, call)
         if hidden is not None:  # the model itself, on its own input
             model, x_in, slots = hidden
-            values = {slot: call.leaves[j] for slot, j in slots.items()}
-            return entry(model, x_in, *rest, wrt=values, flatten=False, **kwargs), slots
-        shared_rows(call, used_modules(f), tensor_output, sample_dims)
+            return run(model, x_in, {slot: call.leaves[j] for slot, j in slots.items()}), slots
+        shared_rows(call, used_modules(f), entry.__name__ if tensor_output else None, sample_dims)
         slots = {f"p{k}": leaf.index for k, leaf in enumerate(call.diff)}
         with rows_bound(call):
-            values = {slot: call.leaves[j] for slot, j in slots.items()}
-            return entry(call.fn, call.x, *rest, wrt=values, flatten=False, **kwargs), slots
+            return run(call.fn, call.x, {slot: call.leaves[j] for slot, j in slots.items()}), slots
 
     res, slots = _guard.scoped_call(f, fargs, {}, scoped)
     return res, call, slots
@@ -260,19 +267,24 @@ def _structure(call: Call) -> tuple:
     return (call.signature(), tuple(_meta(v) for v in call.leaves))
 
 
-def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layout: str) -> None:
-    for bad in ("wrt", "flatten", "has_aux", "out", "batched"):
+def _no_layout_options(kwargs: dict[str, Any], argnums: Any, in_dims: Any, layout: Optional[str]) -> None:
+    if kwargs.get("kwargs") is not None:  # (torch.func's transforms pass no keywords to fn either)
+        raise ValueError(f"kwargs: not taken with broadcast differentiated arguments (argnums={argnums!r}, in_dims="
+                         f"{in_dims!r}): fn gets the positional arguments only. Bind fn's keyword arguments "
+                         "first, e.g. functools.partial(fn, scale=2.0).")
+    for bad in ("wrt", "flatten", "has_aux", "out", "batched") if layout is not None else ("wrt",):
         if bad in kwargs:
-            raise ValueError(
-                f"{bad}: not taken with broadcast differentiated arguments (argnums={argnums!r}, in_dims="
-                f"{in_dims!r}): the result is torch.func's pytree of per-leaf blocks {layout}, "
-                f"with respect to the arguments argnums names. Drop {bad}=.")
+            said = (f"the result is torch.func's pytree of per-leaf blocks {layout}, with respect to the arguments "
+                    "argnums names" if layout is not None else
+                    "the result is taken with respect to the arguments argnums names, in the order of their leaves")
+            raise ValueError(f"{bad}: not taken with broadcast differentiated arguments (argnums={argnums!r}, "
+                             f"in_dims={in_dims!r}): {said}. Drop {bad}=.")
 
 
 def functional_call_jacobian(entry: Callable[..., Any], f: Any, args: tuple[Any, ...],
                              kwargs: dict[str, Any]) -> Any:
     """``entry(f, *args, argnums=, in_dims=, ...)`` with broadcast differentiated arguments (see the note)."""
-    res, call, slots = _run(entry, f, tuple(args), (), kwargs, False)
+    res, call, slots = _run(entry, f, tuple(args), (), kwargs, False, "(B, *out, *leaf.shape)")
     if entry.__name__ == "plan":
         return res
     by_leaf = {j: res[slot] for slot, j in slots.items()}
@@ -299,9 +311,38 @@ def functional_per_sample_grads(entry: Callable[..., Any], f: Any, args: tuple[A
                                 kwargs: dict[str, Any]) -> Any:
     """``per_sample_grads(fn, (params, x), loss, argnums=0, in_dims=(None, 0))``: torch.func's
     ``vmap(grad(lambda p, xb: loss(fn(p, xb))), in_dims=(None, 0))`` layout, (B, *leaf.shape) per leaf."""
-    res, call, slots = _run(entry, f, tuple(args[0]), args[1:], kwargs, True)
+    res, call, slots = _run(entry, f, tuple(args[0]), args[1:], kwargs, True, "(B, *leaf.shape)")
     by_leaf = {j: res[slot] for slot, j in slots.items()}
     return call.per_argnum(lambda leaf: by_leaf[leaf.index])
+
+
+def functional_ntk(entry: Callable[..., Any], f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ntk(fn, (params, x1), (params, x2), argnums=0, in_dims=(None, 0))`` (and ``ntk_plan``): the
+    kernel of torch.func's ``fnet_single(params, x)`` over the leaves argnums names (see the note),
+    x1's and x2's samples run as one batch of rows split in two."""
+    kwargs = dict(kwargs)
+    x1, x2 = args[0], args[1] if len(args) > 1 else kwargs.pop("x2", None)
+    if x2 is None:
+        return _run(entry, f, tuple(x1), args[2:], kwargs, True)[0]
+    if not isinstance(x2, tuple):
+        raise TypeError(f"x2: give x1 and x2 in the same form, both a tuple of fn's arguments; got x2 a "
+                        f"{type(x2).__name__}.")
+    _no_layout_options(kwargs, kwargs.get("argnums", 0), kwargs["in_dims"], None)
+    first = _describe(f, tuple(x1), kwargs.get("argnums", 0), kwargs["in_dims"])
+    merged = merge_pair(tuple(x1), tuple(x2), set(batched_leaves(first)))
+    return _run(entry, f, merged, args[2:], kwargs, True, split=first.batch)[0]
+
+
+def functional_ggn(entry: Callable[..., Any], f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``ggn(fn, (params, x), loss, argnums=0, in_dims=(None, 0))``: the Gauss-Newton matrix of
+    torch.func's ``fnet_single(params, x)`` over the leaves argnums names, (P, P) or (P,) with P in
+    the order of those leaves (a dict's order)."""
+    return _run(entry, f, tuple(args[0]), args[1:], kwargs, True)[0]
+
+
+# the products that take fn(params, x) as ``entry(fn, (params, x), ..., argnums=, in_dims=)``
+_PRODUCTS: dict[str, Callable[..., Any]] = {"per_sample_grads": functional_per_sample_grads, "ntk": functional_ntk,
+                                            "ntk_plan": functional_ntk, "ggn": functional_ggn}
 
 
 def _one_slice(t: Tensor, dim: int) -> Tensor:

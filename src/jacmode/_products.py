@@ -441,6 +441,9 @@ def ntk(f: nn.Module, x1: Tensor, x2: Optional[Tensor] = None, *, wrt: Wrt = "pa
         kwargs: keyword arguments of the model, passed through (broadcast: the same for x1 and x2).
         in_dims: with x1 and x2 tuples of the model's positional arguments, 0 (batched) or None
             (broadcast, the same tensor in both) per argument, as in :func:`per_sample_grads`.
+            With ``argnums`` naming broadcast arguments, f is a function ``fn(params, x)`` and x1,
+            x2 tuples of its arguments: the kernel with respect to those arguments (torch.func's
+            functional style, docs/functional.md).
 
     Returns:
         (B1, B2, Y, Y), or (B1, B2) with ``trace=True``.
@@ -524,7 +527,10 @@ def ggn(f: nn.Module, x: Tensor, loss: Union[str, Callable[[Tensor], Tensor]] = 
             Hessians and one vjp, never forming J or G (see docs/products.md).
         kwargs: keyword arguments of the model, passed through.
         in_dims: with x a tuple of the model's positional arguments, 0 (batched) or None
-            (broadcast) per argument, as in :func:`per_sample_grads`.
+            (broadcast) per argument, as in :func:`per_sample_grads`. With ``argnums`` naming
+            broadcast arguments, f is a function ``fn(params, x)`` and x a tuple of its arguments:
+            the matrix with respect to those arguments' leaves, in their order (torch.func's
+            functional style, docs/functional.md).
 
     Returns:
         (P, P), or (P,) with ``diagonal=True``; summed over samples, not averaged. With ``v``,

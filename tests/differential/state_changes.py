@@ -735,8 +735,9 @@ ENTRIES: dict[str, Entry] = {e.name: e for e in [
 
 CONVENTIONS = ("eager", "transform", "lambda", "lambda_fresh")  # the last two: input entries on a module
 # torch.func's functional style, fn(params, x) with the parameters a shared argument
-# (jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))): parameter Jacobians and per-sample gradients
+# (jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))): parameter Jacobians and the products
 FUNCTIONAL = "functional"
+FUNCTIONAL_ENTRIES = ("jacobian_params", "per_sample_grads", "ntk", "ntk_trace", "ggn", "ggn_diagonal")
 
 
 def _trainable(net: nn.Module, names: Optional[list[str]]) -> list[tuple[str, Tensor]]:
@@ -905,7 +906,7 @@ def valid(case: Case) -> bool:
     ch, en = CHANGES[case.change], ENTRIES[case.entry]
     if en.kind == "module" and (ch.input_only or case.convention in ("lambda", "lambda_fresh")):
         return False
-    if case.convention == FUNCTIONAL and (en.name not in ("jacobian_params", "per_sample_grads") or case.mix is not None
+    if case.convention == FUNCTIONAL and (en.name not in FUNCTIONAL_ENTRIES or case.mix is not None
                                           or case.change == "tuple_out"):  # (blocks per output: torch.func's pytree)
         return False
     if ch.input_only and case.convention in ("lambda", "lambda_fresh"):
@@ -928,7 +929,7 @@ def draw(rng: random.Random, seed: int, change: Optional[str] = None, entry: Opt
         if en.name == "divergence" and d_out != d_in:
             d_in = d_out
         convention = rng.choice(CONVENTIONS if en.kind == "input" and not ch.input_only else
-                                (*CONVENTIONS[:2], FUNCTIONAL) if en.name in ("jacobian_params", "per_sample_grads")
+                                (*CONVENTIONS[:2], FUNCTIONAL) if en.name in FUNCTIONAL_ENTRIES
                                 else CONVENTIONS[:2])
         calls = rng.choice([2, 3, 4, 4, 5, 5, 6, 6, 6]) if rng.random() > 0.03 else 1
         at = rng.choice(range(1, calls)) if calls > 1 and rng.random() > 0.1 else 0
@@ -1066,14 +1067,17 @@ def call(case: Case, w: World, x: Tensor, i: int) -> Any:
 
 
 def _functional_call(en: Entry, fn: Callable[..., Tensor], net: nn.Module, x: Tensor) -> Tensor:
-    """The parameter Jacobian (B, Y, P) or the per-sample gradients (B, P) in torch.func's functional
-    style, ``fn(params, x)`` (the trainable parameters of the model as it is now, in
-    named_parameters() order)."""
+    """The parameter Jacobian (B, Y, P), the per-sample gradients (B, P), the NTK or the GGN in
+    torch.func's functional style, ``fn(params, x)`` (the trainable parameters of the model as it is
+    now, in named_parameters() order)."""
     params = dict(_trainable(net, None))
+    style: dict[str, Any] = {"argnums": 0, "in_dims": (None, 0)}
     if en.name == "per_sample_grads":
-        grads = jm.per_sample_grads(fn, (params, x), LOSS, argnums=0, in_dims=(None, 0))
+        grads = jm.per_sample_grads(fn, (params, x), LOSS, **style)
         return torch.cat([grads[n].reshape(x.shape[0], params[n].numel()) for n in params], -1)
-    blocks = jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))
+    if en.name.startswith(("ntk", "ggn")):
+        return en.op(fn, (params, x), **en.opts(x.shape[1]), **style)
+    blocks = jm.jacobian(fn, params, x, **style)
     return torch.cat([blocks[n].reshape(x.shape[0], -1, params[n].numel()) for n in params], -1)
 
 

@@ -121,9 +121,10 @@ class FunctionRows(torch.nn.Module):
     _jacmode_wrapper = True  # its children are the modules fn refers to, which fn itself feeds
     forward = _forward_rows
 
-    def __init__(self, call: Call, modules: list[torch.nn.Module], tensor_output: bool, sample_dims: Any) -> None:
+    def __init__(self, call: Call, modules: list[torch.nn.Module], tensor_output: Optional[str],
+                 sample_dims: Any) -> None:
         super().__init__()
-        self.tensor_output = tensor_output  # per_sample_grads: fn returns the loss's input, one tensor
+        self.tensor_output = tensor_output  # a product's name: fn returns the model's output, one tensor
         self.sample_dims = sample_dims  # fn written for one sample: vmap's in_dims, or LOOP
         for k, leaf in enumerate(call.diff):  # placeholders without storage: each call binds the user's tensors
             t = call.leaves[leaf.index]
@@ -136,8 +137,9 @@ class FunctionRows(torch.nn.Module):
     def output(self, out: Any) -> Tensor:
         """fn's output as one tensor: a single tensor as is, else (b, Y); its structure checked."""
         if self.tensor_output and not isinstance(out, Tensor):
-            raise TypeError(f"f: per_sample_grads needs f to return one tensor (the loss's input), got "
-                            f"{type(out).__name__}. Return the model's output; put the rest in the loss.")
+            rest = "; put the rest in the loss" if self.tensor_output == "per_sample_grads" else ""
+            raise TypeError(f"f: {self.tensor_output} needs f to return one tensor (the model's output), got "
+                            f"{type(out).__name__}. Return the model's output{rest}.")
         outs, spec = tree_flatten(out)
         if not outs or not all(isinstance(t, Tensor) for t in outs):
             raise TypeError(f"f: expected f to return a tensor or a pytree of tensors, got {type(out).__name__}.")
@@ -223,9 +225,10 @@ def _rows_call(f: torch.nn.Module, args: tuple[Any, ...], kwargs: Any, *, in_dim
     return _with_rows(call)
 
 
-def shared_rows(call: Call, modules: list[torch.nn.Module], tensor_output: bool, sample_dims: Any) -> Call:
+def shared_rows(call: Call, modules: list[torch.nn.Module], tensor_output: Optional[str], sample_dims: Any) -> Call:
     """``call`` (of a function of shared tensors, ``Call.shared``) with its module of sample rows
-    (``call.fn``, a :class:`FunctionRows` whose slots are the shared tensors) and row indices (``call.x``)."""
+    (``call.fn``, a :class:`FunctionRows` whose slots are the shared tensors) and row indices (``call.x``);
+    ``tensor_output``: the name of the product that needs fn's output as one tensor, else None."""
     diff = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in (call.leaves[d.index] for d in call.diff))
     key = (diff, tensor_output, tuple(id(m) for m in modules), str(sample_dims))
     call.fn = module_of_rows(call, key, lambda c: FunctionRows(c, modules, tensor_output, sample_dims))
@@ -346,6 +349,29 @@ def rebinding(g: Any) -> Callable[[], ContextManager[Any]]:
     return contextlib.nullcontext if call is None else functools.partial(rows_bound, call)
 
 
+def merge_pair(x1: tuple[Any, ...], x2: tuple[Any, ...], batched: set[int]) -> tuple[Any, ...]:
+    """The arguments of one call over the samples of two calls ``f(*x1)`` and ``f(*x2)`` of the same
+    form: the leaves numbered in ``batched`` (batched with the samples) concatenated, x1's first;
+    every other leaf the same in both (one object, equal tensors, or equal values)."""
+    a1, s1 = tree_flatten(x1)
+    a2, s2 = tree_flatten(x2)
+    if s1 != s2:
+        raise ValueError(f"x2: expected the structure of x1 ({s1}), got {s2}.")
+    merged = []
+    for j, (t1, t2) in enumerate(zip(a1, a2)):
+        if j in batched:
+            if not isinstance(t2, Tensor) or t2.shape[1:] != t1.shape[1:]:
+                raise ValueError(f"x2: argument leaf {j} must be a tensor of per-sample shape {tuple(t1.shape[1:])}.")
+            merged.append(torch.cat([t1, t2]))
+        else:
+            same = t1 is t2 or (isinstance(t1, Tensor) and isinstance(t2, Tensor) and t1.shape == t2.shape
+                                and bool(torch.equal(t1, t2))) or (not isinstance(t1, Tensor) and t1 == t2)
+            if not same:
+                raise ValueError(f"x2: broadcast argument leaf {j} (in_dims=None) must be the same in x1 and x2.")
+            merged.append(t1)
+    return tuple(tree_unflatten(merged, s1))
+
+
 @contextlib.contextmanager
 def pair_bound(f: Any, x1: Any, x2: Any, kwargs: Optional[dict[str, Any]],
                in_dims: Any) -> Iterator[tuple[Any, Any, Any]]:
@@ -356,23 +382,8 @@ def pair_bound(f: Any, x1: Any, x2: Any, kwargs: Optional[dict[str, Any]],
         return
     if several(x1) != several(x2):
         raise TypeError("x2: give x1 and x2 in the same form (both a tensor, or both a tuple of the model's arguments).")
-    a1, s1 = tree_flatten(x1 if isinstance(x1, tuple) else (x1,))
-    a2, s2 = tree_flatten(x2 if isinstance(x2, tuple) else (x2,))
-    if s1 != s2:
-        raise ValueError(f"x2: expected the structure of x1 ({s1}), got {s2}.")
     first = _products_call(f, x1, kwargs, in_dims, "x1")
-    rows = {j for j, r in first.riders.items() if r.batched}
-    merged = []
-    for j, (t1, t2) in enumerate(zip(a1, a2)):
-        if j in rows:
-            if not isinstance(t2, Tensor) or t2.shape[1:] != t1.shape[1:]:
-                raise ValueError(f"x2: argument leaf {j} must be a tensor of per-sample shape {tuple(t1.shape[1:])}.")
-            merged.append(torch.cat([t1, t2]))
-        else:
-            same = t1 is t2 or (isinstance(t1, Tensor) and isinstance(t2, Tensor) and t1.shape == t2.shape
-                                and bool(torch.equal(t1, t2))) or (not isinstance(t1, Tensor) and t1 == t2)
-            if not same:
-                raise ValueError(f"x2: broadcast argument leaf {j} (in_dims=None) must be the same in x1 and x2.")
-            merged.append(t1)
-    with bound(f, tree_unflatten(merged, s1), kwargs, in_dims, "x1") as (g, idx):
+    merged = merge_pair(x1 if isinstance(x1, tuple) else (x1,), x2 if isinstance(x2, tuple) else (x2,),
+                        {j for j, r in first.riders.items() if r.batched})
+    with bound(f, merged, kwargs, in_dims, "x1") as (g, idx):
         yield g, idx[:first.batch], idx[first.batch:]
