@@ -54,7 +54,7 @@ from bench.timing import shuffled_us
 
 def _jacobian_profile(f: Any, kind: str) -> Any:
     """f's profile of jacobian for a problem of ``kind`` ("inputs", "params")."""
-    for prof in _profile._PROFILES._data.get(f, {}).values():
+    for prof in _profile._PROFILES.get(f, {}).values():
         if isinstance(prof.facts, JacobianEntry) and prof.facts.problem.kind == kind:
             return prof
     raise LookupError(kind)

@@ -1,6 +1,6 @@
 """``jm.clear_cache()`` empties every cache of the package (see the note [The registry of caches] in ``_cache.py``).
 
-* every module-level dict, set, list, weak table, ``WeakCache`` and ``lru_cache`` of every module is
+* every module-level dict, set, list, weak table, ``Kind`` and ``lru_cache`` of every module is
   either registered (``_cache.register``) or named in ``_cache.NOT_CACHES``, so a new cache cannot be
   missed;
 * after calls of every kind of entry point fill them, ``clear_cache`` leaves every registered cache
@@ -35,7 +35,7 @@ from jacmode import _cache, _capture, _profile
 
 DT = torch.float64
 _TABLES = (dict, set, list, collections.deque, weakref.WeakKeyDictionary, weakref.WeakValueDictionary,
-           weakref.WeakSet, _cache.WeakCache)
+           weakref.WeakSet, _cache.Kind, _cache.Field)
 
 
 def _modules() -> list[Any]:
@@ -66,7 +66,7 @@ def _resolve(qualified: str) -> Any:
 
 
 def _size(obj: Any) -> int:
-    if isinstance(obj, _cache.WeakCache):
+    if isinstance(obj, (_cache.Kind, _cache.Field)):
         return sum(1 for _ in obj.items())
     if hasattr(obj, "cache_info"):
         return int(obj.cache_info().currsize)

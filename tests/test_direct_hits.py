@@ -69,7 +69,7 @@ OPS: dict[str, Callable[[Any, Tensor], Any]] = {
 
 def _ready(f: Any) -> bool:
     """Some profile of f holds generated code ready for a direct hit."""
-    return any(isinstance(r, ReadyRun) for p in _profile._PROFILES._data.get(f, {}).values() for r in p.runs.values())
+    return any(isinstance(r, ReadyRun) for p in _profile._PROFILES.get(f, {}).values() for r in p.runs.values())
 
 
 def _check(name: str, f: Any, x: Tensor, **kw: Any) -> None:

@@ -71,7 +71,7 @@ def test_the_last_layer_writes_the_jacobians_layout() -> None:
     x = torch.randn(2, 784)
     jm.jacobian(f, x, mode="forward")  # the first call caches nothing (_guard.py)
     jm.jacobian(f, x, mode="forward")  # the second makes the profile
-    [prof] = _profile._PROFILES._data.get(f, {}).values()
+    [prof] = _profile._PROFILES.get(f, {}).values()
     problem, decision = prof.facts.problem, prof.facts.decision
     opts = check_options(wrt="inputs", mode="forward", batched=True, structure="auto", chunk_size=None,
                          create_graph=False, flatten=True)

@@ -19,7 +19,7 @@ from conftest import ref_input_jacobian
 
 
 def _facts_profile(f: nn.Module) -> _profile.Profile[JacobianEntry]:
-    [prof] = _profile._PROFILES._data.get(f, {}).values()
+    [prof] = _profile._PROFILES.get(f, {}).values()
     return prof
 
 

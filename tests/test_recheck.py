@@ -202,7 +202,7 @@ def test_a_forgotten_profile_is_not_rechecked() -> None:
     f, x = _model()
     _warm("laplacian", f, x)
     [(token, found)] = _profile._LAST[f].items()
-    [key] = [k for k, p in _profile._PROFILES._data[f].items() if p is found]
+    [key] = [k for k, p in _profile._PROFILES[f].items() if p is found]
     # key[0] is the generation of f's state under which it was kept: forget it in that state's scope
     _guard.scoped_call(f, (x,), {}, lambda: _profile.forget(f, key[1:]))
     assert not found.live and _guard.scoped_call(f, (x,), {}, lambda: _profile.recheck(f, token, x)) is None
@@ -214,7 +214,7 @@ def test_no_check_for_a_plain_function() -> None:
     g = lambda z: f(z)  # noqa: E731 -- a function over a module: its modules are found by reference
     for _ in range(6):
         torch.testing.assert_close(jm.laplacian(g, x), _oracle("laplacian", f, x), rtol=1e-9, atol=1e-10)
-    assert all(p.check in (None, False) for p in _profile._PROFILES._data.get(g, {}).values())
+    assert all(p.check in (None, False) for p in _profile._PROFILES.get(g, {}).values())
 
 
 class Counting(Net):

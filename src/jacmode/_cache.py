@@ -1,4 +1,4 @@
-"""The caches of jacmode: one registry that ``clear_cache`` empties, and the weak per-function cache.
+"""The caches of jacmode: one registry that ``clear_cache`` empties, and the one table per function.
 
 NOTE: [The registry of caches]
 Every table that remembers something found by a call (a fact about a function, a colouring,
@@ -15,11 +15,16 @@ Threads: no lock is held against running calls. A call looks a cache up with one
 stores land in a table nobody reads again. What a running call cannot lose (the tensors bound
 for it, the kernels' guard) is call state, not a cache, and is never cleared.
 
-:class:`WeakCache` maps a function (weakly: entries go when the function does) to a dict keyed by
-the generation of the function's state in the call's scope (``_guard.py``: a fact is found again
-only under a state that passes the guards of the one it was found under) and by what the cached
-fact depends on (see :func:`problem_key`). A call with no generation (a first call, a function
-that cannot be guarded or weakly referenced) neither reads nor writes any cache.
+NOTE: [One table per function]
+What jacmode finds out about a function is kept in one place: :data:`_MEMOS` maps the function
+(weakly: everything goes when the function does) to its :class:`Memo`, whose typed fields hold
+every fact found about it (:class:`Kind`: coupling verdicts, captured programs, coverage,
+footprints, capabilities, autotuned modes, sparsity patterns, ...), its profiles, the profile its
+last repeated call served and its eager calls' transforms. A repeated call looks f up once and
+reads the fields it needs. Every fact is keyed by the generation of f's state in the call's scope
+(``_guard.py``: a fact is found again only under a state that passes the guards of the one it was
+found under) and by what it depends on (see :func:`problem_key`); a call with no generation (a
+first call, a function that cannot be guarded or weakly referenced) neither reads nor writes one.
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ _CLEARING = threading.Lock()  # one clear_cache at a time (two would only repeat
 def register(obj: T, name: str) -> T:
     """Make ``obj`` one of the caches that :func:`clear_cache` empties; returns ``obj``.
 
-    ``obj``: a dict, set, list, ``weakref`` table, :class:`WeakCache` (which registers itself) or a
-    ``functools.lru_cache`` function. Call it where the cache is defined.
+    ``obj``: a dict, set, list, ``weakref`` table, :class:`Kind` or :class:`Field` (which register
+    themselves) or a ``functools.lru_cache`` function. Call it where the cache is defined.
 
     Args:
         obj: the cache.
@@ -101,6 +106,7 @@ NOT_CACHES: dict[str, str] = {
     "jacmode._cache._REGISTERED": "the registry of caches itself",
     "jacmode._cache.NOT_CACHES": "this list",
     "jacmode.__main__._MOVED": _CONSTANT,
+    "jacmode._functional._PRODUCTS": _CONSTANT + " (the products that take the functional style)",
     "jacmode._args.params._ROWS_OF": _IN_FLIGHT + " (the call a module of sample rows reads, rows_bound)",
     "jacmode._state._BOUND": _IN_FLIGHT + " (the tensors bound into a model for the call, bind)",
     "jacmode._state._KERNELS": _IN_FLIGHT + " (how many calls hold the attention kernels' guard, the flags to restore)",
@@ -163,13 +169,139 @@ NOT_CACHES: dict[str, str] = {
 
 
 
+class Memo:
+    """Everything jacmode keeps about one function, in the one table :data:`_MEMOS` (see the note
+    [One table per function]): typed fields, each a dict.
+
+    Attributes:
+        facts: ``(kind, generation, *key) -> value`` for every :class:`Kind` of fact.
+        profiles: a profile's key (its generation first) -> the ``_profile.Profile``.
+        last: an entry point's token -> the profile its last repeated call served straight away.
+        eager: an eager call's options, frozen -> its ``_transform.Transformed``.
+        rows: a call form -> the module of sample rows made of f for it (``_args/params.py``).
+        warned: the warnings given about f (:func:`warn_once`).
+        declined: the inputs for which ``structure="auto"`` found no sparsity worth using
+            (``_sparse/api.py``).
+    """
+
+    __slots__ = ("facts", "profiles", "last", "eager", "rows", "warned", "declined")
+
+    def __init__(self) -> None:
+        self.facts: dict[tuple, Any] = {}
+        self.profiles: dict[tuple, Any] = {}
+        self.last: dict[int, Any] = {}
+        self.eager: dict[Any, Any] = {}
+        self.rows: dict[tuple, Any] = {}
+        self.warned: set[str] = set()
+        self.declined: set[tuple] = set()
+
+
+# function (weakly) -> its Memo: the one table of what jacmode keeps per function
+_MEMOS: "weakref.WeakKeyDictionary[Any, Memo]" = register(weakref.WeakKeyDictionary(), "what is kept per function")
+
+
+def peek(f: Any) -> Optional[Memo]:
+    """f's :class:`Memo`, or None (none yet, or f cannot be weakly referenced): one look-up."""
+    try:
+        return _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined,no-any-return]
+    except TypeError:
+        return None
+
+
+def memo(f: Any) -> Optional[Memo]:
+    """f's :class:`Memo`, made on first use; None where f cannot be weakly referenced."""
+    found = peek(f)
+    if found is None:
+        try:
+            found = _MEMOS.setdefault(f, Memo())
+        except TypeError:
+            return None
+    return found
+
+
+def _memos() -> Iterator[tuple[Any, Memo]]:
+    """(function, Memo) of every live function: a snapshot taken by single C calls (a clear_cache
+    or a store in another thread cannot change the table under it)."""
+    for ref, m in list(_MEMOS.data.items()):  # type: ignore[attr-defined]
+        f = ref()
+        if f is not None:
+            yield f, m
+
+
+class Field:
+    """One field of every :class:`Memo` (``profiles``, ``last``, ``eager``, ...) seen as a table of its
+    own: registered under its name (its entries are cleared with the Memo table's), sized and
+    listed for tests and tools (a set's elements as keys, with the value True)."""
+
+    def __init__(self, attr: str, name: str) -> None:
+        self.attr, self.name = attr, name
+        register(self, name)
+
+    def get(self, f: Any, default: Any = None) -> Any:
+        """f's dict in this field, or ``default`` where f has no Memo."""
+        m = peek(f)
+        return default if m is None else getattr(m, self.attr)
+
+    def __getitem__(self, f: Any) -> dict[Any, Any]:
+        m = peek(f)
+        if m is None:
+            raise KeyError(f)
+        return getattr(m, self.attr)  # type: ignore[no-any-return]
+
+    def items(self) -> Iterator[tuple[Any, Any, Any]]:
+        for f, m in _memos():
+            table = getattr(m, self.attr)
+            for key, value in list(table.items()) if isinstance(table, dict) else [(k, True) for k in list(table)]:
+                yield f, key, value
+
+    def clear(self) -> None:
+        for _, m in _memos():
+            getattr(m, self.attr).clear()
+
+
+class Kind:
+    """One kind of fact kept per function, in its :class:`Memo`'s ``facts``: ``get``/``put`` by the
+    function and a key, under the generation of the function's state in the call's scope (None:
+    nothing is read or kept). Registered under its name (its entries are cleared with the Memo
+    table's), sized and listed for tests and tools."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        register(self, name)
+
+    def get(self, ident: Any, key: tuple) -> Optional[Any]:
+        ident, key = _resolved(ident, key)
+        if key[0] is None:  # no generation in scope: nothing may be reused
+            return None
+        m = peek(ident)
+        return None if m is None else m.facts.get((self, *key))
+
+    def put(self, ident: Any, key: tuple, value: Any) -> None:
+        ident, key = _resolved(ident, key)
+        if key[0] is None:
+            return
+        m = memo(ident)
+        if m is not None:
+            m.facts[(self, *key)] = value
+
+    def items(self) -> Iterator[tuple[Any, tuple, Any]]:
+        for ident, m in _memos():
+            for key, value in list(m.facts.items()):
+                if key[0] is self:
+                    yield ident, key[1:], value
+
+    def clear(self) -> None:
+        for _, m in _memos():
+            for key in [k for k in list(m.facts) if k[0] is self]:
+                m.facts.pop(key, None)
+
+
 register(_guard._SEEN, "guards: each function's calls")
 register(_guard._STATES, "guards: the states of each kind of function")
 register(_guard._OWNERS, "guards: wrappers jacmode made of a function")
 
-# function (weakly) -> the messages already given for it (see warn_once)
-_WARNED: "weakref.WeakKeyDictionary[Any, set[str]]" = register(weakref.WeakKeyDictionary(),
-                                                               "warnings given, per function")
+# function -> the messages already given for it (see warn_once): Memo.warned
+_WARNED = Field("warned", "warnings given, per function")
 
 
 def warn_once(f: Any, message: str) -> None:
@@ -199,13 +331,8 @@ def warn_once(f: Any, message: str) -> None:
         1
         >>> _cache.clear_cache()
     """
-    owner = _owner(f)
-    try:
-        given = _WARNED.get(owner)
-        if given is None:
-            given = _WARNED.setdefault(owner, set())
-    except TypeError:  # not weakly referenceable: warned every time (see the note)
-        given = None
+    kept = memo(_owner(f))
+    given = None if kept is None else kept.warned  # (None: not weakly referenceable, warned every time)
     if given is not None:
         if message in given:
             return
@@ -240,45 +367,6 @@ class Keyed:
 
     def subkey(self) -> tuple:
         raise NotImplementedError
-
-
-class WeakCache:
-    """function (weakly) -> {key: value}."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self._data: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = weakref.WeakKeyDictionary()
-        register(self, name)
-
-    def get(self, ident: Any, key: tuple) -> Optional[Any]:
-        ident, key = _resolved(ident, key)
-        if key[0] is None:  # no generation in scope: nothing may be reused
-            return None
-        try:
-            return self._data.get(ident, {}).get(key)
-        except TypeError:  # not weak-referenceable
-            return None
-
-    def put(self, ident: Any, key: tuple, value: Any) -> None:
-        ident, key = _resolved(ident, key)
-        if key[0] is None:
-            return
-        try:
-            self._data.setdefault(ident, {})[key] = value
-        except TypeError:
-            pass
-
-    def items(self) -> Iterator[tuple[Any, tuple, Any]]:
-        # a snapshot taken by single C calls: a clear_cache or put in another thread cannot change
-        # the table under it (WeakKeyDictionary.items would raise "changed size during iteration")
-        for ref, entries in list(self._data.data.items()):  # type: ignore[attr-defined]
-            ident = ref()
-            if ident is not None:
-                for key, value in list(entries.items()):
-                    yield ident, key, value
-
-    def clear(self) -> None:
-        self._data.clear()
 
 
 def _resolved(ident: Any, key: tuple) -> tuple[Any, tuple]:
@@ -356,7 +444,9 @@ def clear_cache() -> None:
         0
     """
     with _CLEARING:
-        for _, cache in list(_REGISTERED):  # a copy: a module imported meanwhile may register
+        # a copy (a module imported meanwhile may register); the table of Memos last, so that the
+        # kinds and fields see every Memo as they empty it (the profiles' field marks each one dropped)
+        for _, cache in sorted(_REGISTERED, key=lambda entry: entry[1] is _MEMOS):
             _empty(cache)
 
 

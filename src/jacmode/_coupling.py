@@ -53,7 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from ._args import Flat, batched_riders, take, with_riders
-from ._cache import WeakCache, _flags, register, rng_kept
+from ._cache import Kind, _flags, register, rng_kept
 from ._errors import CoupledBatchError
 from ._state import RngReplay, used_modules
 from ._transforms import in_transform, outside, plain, samples_first
@@ -61,7 +61,7 @@ from ._transforms import in_transform, outside, plain, samples_first
 SAMPLES = 8  # samples the probe runs f on
 _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}  # relative to the largest output; else 1e-2
 # function -> {(per-sample shape, dtype, device, training flags, inference mode): (output shape, verdict)}
-_CACHE = WeakCache("coupling")
+_CACHE = Kind("coupling")
 Verdict = Union[bool, None, str]  # True independent, None not checked, str: coupled, and why
 WAYS_OUT = (
     "Ways out: call model.eval() if training-mode statistics are not what you want to "

@@ -16,7 +16,7 @@ from torch import Tensor
 from . import _guard
 from . import _args, _checks, _operators
 from ._args import Argnums, InDims
-from ._cache import WeakCache, register
+from ._cache import Kind, register
 from ._checks import Options
 from ._autodiff import traceable as _traceable  # inside a user's torch.compile (see its note)
 from . import _operands, _profile
@@ -143,7 +143,7 @@ def _derivative(f: Fn, t: Tensor, order: int, structure: Any, chunk_size: Any, c
     return _partial(f, t, (0,) * order, opts)
 
 
-_COLUMN = WeakCache("scalar inputs as a column")
+_COLUMN = Kind("scalar inputs as a column")
 
 
 def _needs_column(f: Fn, t: Tensor) -> bool:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import functools
 import math
 import threading
-import weakref
 from typing import Any, Callable, Optional, Sequence, TypeVar, Union, cast
 
 import torch
@@ -51,7 +50,7 @@ from torch.utils._pytree import tree_flatten
 from . import _checks, _guard, _losses
 from ._args import Call, Leaf, _in_dim, check_argnums, check_in_dims, describe_call, parameter_names
 from ._args.params import LOOP, FunctionRows, arguments, batched_leaves, merge_pair, rows_bound, shared_rows
-from ._cache import register, rng_kept
+from ._cache import Kind, rng_kept
 from ._state import bind, bound_values, preserved_state, used_modules
 from ._threads import clone_tree, transient_hooks
 from ._transforms import in_transform, outside, plain
@@ -428,21 +427,19 @@ def _disguised(f: Any, call: Call) -> Optional[tuple[nn.Module, Tensor, dict[str
 # samples, ``LOOP``). A fn that runs under neither reading is refused with both errors, instead of
 # torch's error of the batched call.
 
-# fn (weakly) -> {structure of the call: its spelling (None: batched, vmap's in_dims, or LOOP)}
-_SPELLINGS: "weakref.WeakKeyDictionary[Any, dict[tuple, Any]]" = register(weakref.WeakKeyDictionary(),
-                                                                       "how functions take the batch")
+# fn -> {structure of the call: its spelling, (None,) batched, (vmap's in_dims,), or (LOOP,)}
+_SPELLINGS = Kind("how functions take the batch")
 
 
 def _spelling(f: Any, call: Call) -> Any:
-    """How ``f`` takes the batch (see the note): None (batched), vmap's in_dims, or LOOP; cached per structure."""
-    key = (_guard.current(f), *_structure(call))
-    try:
-        table = _SPELLINGS.setdefault(f, {}) if key[0] is not None else {}  # kept under a generation only
-    except TypeError:  # not weakly referenceable: read every call
-        table = {}
-    if key not in table:
-        table[key] = _read_spelling(f, call)
-    return table[key]
+    """How ``f`` takes the batch (see the note): None (batched), vmap's in_dims, or LOOP; kept per
+    structure under the generation of f's state (else read every call)."""
+    key = _structure(call)
+    known = _SPELLINGS.get(f, key)
+    if known is None:
+        known = (_read_spelling(f, call),)
+        _SPELLINGS.put(f, key, known)
+    return known[0]
 
 
 def _read_spelling(f: Any, call: Call) -> Any:

@@ -11,7 +11,7 @@ instead: it traces ``f(*args, **kwargs)`` at the bytecode level, and its guard m
 check per value the trace read (C++, a few microseconds per call). This module traces f once per
 state with a backend that runs nothing (:func:`_made`), keeps Dynamo's guard manager, and names
 each state that passes it a *generation*, a small integer. Every cache of jacmode keys its entries
-by the generation of the call in scope (``_cache.WeakCache``, ``_profile``), so a fact found under
+by the generation of the call in scope (``_cache.Kind``, ``_profile``), so a fact found under
 one state can only be found again under a state that passes the same guards.
 
 Dynamo guards tensors by their metadata (shape, dtype, device, strides, ``requires_grad``), not
@@ -112,7 +112,7 @@ def _stack() -> list[tuple[Any, Optional[int]]]:
 
 
 # wrapper (weakly) -> its owner, weakly too: a wrapper is kept in a cache under its owner
-# (_args.params._HANDLES), so a strong owner here would keep both alive
+# (a module of sample rows in its owner's Memo), so a strong owner here would keep both alive
 _OWNERS: "weakref.WeakKeyDictionary[Any, weakref.ref[Any]]" = weakref.WeakKeyDictionary()
 
 

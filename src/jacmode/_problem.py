@@ -21,7 +21,7 @@ from torch.func import functional_call
 from ._threads import clone_tree
 from . import _checks
 from ._args import Flat, inputs, rows_of
-from ._cache import WeakCache, problem_key
+from ._cache import Kind, problem_key
 from ._checks import Options
 from ._coupling import WAYS_OUT, probe
 from ._capture import capture as _capture
@@ -396,4 +396,4 @@ def _probe_coverage(model: nn.Module, x: Tensor, selected: Sequence[tuple[str, T
     return found
 
 
-_COVERAGE = WeakCache("probe coverage")
+_COVERAGE = Kind("probe coverage")

@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Optional, TypeVar
 
@@ -47,7 +46,7 @@ from torch.nn.modules import module as _module
 from torch.nn.modules.dropout import _DropoutNd
 
 from . import _state
-from ._cache import WeakCache, _resolved, register
+from ._cache import Field, _resolved, memo, peek
 from ._guard import current
 from ._state import Survey, modules_of
 from ._transforms import _PEEK, in_transform
@@ -56,20 +55,19 @@ from ._capture.bound import Source
 PER_FUNCTION = 16
 
 
-class _Table(WeakCache):
-    """The profiles' cache: a profile it drops (``clear_cache``) is no longer :attr:`Profile.live`."""
+class _Profiles(Field):
+    """The profiles (each function's ``Memo.profiles``): one dropped by ``clear_cache`` is no longer
+    :attr:`Profile.live`."""
 
     def clear(self) -> None:
         with _LOCK:
-            for entries in list(self._data.values()):
-                for p in entries.values():
-                    if isinstance(p, Profile):
-                        p.live = False
+            for _, _, p in list(self.items()):
+                _dead(p)
             _LAST.clear()
             super().clear()
 
 
-_PROFILES = _Table("profiles")
+_PROFILES = _Profiles("profiles", "profiles")
 _LOCK = threading.Lock()  # keep / forget from several threads (a look-up needs none)
 
 
@@ -293,11 +291,8 @@ def find(f: Any, k: tuple[Any, ...]) -> Optional[Profile]:
     f, k = _resolved(f, k)
     if k[0] is None:  # no generation: nothing is reused (_guard.py)
         return None
-    try:
-        entries = _PROFILES._data.data.get(weakref.ref(f))  # type: ignore[attr-defined]
-    except TypeError:  # not weak-referenceable: never profiled
-        return None
-    hit = None if entries is None else entries.get(k)
+    m = peek(f)  # (None: never profiled, or not weak-referenceable)
+    hit = None if m is None else m.profiles.get(k)
     return hit if isinstance(hit, Profile) else None
 
 
@@ -311,10 +306,10 @@ def keep(f: Any, k: tuple[Any, ...], profile: Profile, modules: list[nn.Module])
     params = [p for m in modules for p in m._parameters.values() if p is not None and id(p) not in bound]
     profile.holds = (*(m for m in modules if m is not f), *params)  # never f: it is the weak key
     with _LOCK:
-        try:
-            entries = _PROFILES._data.setdefault(f, {})
-        except TypeError:  # f cannot be weakly referenced: not profiled
+        kept = memo(f)
+        if kept is None:  # f cannot be weakly referenced: not profiled
             return
+        entries = kept.profiles
         if len(entries) >= PER_FUNCTION and k not in entries:
             _dead(entries.pop(next(iter(entries))))
         old = entries.get(k)
@@ -327,10 +322,7 @@ def forget(f: Any, k: tuple[Any, ...]) -> None:
     """Drop the profile of ``f`` for ``k`` (an engine found its facts no longer hold)."""
     f, k = _resolved(f, k)
     with _LOCK:
-        try:
-            _dead(_PROFILES._data.get(f, {}).pop(k, None))
-        except TypeError:
-            pass
+        _dead(_PROFILES.get(f, {}).pop(k, None))
 
 
 def _dead(p: Any) -> None:
@@ -340,17 +332,13 @@ def _dead(p: Any) -> None:
 
 def count(f: Any) -> int:
     """How many profiles ``f`` has (for tests and ``repr``)."""
-    try:
-        return len(_PROFILES._data.get(f, {}))
-    except TypeError:
-        return 0
+    return len(_PROFILES.get(f, {}))
 
 
 # ---- the repeated call: the last hit's key tested in place (see recheck) ----
 
-# f (weakly) -> {token: the profile its last call of that token found and served straight away}
-_LAST: "weakref.WeakKeyDictionary[Any, dict[int, Profile]]" = register(weakref.WeakKeyDictionary(),
-                                                                     "profiles of the last repeated calls")
+# f -> {token: the profile its last call of that token found and served straight away} (Memo.last)
+_LAST = Field("last", "profiles of the last repeated calls")
 
 
 class Lookup:
@@ -408,11 +396,8 @@ def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
     from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not returned. None where
     anything differs: the caller then walks (the key decides).
     """
-    try:
-        last = _LAST.data.get(weakref.ref(f))  # type: ignore[attr-defined]
-    except TypeError:  # not weak-referenceable
-        return None
-    found = None if last is None else last.get(token)
+    m = peek(f)  # (None: not weak-referenceable, or never served)
+    found = None if m is None else m.last.get(token)
     if found is None or not found.live or found.generation != current(f) or found.generation is None:
         return None
     return found if found.check.test(f, *args) else None
@@ -454,10 +439,9 @@ def remember(f: Any, token: int, found: Profile, *args: Any) -> None:
         found.check = _checker(f, args, token, found) or False
     if found.check is False or not found.live:
         return
-    try:
-        _LAST.setdefault(f, {})[token] = found
-    except TypeError:
-        pass
+    kept = memo(f)
+    if kept is not None:
+        kept.last[token] = found
 
 
 def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optional[Check]:
@@ -470,7 +454,7 @@ def _checker(f: Any, args: tuple[Any, ...], token: int, found: Profile) -> Optio
         return None
     modules = modules_of(f)
     key, seen = walked(token, args, {}, modules)
-    entries = _PROFILES._data.get(f)
+    entries = _PROFILES.get(f)
     if entries is None or entries.get(_resolved(f, key)[1]) is not found:  # the key as of now is not found's
         return None
 

@@ -24,14 +24,13 @@ import contextlib
 import dataclasses
 import inspect
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 
 from torch import Tensor
 
 from . import _checks, _guard
-from ._cache import register as register_cache
+from ._cache import Field, memo, peek
 from ._errors import JacmodeWarning, user_stacklevel
 from ._operands import check_dims
 from ._profile import freeze as _freeze, token as _token
@@ -322,8 +321,8 @@ def transform(op: Callable[..., Any], f: Any, *, compile: Union[bool, str] = Fal
     return Transformed(spec, f, options, compile, op=op)
 
 
-_EAGER: "weakref.WeakKeyDictionary[Any, dict[Hashable, Transformed]]" = register_cache(
-    weakref.WeakKeyDictionary(), "eager calls' transforms")
+# f -> {frozen options: the Transformed of its eager calls} (Memo.eager)
+_EAGER = Field("eager", "eager calls' transforms")
 _EAGER_PER_FUNCTION = 32
 
 
@@ -344,10 +343,7 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
         except TypeError:
             frozen = None
     if frozen is not None:
-        try:
-            hit = _EAGER.get(f)
-        except TypeError:
-            hit = None
+        hit = _EAGER.get(f)
         if hit is not None:
             t = hit.get(frozen)
             if t is not None:
@@ -355,10 +351,10 @@ def eager(op: Callable[..., Any], f: Any, options: dict[str, Any]) -> Transforme
     _checks.check_function(f)
     t = Transformed(spec, None, options, False, strong=False, op=op)
     if frozen is not None:
-        try:
-            entries = _EAGER.setdefault(f, {})
-        except TypeError:
+        kept = memo(f)
+        if kept is None:  # f cannot be weakly referenced
             return t
+        entries = kept.eager
         if len(entries) >= _EAGER_PER_FUNCTION:
             entries.pop(next(iter(entries)))
         entries[frozen] = t
@@ -371,10 +367,10 @@ def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...],
     values (all of them, in the entry point's order, as :func:`eager` is given them), or None:
     the repeated call's look-up, without building the options' dict (``types``: the values'
     types, when the caller has them)."""
+    m = peek(f)  # (None: no eager call yet, or f cannot be weakly referenced)
+    if m is None:
+        return None
     try:
-        hit = _EAGER.data.get(weakref.ref(f))  # type: ignore[attr-defined]
-        if hit is None:
-            return None
-        return hit.get((_spec(op).name, values, tuple(map(type, values)) if types is None else types))
-    except TypeError:  # f cannot be weakly referenced, or an unhashable option (a list of names)
+        return m.eager.get((_spec(op).name, values, tuple(map(type, values)) if types is None else types))
+    except TypeError:  # an unhashable option (a list of names)
         return None

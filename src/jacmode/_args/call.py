@@ -6,7 +6,6 @@ See the note [Several arguments] in ``_args/__init__.py``.
 from __future__ import annotations
 
 import math
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -14,14 +13,13 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from .. import _guard
-from .._cache import register
+from .._cache import Kind
 from .flat import Flat, Leaf, Rider, _fmt
 from .._state import preserved_state
 
 
-_OUTPUTS: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[Any, list[tuple[int, ...]]]]]" = register(
-    weakref.WeakKeyDictionary(), "output structures of calls with several arguments")
+# f's output structure per call structure: (TreeSpec, per-sample output leaf shapes)
+_OUTPUTS = Kind("output structures of calls with several arguments")
 
 
 @dataclass
@@ -79,23 +77,20 @@ class Call:
                 tuple(others))
 
     def _out_key(self) -> tuple:
-        return (_guard.current(self.f), self.signature(), tuple(leaf.shape for leaf in self.diff))
+        return (self.signature(), tuple(leaf.shape for leaf in self.diff))
 
     def _remember(self) -> None:
         """Keep the output structure for later calls of the same structure (whose engine may run a
-        captured program only, never f itself)."""
+        captured program only, never f itself), under the generation of f's state (_guard.py)."""
         try:
-            key = self._out_key()
-            if key[0] is not None:  # only under a generation of f's state (_guard.py)
-                _OUTPUTS.setdefault(self.f, {})[key] = (self.out_spec, self.out_shapes)
-        except TypeError:  # f not weakly referenceable, or an unhashable key: not kept
+            _OUTPUTS.put(self.f, self._out_key(), (self.out_spec, self.out_shapes))
+        except TypeError:  # an unhashable key: not kept
             pass
 
     def recall(self) -> None:
         """The output structure of an earlier call of the same structure, if known."""
         try:
-            key = self._out_key()
-            known = None if key[0] is None else _OUTPUTS.get(self.f, {}).get(key)
+            known = _OUTPUTS.get(self.f, self._out_key())
         except TypeError:
             known = None
         if known is not None and self.out_spec is None:

@@ -52,7 +52,7 @@ from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _guard
-from .._cache import register
+from .._cache import Field, memo, register
 from .._threads import original
 from .call import Call, kept
 from .describe import describe_call
@@ -62,9 +62,8 @@ from .flat import Rider
 _ROWS_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Call]" = weakref.WeakKeyDictionary()
 _SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = register(weakref.WeakKeyDictionary(),
                                                               "module classes of sample rows")
-# model or function -> {(output form, call signature, ...): module of rows}
-_HANDLES: "weakref.WeakKeyDictionary[Any, dict[tuple, torch.nn.Module]]" = register(
-    weakref.WeakKeyDictionary(), "modules of sample rows")
+# model or function -> {(output form, call signature, ...): module of rows} (Memo.rows)
+_HANDLES = Field("rows", "modules of sample rows")
 MAX_FORMS = 8  # modules of rows kept per model or function (one called in ever new forms starts over)
 LOOP = "loop"  # a function of one sample without a vmap batching rule: a loop over the samples
 
@@ -251,10 +250,11 @@ def module_of_rows(call: Call, key: tuple, make: Callable[[Call], torch.nn.Modul
     of a training loop; it reads the arguments of the call in progress (:func:`rows_bound`), and one
     in use by a call in progress (an enclosing call, another thread's) is not shared: a new one."""
     key = (call.flat_rows, call.signature(), *key)
+    kept = memo(call.f)
+    forms: Optional[dict[tuple, Any]] = None if kept is None else kept.rows
     try:
-        forms: Optional[dict[tuple, torch.nn.Module]] = _HANDLES.setdefault(call.f, {})
         known = forms.get(key) if forms is not None else None
-    except TypeError:  # f not weakly referenceable, or an unhashable key: a module for this call only
+    except TypeError:  # an unhashable key: a module for this call only
         known, forms = None, None
     stale = known is None or (not call.shared and known.__dict__ is not call.f.__dict__)  # a model's new __dict__
     if known is not None and not stale and known not in _ROWS_OF:

@@ -39,13 +39,13 @@ from torch.func import functional_call, vjp, vmap
 
 from .._threads import clone_tree, jvp  # jvp one thread at a time: see [Threads] in _threads.py
 from .._args import take
-from .._cache import WeakCache, register, rng_kept
+from .._cache import Kind, register, rng_kept
 from .._errors import JacmodeWarning, user_stacklevel
 from .._problem import Problem
 from .._rules.embedding import forward_gap
 from .reverse import recording
 
-_CAPS = WeakCache("capabilities")
+_CAPS = Kind("capabilities")
 _WARNED_OPS: set[str] = register(set(), "operations warned about (no vmap batching rule)")
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _HERE = os.path.dirname(__file__)

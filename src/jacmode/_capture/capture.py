@@ -35,7 +35,7 @@ import torch.fx as fx
 from torch import Tensor, nn
 
 from .._args import Flat, traced_body
-from .._cache import WeakCache
+from .._cache import Kind
 from .._threads import SERIAL, clone_tree
 from .._rules.base import Traced
 from .._state import _filled
@@ -43,7 +43,7 @@ from .._rules.table import META, lookup
 from .bound import Bound, Watch, sources
 from .program import Program, Ref, Step, check, reject  # noqa: F401 -- the engines' view of capture
 
-_PROGRAMS = WeakCache("captured programs")
+_PROGRAMS = Kind("captured programs")
 
 
 class _FnRoot(nn.Module):

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .._cache import WeakCache, rng_kept
+from .._cache import Kind, rng_kept
 from .._checks import Options
 from .._autodiff.forward import forward_columns, layerwise_columns
 from .._autodiff.reverse import per_sample_rows, reverse_rows
@@ -47,7 +47,7 @@ class Tuned:
     how: str
 
 
-_WINNERS = WeakCache("autotune")
+_WINNERS = Kind("autotune")
 
 
 def tuned(f: Any, key: tuple, p: Problem, opts: Options, plan: Plan,

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from .._cache import WeakCache
+from .._cache import Kind
 from .._threads import transient_hooks
 
 
@@ -102,7 +102,7 @@ def _positions(t: Tensor) -> int:
     return t.numel() // max(t.shape[1], 1) if t.dim() >= 3 else t.numel()
 
 
-_CACHE = WeakCache("footprints")
+_CACHE = Kind("footprints")
 
 
 def measure(fn: Callable[[Tensor], Any], x: Tensor, samples: int, hooked: Sequence[nn.Module] = ()) -> Footprint:

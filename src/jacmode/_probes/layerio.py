@@ -22,13 +22,13 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from .._cache import WeakCache, problem_key
+from .._cache import Kind, problem_key
 from .._functional import refreshed, selection_key
 from .._rules.base import has
 from . import layerwise, probes
 
 Named = Sequence[tuple[str, Tensor]]
-_COVERAGE = WeakCache("products coverage")
+_COVERAGE = Kind("products coverage")
 
 
 def usable(model: nn.Module, x: Tensor, named: Named) -> Optional[probes.Coverage]:

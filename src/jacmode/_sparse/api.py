@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .. import _guard
 from .. import _checks
-from .._cache import register
+from .._cache import Field, memo, register
 from .._errors import JacmodeWarning
 from .._planning import memory as _memory
 from .._planning.memory import fmt_bytes
@@ -445,7 +445,8 @@ def plan(f: Fn, x: Tensor, mode: str, chunk_size: Optional[int], max_memory: Opt
                 coloring=c)
 
 
-_DECLINED: "weakref.WeakKeyDictionary[Any, set]" = register(weakref.WeakKeyDictionary(), "sparse auto declined")
+# f -> the inputs for which structure="auto" found no sparsity worth using (Memo.declined)
+_DECLINED = Field("declined", "sparse auto declined")
 
 
 def auto(f: Fn, x: Tensor, opts: Any) -> Optional[Coloring]:
@@ -457,10 +458,8 @@ def auto(f: Fn, x: Tensor, opts: Any) -> Optional[Coloring]:
     if opts.batched or opts.wrt != "inputs" or opts.structure != "auto" or x.numel() < AUTO_MIN_N or in_transform():
         return None
     key = _detect._key(f, x, False)
-    try:
-        if key in _DECLINED.get(f, set()):
-            return None
-    except TypeError:
+    kept = memo(f)
+    if kept is None or key in kept.declined:  # (None: f cannot be weakly referenced)
         return None
     try:
         hit = _detect._PATTERNS.get(f, key)
@@ -477,8 +476,5 @@ def auto(f: Fn, x: Tensor, opts: Any) -> Optional[Coloring]:
             raise LookupError
         return c
     except Exception:  # noqa: BLE001 -- any failure keeps the dense path
-        try:
-            _DECLINED.setdefault(f, set()).add(key)
-        except TypeError:
-            pass
+        kept.declined.add(key)
         return None

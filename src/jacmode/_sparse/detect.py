@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from .._cache import WeakCache, warn_once
+from .._cache import Kind, warn_once
 from .. import _threads
 from .._state import preserved_state
 from . import rules, sets
@@ -46,7 +46,7 @@ from .sets import Index, Rows
 PAIR_CAP = 20_000_000  # Hessian pairs held at once before a pattern counts as dense
 OP_JACOBIAN_CAP = 4_000_000  # entries of an unknown op's own Jacobian read for its pattern
 
-_PATTERNS = WeakCache("sparsity patterns")
+_PATTERNS = Kind("sparsity patterns")
 
 _R_OPS = {"radd": "add", "rsub": "sub", "rmul": "mul", "rtruediv": "rdiv", "rdiv": "rdiv",
           "rpow": "rpow", "rmatmul": "rmatmul"}
