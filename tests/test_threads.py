@@ -165,6 +165,42 @@ finish(net, before)
 """
 
 
+_ROWS = """
+class Two(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.out = nn.Linear(3, 6), nn.Linear(6, 2)
+
+    def forward(self, x, m=None):
+        return self.out(torch.tanh(self.lin(x if m is None else x * m)))
+
+
+net = Two().double()
+x = torch.randn(5, 3, dtype=torch.float64)
+before = {n: (p, p.detach().clone()) for n, p in net.named_parameters()}
+params = {n: p.detach().clone() for n, p in net.named_parameters()}
+w = torch.randn(4, 3, dtype=torch.float64)
+g = lambda w, v: torch.sin(torch.tanh(v @ w.T))
+loss = lambda out: (out ** 2).sum(1)
+cases = []
+for i in range(3):  # other inputs in every case: a thread reading another's call would be seen
+    xi, mi = torch.randn(5, 3, dtype=torch.float64), torch.rand(5, 3, dtype=torch.float64)
+    one = lambda p, xb, mb: functional_call(net, p, (xb[None], mb[None]))[0]
+    jac = vmap(jacrev(one), in_dims=(None, 0, 0))(params, xi, mi)
+    jac = torch.cat([jac[n].reshape(5, 2, -1) for n in params], 2)
+    psg = vmap(torch.func.grad(lambda p, xb, mb: loss(one(p, xb, mb)[None])[0]), in_dims=(None, 0, 0))(params, xi, mi)
+    psg = torch.cat([psg[n].reshape(5, -1) for n in params], 1)
+    fun = vmap(jacrev(lambda w, v: g(w, v[None])[0]), in_dims=(None, 0))(w, xi)
+    cases += [
+        (f"jacobian of two arguments wrt params {i}", lambda xi=xi, mi=mi: jm.jacobian(net, xi, mi, wrt="params"), jac),
+        (f"per_sample_grads of two arguments {i}", lambda xi=xi, mi=mi: jm.per_sample_grads(net, (xi, mi), loss), psg),
+        (f"jacobian of fn(w, x) wrt w {i}", lambda xi=xi: jm.jacobian(g, w, xi, argnums=0, in_dims=(None, 0)), fun),
+    ]
+run(net, x, cases)
+finish(net, before)
+"""
+
+
 # Between two cases of one child: the lists and the stop event of the prelude start empty again.
 _RESET = """
 errors.clear(); mismatches.clear(); plain_errors.clear(); stop.clear()
@@ -208,6 +244,15 @@ def test_taylor_operators_and_plain_backward_in_threads(found: dict[str, dict]) 
     context (``with torch.device``) and some not, traces and generated code made concurrently,
     beside a plain forward/backward: right results, the model untouched."""
     _check(found["taylor"])
+
+
+def test_modules_of_sample_rows_in_threads() -> None:
+    """Calls of several arguments (``jacobian(model, x, m, wrt="params")``, ``per_sample_grads(model,
+    (x, m), ...)``) and of the functional style (``jacobian(fn, w, x, argnums=0, in_dims=(None, 0))``)
+    from four threads at once, each with its own inputs, beside a plain forward/backward: each
+    thread's module of sample rows reads its own call (results of torch.func), the model untouched."""
+    [rows] = _child([_ROWS], rounds=3, calls=30)
+    _check(rows)
 
 
 def test_parameter_jacobians_and_plain_backward_in_threads(found: dict[str, dict]) -> None:

@@ -108,6 +108,7 @@ NOT_CACHES: dict[str, str] = {
     "jacmode.__main__._MOVED": _CONSTANT,
     "jacmode._functional._PRODUCTS": _CONSTANT + " (the products that take the functional style)",
     "jacmode._args.params._ROWS_OF": _IN_FLIGHT + " (the call a module of sample rows reads, rows_bound)",
+    "jacmode._args.params._CLAIMS": _IN_FLIGHT + " (the thread that picked a module of rows, until it binds it)",
     "jacmode._state._BOUND": _IN_FLIGHT + " (the tensors bound into a model for the call, bind)",
     "jacmode._state._KERNELS": _IN_FLIGHT + " (how many calls hold the attention kernels' guard, the flags to restore)",
     "jacmode._state._MKLDNN": _IN_FLIGHT + " (how many calls hold the mkldnn guard, the flag to restore)",

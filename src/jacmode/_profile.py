@@ -37,6 +37,7 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Optional, TypeVar
 
@@ -46,7 +47,7 @@ from torch.nn.modules import module as _module
 from torch.nn.modules.dropout import _DropoutNd
 
 from . import _state
-from ._cache import Field, _resolved, memo, peek
+from ._cache import _MEMOS, Field, _resolved, memo, peek
 from ._guard import current
 from ._state import Survey, modules_of
 from ._transforms import _PEEK, in_transform
@@ -396,7 +397,10 @@ def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
     from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not returned. None where
     anything differs: the caller then walks (the key decides).
     """
-    m = peek(f)  # (None: not weak-referenceable, or never served)
+    try:  # _cache.peek(f), inline: every repeated call reads it
+        m = _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+    except TypeError:  # not weak-referenceable
+        return None
     found = None if m is None else m.last.get(token)
     if found is None or not found.live or found.generation != current(f) or found.generation is None:
         return None

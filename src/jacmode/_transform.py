@@ -24,13 +24,14 @@ import contextlib
 import dataclasses
 import inspect
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 
 from torch import Tensor
 
 from . import _checks, _guard
-from ._cache import Field, memo, peek
+from ._cache import _MEMOS, Field, memo
 from ._errors import JacmodeWarning, user_stacklevel
 from ._operands import check_dims
 from ._profile import freeze as _freeze, token as _token
@@ -367,10 +368,10 @@ def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...],
     values (all of them, in the entry point's order, as :func:`eager` is given them), or None:
     the repeated call's look-up, without building the options' dict (``types``: the values'
     types, when the caller has them)."""
-    m = peek(f)  # (None: no eager call yet, or f cannot be weakly referenced)
-    if m is None:
-        return None
-    try:
+    try:  # _cache.peek(f), inline: every repeated eager call reads it
+        m = _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined]
+        if m is None:  # no eager call yet
+            return None
         return m.eager.get((_spec(op).name, values, tuple(map(type, values)) if types is None else types))
-    except TypeError:  # an unhashable option (a list of names)
+    except TypeError:  # f cannot be weakly referenced, or an unhashable option (a list of names)
         return None

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from typing import Any, Callable, ContextManager, Iterator, Optional, cast
 
@@ -60,6 +61,9 @@ from .flat import Rider
 
 
 _ROWS_OF: "weakref.WeakKeyDictionary[torch.nn.Module, Call]" = weakref.WeakKeyDictionary()
+# module of rows -> the thread that picked it and has not bound it yet (module_of_rows, rows_bound)
+_CLAIMS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.Thread]" = weakref.WeakKeyDictionary()
+_PICKING = threading.Lock()  # picking a module and binding it, for every thread
 _SUBCLASSES: "weakref.WeakKeyDictionary[type, type]" = register(weakref.WeakKeyDictionary(),
                                                               "module classes of sample rows")
 # model or function -> {(output form, call signature, ...): module of rows} (Memo.rows)
@@ -248,24 +252,38 @@ def module_of_rows(call: Call, key: tuple, make: Callable[[Call], torch.nn.Modul
     f, call structure (``Call.signature``), output form (``Call.flat_rows``) and ``key``, so that what
     jacmode caches per module (problem, plan, coupling verdict, probe coverage) serves the next call
     of a training loop; it reads the arguments of the call in progress (:func:`rows_bound`), and one
-    in use by a call in progress (an enclosing call, another thread's) is not shared: a new one."""
+    in use by a call in progress (an enclosing call, another thread's) is not shared: a new one.
+
+    The module returned is the calling thread's until :func:`rows_bound` binds it (a claim, made
+    under one lock with the test that no call reads it): two threads never bind the same module."""
     key = (call.flat_rows, call.signature(), *key)
     kept = memo(call.f)
     forms: Optional[dict[tuple, Any]] = None if kept is None else kept.rows
-    try:
-        known = forms.get(key) if forms is not None else None
-    except TypeError:  # an unhashable key: a module for this call only
-        known, forms = None, None
-    stale = known is None or (not call.shared and known.__dict__ is not call.f.__dict__)  # a model's new __dict__
-    if known is not None and not stale and known not in _ROWS_OF:
-        return known
+    me = threading.current_thread()
+    with _PICKING:
+        try:
+            known = forms.get(key) if forms is not None else None
+        except TypeError:  # an unhashable key: a module for this call only
+            known, forms = None, None
+        stale = known is None or (not call.shared and known.__dict__ is not call.f.__dict__)  # a model's new __dict__
+        if known is not None and not stale and known not in _ROWS_OF and _free(known, me):
+            _CLAIMS[known] = me
+            return known
     h = make(call)
     _guard.derived(h, call.f)
-    if forms is not None and stale:
-        if len(forms) >= MAX_FORMS:
-            forms.clear()
-        forms[key] = h
+    with _PICKING:
+        _CLAIMS[h] = me
+        if forms is not None and stale:
+            if len(forms) >= MAX_FORMS:
+                forms.clear()
+            forms[key] = h
     return h
+
+
+def _free(h: torch.nn.Module, me: threading.Thread) -> bool:
+    """Whether no other thread holds a claim on ``h`` (one whose thread has ended holds none)."""
+    holder = _CLAIMS.get(h)
+    return holder is None or holder is me or not holder.is_alive()
 
 
 def _over_model(call: Call) -> torch.nn.Module:
@@ -289,15 +307,19 @@ def rows_bound(call: Call) -> Iterator[None]:
     """Within: the module of sample rows ``call.fn`` reads this call's arguments (and after it,
     none: a finished call's tensors are not kept alive)."""
     h = call.fn
-    previous = _ROWS_OF.get(h)
-    _ROWS_OF[h] = call
+    with _PICKING:
+        previous = _ROWS_OF.get(h)
+        _ROWS_OF[h] = call
+        if _CLAIMS.get(h) is threading.current_thread():
+            del _CLAIMS[h]
     try:
         yield
     finally:
-        if previous is None:
-            _ROWS_OF.pop(h, None)
-        else:
-            _ROWS_OF[h] = previous
+        with _PICKING:
+            if previous is None:
+                _ROWS_OF.pop(h, None)
+            else:
+                _ROWS_OF[h] = previous
 
 
 def params_layout(call: Call, result: Any, flatten: bool) -> Any:
