@@ -201,6 +201,32 @@ finish(net, before)
 """
 
 
+_BINDS = """
+net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+x = torch.randn(5, 3, dtype=torch.float64)
+before = {n: (p, p.detach().clone()) for n, p in net.named_parameters()}
+own = {n: p.detach().clone() for n, p in net.named_parameters()}
+dicts = [{n: p + 0.3 * (k + 1) for n, p in own.items()} for k in range(2)]  # other values than the model's
+one = lambda p, xb: functional_call(net, p, (xb[None],))[0]
+flat = lambda blocks: torch.cat([blocks[n].reshape(5, 2, -1) for n in own], 2)
+fn = lambda p, v: torch.sin(functional_call(net, p, (v,)))   # torch.func's style: fn swaps p into net
+cases = [
+    ("jacobian wrt params", lambda: jm.jacobian(net, x, wrt="params"), flat(vmap(jacrev(one), in_dims=(None, 0))(own, x))),
+    ("jacobian wrt inputs", lambda: jm.jacobian(net, x), vmap(jacrev(lambda xb: one(own, xb)))(x)),
+    ("laplacian of a lambda", lambda: jm.laplacian(lambda z: net(z), x),
+     vmap(hessian(lambda xb: one(own, xb)))(x).diagonal(dim1=-2, dim2=-1).sum(-1)),
+]
+for k, d in enumerate(dicts):
+    cases.append((f"jacobian at a dict {k}", lambda d=d: jm.jacobian(net, x, wrt=d),
+                  flat(vmap(jacrev(one), in_dims=(None, 0))(d, x))))
+    cases.append((f"functional style {k}", lambda d=d: flat(jm.jacobian(fn, d, x, argnums=0, in_dims=(None, 0))),
+                  flat(vmap(jacrev(lambda p, xb: fn(p, xb[None])[0]), in_dims=(None, 0))(d, x))))
+side = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))  # the plain training step: another model
+run(side, torch.randn(5, 3), cases)
+finish(net, before)
+"""
+
+
 # Between two cases of one child: the lists and the stop event of the prelude start empty again.
 _RESET = """
 errors.clear(); mismatches.clear(); plain_errors.clear(); stop.clear()
@@ -253,6 +279,16 @@ def test_modules_of_sample_rows_in_threads() -> None:
     thread's module of sample rows reads its own call (results of torch.func), the model untouched."""
     [rows] = _child([_ROWS], rounds=3, calls=30)
     _check(rows)
+
+
+def test_calls_beside_dicts_bound_into_the_model() -> None:
+    """jacobian at a dict of tensors (``wrt=params``) and in torch.func's functional style (fn calls
+    ``functional_call(net, p, x)``), which put other tensors into the model's slots while they run,
+    from four threads at once with calls on the model's own parameters and inputs: each result is
+    the one it would be alone (a call that another thread's bind disturbed runs again), and the model
+    is left with its own parameters."""
+    [binds] = _child([_BINDS], rounds=3, calls=30)
+    _check(binds)
 
 
 def test_parameter_jacobians_and_plain_backward_in_threads(found: dict[str, dict]) -> None:

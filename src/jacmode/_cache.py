@@ -16,8 +16,8 @@ stores land in a table nobody reads again. What a running call cannot lose (the 
 for it, the kernels' guard) is call state, not a cache, and is never cleared.
 
 NOTE: [One table per function]
-What jacmode finds out about a function is kept in one place: :data:`_MEMOS` maps the function
-(weakly: everything goes when the function does) to its :class:`Memo`, whose typed fields hold
+What jacmode finds out about a function is kept in one place: ``_guard._MEMOS`` maps the function
+(weakly: everything goes when the function does) to its ``Memo``, whose typed fields hold
 every fact found about it (:class:`Kind`: coupling verdicts, captured programs, coverage,
 footprints, capabilities, autotuned modes, sparsity patterns, ...), its profiles, the profile its
 last repeated call served and its eager calls' transforms. A repeated call looks f up once and
@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from typing import Any, ContextManager, Iterator, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from . import _guard
-from ._guard import current
+from ._guard import _MEMOS, _memos, current, memo, peek
+from ._state import Keyed
 
 T = TypeVar("T")
 
@@ -114,6 +114,10 @@ NOT_CACHES: dict[str, str] = {
     "jacmode._state._MKLDNN": _IN_FLIGHT + " (how many calls hold the mkldnn guard, the flag to restore)",
     "jacmode._state._SDP_FLAGS": "torch's scaled-dot-product flags (getters and setters), read at import",
     "jacmode._threads._PLACED": _IN_FLIGHT + " (how many calls have hooks of their own on the user's modules)",
+    "jacmode._threads._BEGUN": "the number of binds of dicts into models begun, ever: calls compare it with their stamp",
+    "jacmode._threads._BINDS": _IN_FLIGHT + " (the binds of dicts into models in flight)",
+    "jacmode._threads._RECENT": "the last binds of dicts into models, by number: a call in flight reads those since "
+                                "its stamp (clearing it would hide them; it holds ids, no object)",
     "jacmode._planning.engines.BY_MODE": _CONSTANT,
     "jacmode._planning.engines.WHAT": _CONSTANT,
     "jacmode._planning.footprint.flop_registry": "torch's table of flop formulas (imported)",
@@ -170,67 +174,8 @@ NOT_CACHES: dict[str, str] = {
 
 
 
-class Memo:
-    """Everything jacmode keeps about one function, in the one table :data:`_MEMOS` (see the note
-    [One table per function]): typed fields, each a dict.
-
-    Attributes:
-        facts: ``(kind, generation, *key) -> value`` for every :class:`Kind` of fact.
-        profiles: a profile's key (its generation first) -> the ``_profile.Profile``.
-        last: an entry point's token -> the profile its last repeated call served straight away.
-        eager: an eager call's options, frozen -> its ``_transform.Transformed``.
-        rows: a call form -> the module of sample rows made of f for it (``_args/params.py``).
-        warned: the warnings given about f (:func:`warn_once`).
-        declined: the inputs for which ``structure="auto"`` found no sparsity worth using
-            (``_sparse/api.py``).
-    """
-
-    __slots__ = ("facts", "profiles", "last", "eager", "rows", "warned", "declined")
-
-    def __init__(self) -> None:
-        self.facts: dict[tuple, Any] = {}
-        self.profiles: dict[tuple, Any] = {}
-        self.last: dict[int, Any] = {}
-        self.eager: dict[Any, Any] = {}
-        self.rows: dict[tuple, Any] = {}
-        self.warned: set[str] = set()
-        self.declined: set[tuple] = set()
-
-
-# function (weakly) -> its Memo: the one table of what jacmode keeps per function
-_MEMOS: "weakref.WeakKeyDictionary[Any, Memo]" = register(weakref.WeakKeyDictionary(), "what is kept per function")
-
-
-def peek(f: Any) -> Optional[Memo]:
-    """f's :class:`Memo`, or None (none yet, or f cannot be weakly referenced): one look-up."""
-    try:
-        return _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined,no-any-return]
-    except TypeError:
-        return None
-
-
-def memo(f: Any) -> Optional[Memo]:
-    """f's :class:`Memo`, made on first use; None where f cannot be weakly referenced."""
-    found = peek(f)
-    if found is None:
-        try:
-            found = _MEMOS.setdefault(f, Memo())
-        except TypeError:
-            return None
-    return found
-
-
-def _memos() -> Iterator[tuple[Any, Memo]]:
-    """(function, Memo) of every live function: a snapshot taken by single C calls (a clear_cache
-    or a store in another thread cannot change the table under it)."""
-    for ref, m in list(_MEMOS.data.items()):  # type: ignore[attr-defined]
-        f = ref()
-        if f is not None:
-            yield f, m
-
-
 class Field:
-    """One field of every :class:`Memo` (``profiles``, ``last``, ``eager``, ...) seen as a table of its
+    """One field of every ``_guard.Memo`` (``profiles``, ``last``, ``eager``, ...) seen as a table of its
     own: registered under its name (its entries are cleared with the Memo table's), sized and
     listed for tests and tools (a set's elements as keys, with the value True)."""
 
@@ -261,7 +206,7 @@ class Field:
 
 
 class Kind:
-    """One kind of fact kept per function, in its :class:`Memo`'s ``facts``: ``get``/``put`` by the
+    """One kind of fact kept per function, in its ``_guard.Memo``'s ``facts``: ``get``/``put`` by the
     function and a key, under the generation of the function's state in the call's scope (None:
     nothing is read or kept). Registered under its name (its entries are cleared with the Memo
     table's), sized and listed for tests and tools."""
@@ -297,6 +242,7 @@ class Kind:
                 m.facts.pop(key, None)
 
 
+register(_MEMOS, "what is kept per function")
 register(_guard._SEEN, "guards: each function's calls")
 register(_guard._STATES, "guards: the states of each kind of function")
 register(_guard._OWNERS, "guards: wrappers jacmode made of a function")
@@ -357,17 +303,6 @@ def _owner(f: Any) -> Any:
             return f
         f = owner
     return f
-
-
-class Keyed:
-    """A function jacmode makes per call that computes what a user's function ``f`` computes (the
-    flat function of a call of several arguments, ``_args.Flat``): the caches keep its entries
-    under ``f``, with :meth:`subkey` (the call's structure) added to their keys."""
-
-    f: Any
-
-    def subkey(self) -> tuple:
-        raise NotImplementedError
 
 
 def _resolved(ident: Any, key: tuple) -> tuple[Any, tuple]:

@@ -52,7 +52,7 @@ from ._args import Call, Leaf, _in_dim, check_argnums, check_in_dims, describe_c
 from ._args.params import LOOP, FunctionRows, arguments, batched_leaves, merge_pair, rows_bound, shared_rows
 from ._cache import Kind, rng_kept
 from ._state import bind, bound_values, preserved_state, used_modules
-from ._threads import clone_tree, transient_hooks
+from ._threads import clone_tree, touching, transient_hooks
 from ._transforms import in_transform, outside, plain
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -246,7 +246,10 @@ def _run(entry: Callable[..., Any], f: Any, fargs: tuple[Any, ...], rest: tuple[
         with rows_bound(call):
             return run(call.fn, call.x, {slot: call.leaves[j] for slot, j in slots.items()}), slots
 
-    res, slots = _guard.scoped_call(f, fargs, {}, scoped)
+    # fn may swap the shared tensors into the modules it refers to (functional_call): as a bind of
+    # them, so that other threads' calls that read those modules meanwhile run again
+    with touching([m for m in used_modules(f) if not isinstance(m, FunctionRows)]):
+        res, slots = _guard.scoped_call(f, fargs, {}, scoped)
     return res, call, slots
 
 

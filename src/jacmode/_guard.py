@@ -51,6 +51,14 @@ thread has hooks of its own on the user's modules (``_threads.transient_hooks``)
 makes is checked against f itself before it is kept. Routing on "inside torch.compile" uses
 ``torch.compiler.is_dynamo_compiling()``, true only in the frames TorchDynamo traces: the
 process-wide ``is_compiling()`` flag is also true in every other thread while any trace runs.
+A dict of tensors that another thread binds into a model f reads (``wrt=params``, the functional
+style) changes what f computes for the bind's duration: a scope it disturbs has no generation from
+then on (nothing found is kept) and its call runs again once no bind is in flight (the note [Binds
+and the calls they disturb] in ``_threads.py``).
+
+What is kept per function lives in one table here, :data:`_MEMOS` (function -> :class:`Memo`), so
+that the generation and the facts keyed by it are read from one place (the note [One table per
+function] in ``_cache.py``).
 """
 
 from __future__ import annotations
@@ -60,12 +68,13 @@ import itertools
 import linecache
 import threading
 import weakref
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import torch
 from torch import Tensor
 
-from ._threads import SERIAL, clone_tree, hooks_in_flight
+from ._state import modules_of
+from ._threads import BINDING, SERIAL, Stamp, bind_stamp, clone_tree, disturbed, hooks_in_flight
 
 MAX_STATES = 16  # guards made per function before its calls stop reusing anything
 
@@ -103,7 +112,34 @@ def _kind(f: Any) -> Any:
     return type(f) if code is None else code
 
 
-def _stack() -> list[tuple[Any, Optional[int]]]:
+class _Scope:
+    """One entry point's scope for ``f`` (see the note): the generation of f's state, and the binds
+    of dicts into models (``_threads.bind_stamp``) when it began."""
+
+    __slots__ = ("f", "generation", "stamp", "hit", "used")
+
+    def __init__(self, f: Any, generation: Optional[int], stamp: Stamp) -> None:
+        self.f, self.generation, self.stamp = f, generation, stamp
+        self.hit = False
+        self.used: Optional[set[int]] = None
+
+    def disturbed(self) -> bool:
+        """Whether another thread bound a dict into a model f reads since the scope began (then
+        nothing the call finds is kept, and it runs again: see :func:`scoped_call`)."""
+        if self.hit:
+            return True
+        if not disturbed(self.stamp, self._used):
+            return False
+        self.hit = True
+        return True
+
+    def _used(self) -> set[int]:
+        if self.used is None:
+            self.used = {id(m) for m in modules_of(self.f)}
+        return self.used
+
+
+def _stack() -> list[_Scope]:
     try:
         return _local.stack  # type: ignore[no-any-return]
     except AttributeError:
@@ -135,15 +171,76 @@ def _owner(obj: Any) -> Any:
     return None if ref is None else ref()
 
 
+class Memo:
+    """Everything jacmode keeps about one function, in the one table :data:`_MEMOS` (the note [One
+    table per function] in ``_cache.py``): typed fields, each a dict or a set.
+
+    Attributes:
+        facts: ``(kind, generation, *key) -> value`` for every :class:`Kind` of fact.
+        profiles: a profile's key (its generation first) -> the ``_profile.Profile``.
+        last: an entry point's token -> the profile its last repeated call served straight away.
+        eager: an eager call's options, frozen -> its ``_transform.Transformed``.
+        rows: a call form -> the module of sample rows made of f for it (``_args/params.py``).
+        warned: the warnings given about f (:func:`warn_once`).
+        declined: the inputs for which ``structure="auto"`` found no sparsity worth using
+            (``_sparse/api.py``).
+    """
+
+    __slots__ = ("facts", "profiles", "last", "eager", "rows", "warned", "declined")
+
+    def __init__(self) -> None:
+        self.facts: dict[tuple, Any] = {}
+        self.profiles: dict[tuple, Any] = {}
+        self.last: dict[int, Any] = {}
+        self.eager: dict[Any, Any] = {}
+        self.rows: dict[tuple, Any] = {}
+        self.warned: set[str] = set()
+        self.declined: set[tuple] = set()
+
+
+# function (weakly) -> its Memo: the one table of what jacmode keeps per function (registered with
+# the caches by _cache.py)
+_MEMOS: "weakref.WeakKeyDictionary[Any, Memo]" = weakref.WeakKeyDictionary()
+
+
+def peek(f: Any) -> Optional[Memo]:
+    """f's :class:`Memo`, or None (none yet, or f cannot be weakly referenced): one look-up."""
+    try:
+        return _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined,no-any-return]
+    except TypeError:
+        return None
+
+
+def memo(f: Any) -> Optional[Memo]:
+    """f's :class:`Memo`, made on first use; None where f cannot be weakly referenced."""
+    found = peek(f)
+    if found is None:
+        try:
+            found = _MEMOS.setdefault(f, Memo())
+        except TypeError:
+            return None
+    return found
+
+
+def _memos() -> Iterator[tuple[Any, Memo]]:
+    """(function, Memo) of every live function: a snapshot taken by single C calls (a clear_cache
+    or a store in another thread cannot change the table under it)."""
+    for ref, m in list(_MEMOS.data.items()):  # type: ignore[attr-defined]
+        f = ref()
+        if f is not None:
+            yield f, m
+
+
 def current(ident: Any) -> Optional[int]:
-    """The generation of ``ident`` in the calling thread's scope, or None (nothing may be reused)."""
+    """The generation of ``ident`` in the calling thread's scope, or None (nothing may be reused;
+    also once another thread's bind disturbed the scope, so that nothing found then is kept)."""
     try:
         stack = _local.stack
     except AttributeError:
         return None
-    for f, gen in reversed(stack):
-        if f is ident:
-            return gen
+    for scope in reversed(stack):
+        if scope.f is ident:
+            return None if scope.generation is None or scope.disturbed() else scope.generation
     owner = _owner(ident)
     return None if owner is None else current(owner)
 
@@ -376,17 +473,13 @@ def entry(inputs: Inputs = _inputs) -> Callable[[F], F]:
         @functools.wraps(op)
         def scoped(f: Any, *args: Any, **options: Any) -> Any:
             stack = _stack()
-            if stack and (stack[-1][0] is f or _owner(f) is stack[-1][0]):  # (f's wrapper: f's scope)
+            if stack and (stack[-1].f is f or _owner(f) is stack[-1].f):  # (f's wrapper: f's scope)
                 return op(f, *args, **options)
             try:
                 fargs, fkwargs = inputs(f, args, options)
             except Exception:  # noqa: BLE001 -- arguments the entry point will refuse: no scope needed
                 return op(f, *args, **options)
-            stack.append((f, generation(f, fargs, fkwargs)))
-            try:
-                return op(f, *args, **options)
-            finally:
-                stack.pop()
+            return scoped_call(f, fargs, fkwargs, lambda: op(f, *args, **options))
 
         return scoped  # type: ignore[return-value]
 
@@ -394,11 +487,29 @@ def entry(inputs: Inputs = _inputs) -> Callable[[F], F]:
 
 
 def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
-    """``run()`` in a scope for ``f`` called as ``f(*fargs, **fkwargs)`` (a transform's call)."""
+    """``run()`` in a scope for ``f`` called as ``f(*fargs, **fkwargs)`` (an entry point's or a
+    transform's call); again, holding ``_threads.BINDING``, where another thread bound a dict of
+    tensors into a model f reads meanwhile (the note [Binds and the calls they disturb])."""
     stack = _stack()
-    if stack and stack[-1][0] is f:
+    if stack and stack[-1].f is f:
         return run()
-    stack.append((f, generation(f, fargs, fkwargs)))
+    scope = _Scope(f, None, bind_stamp())
+    try:
+        result = _in_scope(stack, scope, fargs, fkwargs, run)
+    except BaseException:
+        if not scope.disturbed():
+            raise
+    else:
+        if not scope.disturbed():
+            return result
+    with BINDING:  # no bind can start: the call as it would run alone
+        return _in_scope(stack, _Scope(f, None, bind_stamp()), fargs, fkwargs, run)
+
+
+def _in_scope(stack: list[_Scope], scope: _Scope, fargs: tuple[Any, ...], fkwargs: dict[str, Any],
+              run: Callable[[], Any]) -> Any:
+    scope.generation = generation(scope.f, fargs, fkwargs)
+    stack.append(scope)
     try:
         return run()
     finally:

@@ -47,7 +47,8 @@ from torch.nn.modules import module as _module
 from torch.nn.modules.dropout import _DropoutNd
 
 from . import _state
-from ._cache import _MEMOS, Field, _resolved, memo, peek
+from ._cache import Field, _resolved
+from ._guard import _MEMOS, memo, peek
 from ._guard import current
 from ._state import Survey, modules_of
 from ._transforms import _PEEK, in_transform

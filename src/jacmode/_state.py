@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ._cache import Keyed
+from ._threads import BINDING, bind_ended, bind_stamp, bind_started, disturbed
 
 
 _KERNELS_LOCK = threading.Lock()
@@ -290,7 +290,7 @@ class _Preserved:
     contexts, since every call of every entry point enters one (its steps are inlined for that)."""
 
     __slots__ = ("modules", "is_module", "training", "slots", "params", "flags", "buffers",
-                 "copies", "versions", "patched", "survey", "grad", "grad_was", "kernels")
+                 "copies", "versions", "patched", "survey", "grad", "grad_was", "kernels", "stamp")
 
     def __init__(self, modules: list[nn.Module], is_module: bool, survey: Optional[Survey] = None,
                  grad: Optional[bool] = None, kernels: bool = True) -> None:
@@ -300,6 +300,7 @@ class _Preserved:
         kernels = self.kernels
         if kernels:
             _kernels_in()
+        self.stamp = bind_stamp()
         try:
             modules = self.modules
             given = self.survey
@@ -341,7 +342,9 @@ class _Preserved:
             for m, flag in zip(self.modules, self.training):
                 if m.training is not flag:  # nn.Module.__setattr__ is slow: only where a flag moved
                     m.training = flag
-            for m, name, p in self.slots:  # functional_call fails to restore a module registered twice
+            # another thread's bind (a dict call, functional_call in fn) owns what its slots hold now
+            ours = not disturbed(self.stamp, lambda: {id(m) for m in self.modules})
+            for m, name, p in self.slots if ours else ():  # functional_call fails to restore a module registered twice
                 now = m._parameters.get(name)
                 if now is not p and _left_behind(now, p):
                     m._parameters[name] = p
@@ -352,7 +355,7 @@ class _Preserved:
                 with torch.no_grad():
                     for (m, name, b), copy, version in zip(self.buffers, self.copies, self.versions):
                         now = m._buffers.get(name)  # type: ignore[assignment]  # training mode: as its values, see the note below
-                        if now is not b and (_left_behind(now, b) or (copy is not None and not _transformed(b))):
+                        if ours and now is not b and (_left_behind(now, b) or (copy is not None and not _transformed(b))):
                             m._buffers[name] = b
                         if b._version != version and copy is not None:
                             b.copy_(copy)
@@ -412,14 +415,25 @@ class RngReplay:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
+class Keyed:
+    """A function jacmode makes per call that computes what a user's function ``f`` computes (the
+    flat function of a call of several arguments, ``_args.Flat``): the caches keep its entries
+    under ``f``, with :meth:`subkey` (the call's structure) added to their keys."""
+
+    f: Any
+
+    def subkey(self) -> tuple:
+        raise NotImplementedError
+
+
 # ---- tensors bound into a model's slots for one call (wrt a dict: _functional.py) ----
 
 # id(module) -> stack of the dicts bound to it by jacmode (innermost last)
 _BOUND: dict[int, list[dict[str, Tensor]]] = {}
-# Bound calls take turns across threads: the dict's tensors sit in the user's module while one
-# runs, so two at once would read each other's (re-entrant: a bound call inside one). A plain
-# forward of the model in another thread meanwhile sees them too: docs/structure.md, "Threads".
-_BINDING = threading.RLock()
+# Bound calls take turns across threads (_threads.BINDING): the dict's tensors sit in the user's
+# module while one runs, so two at once would read each other's; another thread's jacmode call
+# that reads the module meanwhile runs again (the note [Binds and the calls they disturb] in
+# _threads.py). A plain forward of the model in another thread meanwhile sees them: docs/structure.md.
 
 
 def bound_values(model: Any) -> Optional[dict[str, Tensor]]:
@@ -442,15 +456,20 @@ def bind(model: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str, Tens
             t = t.view_as(t)  # its own object: its own columns, as jacrev over the dict gives
         seen.add(id(t))
         held[name] = t
-    with _BINDING, _reparametrize_module(model, dict(held), tie_weights=True):
-        _BOUND.setdefault(id(model), []).append(held)
+    with BINDING:
+        number = bind_started(model)  # (before the swap: a call that starts meanwhile sees it in flight)
         try:
-            yield held
+            with _reparametrize_module(model, dict(held), tie_weights=True):
+                _BOUND.setdefault(id(model), []).append(held)
+                try:
+                    yield held
+                finally:
+                    stack = _BOUND[id(model)]
+                    stack.pop()
+                    if not stack:
+                        del _BOUND[id(model)]
         finally:
-            stack = _BOUND[id(model)]
-            stack.pop()
-            if not stack:
-                del _BOUND[id(model)]
+            bind_ended(number)
 
 
 def _tied_names(model: nn.Module) -> dict[str, list[str]]:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -59,6 +59,85 @@ def transient_hooks() -> Iterator[None]:
 def hooks_in_flight() -> bool:
     """Whether some call has hooks of its own on the user's modules (see :func:`transient_hooks`)."""
     return _PLACED[0] > 0
+
+
+# ---- dicts of tensors bound into a user's model, and the calls they disturb ----
+#
+# NOTE: [Binds and the calls they disturb]
+# A call with ``wrt`` a dict of tensors (and the functional style where fn is ``functional_call`` in
+# disguise) binds the dict's tensors into the user's model for its duration (``_state.bind``,
+# torch's ``_reparametrize_module``). Binds take turns (:data:`BINDING`), but another thread's
+# jacmode call that reads the same model meanwhile would compute with the dict's tensors. So binds
+# are numbered and the models being bound are listed (:func:`bind_started`, :func:`bind_ended`,
+# under BINDING, before the swap and after the swap back); every outermost entry point takes a
+# stamp when it starts (:func:`bind_stamp`: two reads) and, when it ends (returned or raised), asks
+# whether another thread bound a model it reads in between (:func:`disturbed`: two reads unless a
+# bind happened); if so, the call runs again holding BINDING, when no bind can start
+# (``_guard.entry``). Its result is then the one it would give alone. BINDING is SERIAL itself: a
+# bind may happen inside a forward-mode pass (a dict call inside f), and one lock cannot be taken
+# in opposite orders.
+
+BINDING = SERIAL
+_BEGUN = [0]  # binds begun in the process, ever
+# (number, ids of the bound model's modules, thread ident) of the last binds
+_RECENT: "deque[tuple[int, frozenset[int], int]]" = deque(maxlen=256)
+_BINDS: dict[int, tuple[frozenset[int], int]] = {}  # number -> (ids, thread ident) of the binds in flight
+
+
+def bind_started(model: nn.Module) -> int:
+    """A bind of ``model`` (all its modules) begins: its number, for :func:`bind_ended` (the caller
+    holds BINDING; before the swap)."""
+    me = threading.get_ident()
+    ids = frozenset(id(m) for m in model.modules())
+    _BEGUN[0] += 1
+    _RECENT.append((_BEGUN[0], ids, me))
+    _BINDS[_BEGUN[0]] = (ids, me)
+    return _BEGUN[0]
+
+
+def bind_ended(number: int) -> None:
+    """The bind ``number`` ended (the caller holds BINDING; after the swap back)."""
+    del _BINDS[number]
+
+
+@contextlib.contextmanager
+def touching(modules: list[nn.Module]) -> Iterator[None]:
+    """Within: the calling thread may swap tensors into ``modules`` (a function of shared tensors that
+    calls ``functional_call`` on them): counted as binds of them, holding BINDING."""
+    with BINDING:
+        numbers = [bind_started(m) for m in modules]
+        try:
+            yield
+        finally:
+            for n in numbers:
+                bind_ended(n)
+
+
+Stamp = tuple[int, tuple[tuple[frozenset[int], int], ...]]
+
+
+def bind_stamp() -> Stamp:
+    """When a call starts: the binds begun so far, and those in flight (of any thread)."""
+    if not _BINDS:
+        return _BEGUN[0], ()
+    return _BEGUN[0], tuple(_BINDS.values())
+
+
+def disturbed(stamp: Stamp, used: Callable[[], set[int]]) -> bool:
+    """Whether another thread bound a model the call reads (``used()``: the ids of its modules)
+    since ``stamp`` (or was binding one when it was taken)."""
+    number, binding = stamp
+    if _BEGUN[0] == number and not binding:
+        return False
+    me = threading.get_ident()
+    recent = list(_RECENT)
+    if recent and recent[0][0] > number + 1:  # binds of the call's time fell out of the list: any may have
+        return True
+    ids: set[int] = set()
+    for found, thread in (*binding, *((found, t) for n, found, t in recent if n > number)):
+        if thread != me:
+            ids |= found
+    return bool(ids) and not ids.isdisjoint(used())
 
 
 def clone_tree(root: nn.Module, memo: Optional[dict[int, nn.Module]] = None) -> nn.Module:

@@ -31,7 +31,8 @@ from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 from torch import Tensor
 
 from . import _checks, _guard
-from ._cache import _MEMOS, Field, memo
+from ._cache import Field
+from ._guard import _MEMOS, memo
 from ._errors import JacmodeWarning, user_stacklevel
 from ._operands import check_dims
 from ._profile import freeze as _freeze, token as _token

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import TreeSpec, tree_flatten
 
-from .._cache import Keyed
+from .._state import Keyed
 
 if TYPE_CHECKING:
     from .call import Call

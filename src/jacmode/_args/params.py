@@ -53,7 +53,8 @@ from torch.func import vmap
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .. import _guard
-from .._cache import Field, memo, register
+from .._cache import Field, register
+from .._guard import memo
 from .._threads import original
 from .call import Call, kept
 from .describe import describe_call

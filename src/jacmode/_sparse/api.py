@@ -23,7 +23,8 @@ from torch import Tensor
 
 from .. import _guard
 from .. import _checks
-from .._cache import Field, memo, register
+from .._cache import Field, register
+from .._guard import memo
 from .._errors import JacmodeWarning
 from .._planning import memory as _memory
 from .._planning.memory import fmt_bytes
