@@ -74,7 +74,7 @@ import torch
 from torch import Tensor
 
 from ._state import modules_of
-from ._threads import BINDING, SERIAL, Stamp, bind_stamp, clone_tree, disturbed, hooks_in_flight
+from ._threads import _BEGUN, BINDING, SERIAL, Stamp, bind_stamp, clone_tree, disturbed, hooks_in_flight
 
 MAX_STATES = 16  # guards made per function before its calls stop reusing anything
 
@@ -240,7 +240,10 @@ def current(ident: Any) -> Optional[int]:
         return None
     for scope in reversed(stack):
         if scope.f is ident:
-            return None if scope.generation is None or scope.disturbed() else scope.generation
+            stamp = scope.stamp  # (no bind since the scope began: its generation, without a call)
+            if scope.generation is None or (_BEGUN[0] == stamp[0] and not stamp[1]):
+                return scope.generation
+            return None if scope.disturbed() else scope.generation
     owner = _owner(ident)
     return None if owner is None else current(owner)
 

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ._threads import BINDING, bind_ended, bind_stamp, bind_started, disturbed
+from ._threads import _BEGUN, _BINDS, BINDING, bind_ended, bind_stamp, bind_started, disturbed
 
 
 _KERNELS_LOCK = threading.Lock()
@@ -300,7 +300,7 @@ class _Preserved:
         kernels = self.kernels
         if kernels:
             _kernels_in()
-        self.stamp = bind_stamp()
+        self.stamp = bind_stamp() if _BINDS else (_BEGUN[0], ())
         try:
             modules = self.modules
             given = self.survey
@@ -343,7 +343,9 @@ class _Preserved:
                 if m.training is not flag:  # nn.Module.__setattr__ is slow: only where a flag moved
                     m.training = flag
             # another thread's bind (a dict call, functional_call in fn) owns what its slots hold now
-            ours = not disturbed(self.stamp, lambda: {id(m) for m in self.modules})
+            stamp = self.stamp
+            ours = (_BEGUN[0] == stamp[0] and not stamp[1]) or not disturbed(
+                stamp, lambda: {id(m) for m in self.modules})
             for m, name, p in self.slots if ours else ():  # functional_call fails to restore a module registered twice
                 now = m._parameters.get(name)
                 if now is not p and _left_behind(now, p):
