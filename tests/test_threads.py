@@ -295,3 +295,50 @@ def test_parameter_jacobians_and_plain_backward_in_threads(found: dict[str, dict
     """jacobian(wrt="params") and per_sample_grads from four threads at once, beside a plain
     forward/backward: the results of torch.func, the model untouched."""
     _check(found["params"])
+
+
+def test_which_binds_disturb_a_call() -> None:
+    """A call is disturbed by another thread's bind of a model it reads, in flight when it began or
+    begun since; not by its own thread's binds (however many: more than the list of recent binds
+    keeps), nor by binds of other models."""
+    import threading
+
+    from torch import nn
+
+    from jacmode import _threads
+
+    net, other = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)), nn.Linear(2, 2)
+    used = {id(m) for m in net.modules()}
+
+    def bind_in_a_thread(model: nn.Module) -> None:
+        def bind() -> None:
+            with _threads.touching([model]):
+                pass
+        t = threading.Thread(target=bind)
+        t.start()
+        t.join()
+
+    stamp = _threads.bind_stamp()
+    for _ in range(600):
+        with _threads.touching([net]):
+            pass
+    assert not _threads.disturbed(stamp, lambda: used)
+    bind_in_a_thread(other)
+    assert not _threads.disturbed(stamp, lambda: used)
+    bind_in_a_thread(net[1])  # a submodule of net
+    assert _threads.disturbed(stamp, lambda: used)
+    ready, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _threads.touching([net]):
+            ready.set()
+            done.wait(30)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    ready.wait(30)
+    in_flight = _threads.bind_stamp()  # taken while another thread binds net
+    done.set()
+    t.join()
+    assert _threads.disturbed(in_flight, lambda: used)
+    assert not _threads.disturbed(_threads.bind_stamp(), lambda: used)

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ._threads import _BEGUN, _BINDS, BINDING, bind_ended, bind_stamp, bind_started, disturbed
+from ._threads import _BEGUN, BINDING, bind_ended, bind_stamp, bind_started, disturbed
 
 
 _KERNELS_LOCK = threading.Lock()
@@ -300,7 +300,7 @@ class _Preserved:
         kernels = self.kernels
         if kernels:
             _kernels_in()
-        self.stamp = bind_stamp() if _BINDS else (_BEGUN[0], ())
+        self.stamp = bind_stamp()
         try:
             modules = self.modules
             given = self.survey

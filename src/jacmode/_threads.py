@@ -82,6 +82,11 @@ _BEGUN = [0]  # binds begun in the process, ever
 # (number, ids of the bound model's modules, thread ident) of the last binds
 _RECENT: "deque[tuple[int, frozenset[int], int]]" = deque(maxlen=256)
 _BINDS: dict[int, tuple[frozenset[int], int]] = {}  # number -> (ids, thread ident) of the binds in flight
+_MINE = threading.local()  # .begun: binds begun by this thread
+
+
+def _mine() -> int:
+    return getattr(_MINE, "begun", 0)  # type: ignore[no-any-return]
 
 
 def bind_started(model: nn.Module) -> int:
@@ -90,6 +95,7 @@ def bind_started(model: nn.Module) -> int:
     me = threading.get_ident()
     ids = frozenset(id(m) for m in model.modules())
     _BEGUN[0] += 1
+    _MINE.begun = _mine() + 1
     _RECENT.append((_BEGUN[0], ids, me))
     _BINDS[_BEGUN[0]] = (ids, me)
     return _BEGUN[0]
@@ -113,28 +119,30 @@ def touching(modules: list[nn.Module]) -> Iterator[None]:
                 bind_ended(n)
 
 
-Stamp = tuple[int, tuple[tuple[frozenset[int], int], ...]]
+Stamp = tuple[int, tuple[tuple[frozenset[int], int], ...], int]
 
 
 def bind_stamp() -> Stamp:
-    """When a call starts: the binds begun so far, and those in flight (of any thread)."""
-    if not _BINDS:
-        return _BEGUN[0], ()
-    return _BEGUN[0], tuple(_BINDS.values())
+    """When a call starts: the binds begun so far, those in flight (of any thread), and the calling
+    thread's own binds begun so far."""
+    return _BEGUN[0], tuple(_BINDS.values()) if _BINDS else (), _mine()
 
 
 def disturbed(stamp: Stamp, used: Callable[[], set[int]]) -> bool:
     """Whether another thread bound a model the call reads (``used()``: the ids of its modules)
     since ``stamp`` (or was binding one when it was taken)."""
-    number, binding = stamp
+    number, binding, mine = stamp[0], stamp[1], stamp[2]
     if _BEGUN[0] == number and not binding:
         return False
     me = threading.get_ident()
-    recent = list(_RECENT)
-    if recent and recent[0][0] > number + 1:  # binds of the call's time fell out of the list: any may have
+    others = _BEGUN[0] - number - (_mine() - mine)  # binds begun since by other threads
+    if others == 0 and all(thread == me for _, thread in binding):
+        return False
+    since = [(found, t) for n, found, t in list(_RECENT) if n > number and t != me]
+    if len(since) < others:  # some fell out of the list of recent binds: any may have touched f
         return True
     ids: set[int] = set()
-    for found, thread in (*binding, *((found, t) for n, found, t in recent if n > number)):
+    for found, thread in (*binding, *since):
         if thread != me:
             ids |= found
     return bool(ids) and not ids.isdisjoint(used())
