@@ -342,3 +342,45 @@ def test_which_binds_disturb_a_call() -> None:
     t.join()
     assert _threads.disturbed(in_flight, lambda: used)
     assert not _threads.disturbed(_threads.bind_stamp(), lambda: used)
+
+
+def test_a_disturbed_call_over_an_iterator_of_batches_is_refused() -> None:
+    """A call that another thread's bind disturbed runs again, which a data set given as an iterator
+    cannot: a clear error instead of a result from fewer batches."""
+    import threading
+
+    import torch
+    from torch import nn
+
+    import jacmode as jm
+    from jacmode import _threads
+
+    class Busy(nn.Module):
+        """A model whose forward lets another thread bind it (once) while the call runs."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+            self.done = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not self.done:
+                self.done = True
+
+                def bind() -> None:
+                    with _threads.touching([self]):
+                        pass
+                t = threading.Thread(target=bind)
+                t.start()
+                t.join()
+            return self.lin(x)
+
+    net = Busy()
+    batches = [torch.randn(4, 3) for _ in range(3)]
+    with pytest.raises(RuntimeError, match=r"Busy: another thread bound a dict of tensors into a model this call "
+                                           r"reads .* over an iterator of batches"):
+        jm.per_sample_grads(net, iter(batches), lambda o: (o ** 2).sum(1), progress=False)
+    net.done = False  # a list can be iterated again: the call runs again and is exact
+    got = jm.per_sample_grads(net, [(b,) for b in batches], lambda o: (o ** 2).sum(1), progress=False)
+    want = torch.cat([jm.per_sample_grads(net, b, lambda o: (o ** 2).sum(1)) for b in batches])
+    assert torch.allclose(got, want)

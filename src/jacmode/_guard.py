@@ -499,12 +499,18 @@ def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Ca
     scope = _Scope(f, None, bind_stamp())
     try:
         result = _in_scope(stack, scope, fargs, fkwargs, run)
-    except BaseException:
+    except Exception:
         if not scope.disturbed():
             raise
     else:
         if not scope.disturbed():
             return result
+    if any(isinstance(a, Iterator) for a in fargs):  # batches drawn from an iterator cannot be drawn again
+        raise RuntimeError(
+            f"{type(f).__name__}: another thread bound a dict of tensors into a model this call reads (wrt=dict, "
+            "or functional_call in a function of shared tensors) while it ran over an iterator of batches, which "
+            "cannot be run again. Pass a data set that can be iterated twice (a DataLoader, a list), or make the "
+            "calls on this model from one thread.")
     with BINDING:  # no bind can start: the call as it would run alone
         return _in_scope(stack, _Scope(f, None, bind_stamp()), fargs, fkwargs, run)
 
