@@ -496,15 +496,19 @@ def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Ca
     stack = _stack()
     if stack and stack[-1].f is f:
         return run()
-    scope = _Scope(f, None, bind_stamp())
+    stamp = bind_stamp()  # (before the generation: a bind during its trace disturbs the scope too)
+    scope = _Scope(f, generation(f, fargs, fkwargs), stamp)
+    stack.append(scope)
     try:
-        result = _in_scope(stack, scope, fargs, fkwargs, run)
+        result = run()
     except Exception:
         if not scope.disturbed():
             raise
     else:
-        if not scope.disturbed():
+        if (_BEGUN[0] == stamp[0] and not stamp[1]) or not scope.disturbed():  # (no bind since it began)
             return result
+    finally:
+        stack.pop()
     if any(isinstance(a, Iterator) for a in fargs):  # batches drawn from an iterator cannot be drawn again
         raise RuntimeError(
             f"{type(f).__name__}: another thread bound a dict of tensors into a model this call reads (wrt=dict, "
@@ -512,14 +516,8 @@ def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Ca
             "cannot be run again. Pass a data set that can be iterated twice (a DataLoader, a list), or make the "
             "calls on this model from one thread.")
     with BINDING:  # no bind can start: the call as it would run alone
-        return _in_scope(stack, _Scope(f, None, bind_stamp()), fargs, fkwargs, run)
-
-
-def _in_scope(stack: list[_Scope], scope: _Scope, fargs: tuple[Any, ...], fkwargs: dict[str, Any],
-              run: Callable[[], Any]) -> Any:
-    scope.generation = generation(scope.f, fargs, fkwargs)
-    stack.append(scope)
-    try:
-        return run()
-    finally:
-        stack.pop()
+        stack.append(_Scope(f, generation(f, fargs, fkwargs), bind_stamp()))
+        try:
+            return run()
+        finally:
+            stack.pop()

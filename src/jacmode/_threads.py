@@ -82,11 +82,11 @@ _BEGUN = [0]  # binds begun in the process, ever
 # (number, ids of the bound model's modules, thread ident) of the last binds
 _RECENT: "deque[tuple[int, frozenset[int], int]]" = deque(maxlen=256)
 _BINDS: dict[int, tuple[frozenset[int], int]] = {}  # number -> (ids, thread ident) of the binds in flight
-_MINE = threading.local()  # .begun: binds begun by this thread
+class _Mine(threading.local):
+    begun = 0  # binds begun by this thread
 
 
-def _mine() -> int:
-    return getattr(_MINE, "begun", 0)  # type: ignore[no-any-return]
+_MINE = _Mine()
 
 
 def bind_started(model: nn.Module) -> int:
@@ -95,7 +95,7 @@ def bind_started(model: nn.Module) -> int:
     me = threading.get_ident()
     ids = frozenset(id(m) for m in model.modules())
     _BEGUN[0] += 1
-    _MINE.begun = _mine() + 1
+    _MINE.begun += 1
     _RECENT.append((_BEGUN[0], ids, me))
     _BINDS[_BEGUN[0]] = (ids, me)
     return _BEGUN[0]
@@ -125,7 +125,7 @@ Stamp = tuple[int, tuple[tuple[frozenset[int], int], ...], int]
 def bind_stamp() -> Stamp:
     """When a call starts: the binds begun so far, those in flight (of any thread), and the calling
     thread's own binds begun so far."""
-    return _BEGUN[0], tuple(_BINDS.values()) if _BINDS else (), _mine()
+    return _BEGUN[0], tuple(_BINDS.values()) if _BINDS else (), _MINE.begun
 
 
 def disturbed(stamp: Stamp, used: Callable[[], set[int]]) -> bool:
@@ -135,7 +135,7 @@ def disturbed(stamp: Stamp, used: Callable[[], set[int]]) -> bool:
     if _BEGUN[0] == number and not binding:
         return False
     me = threading.get_ident()
-    others = _BEGUN[0] - number - (_mine() - mine)  # binds begun since by other threads
+    others = _BEGUN[0] - number - (_MINE.begun - mine)  # binds begun since by other threads
     if others == 0 and all(thread == me for _, thread in binding):
         return False
     since = [(found, t) for n, found, t in list(_RECENT) if n > number and t != me]
