@@ -160,13 +160,13 @@ def test_a_change_and_back_reuses_the_first_state() -> None:
     net, x = Net(), torch.randn(4, 2)
     for _ in range(3):
         jm.jacobian(net, x)
-    made = _guard._SEEN[net].made
+    made = _guard.peek(net).seen.made
     for act in (torch.sin, torch.tanh, torch.sin, torch.tanh):
         net.act = act
         for _ in range(2):
             torch.testing.assert_close(jm.jacobian(net, x).double(), _oracle("jacobian inputs auto", net, x),
                                        atol=2e-5, rtol=2e-5)
-    assert _guard._SEEN[net].made <= made + 1  # sin traced at most once (another Net may have), tanh kept
+    assert _guard.peek(net).seen.made <= made + 1  # sin traced at most once (another Net may have), tanh kept
 
 
 class Centred(nn.Module):
@@ -281,7 +281,7 @@ def test_closure_cell_and_lambda() -> None:
 def test_a_function_called_once_is_never_traced() -> None:
     net = Net()
     jm.jacobian(net, torch.randn(3, 2))
-    assert _guard._SEEN[net].last is None
+    assert _guard.peek(net).seen.last is None
 
 
 def test_an_untraceable_function_reuses_nothing_and_stays_exact() -> None:
@@ -307,9 +307,9 @@ def test_clear_cache_forgets_the_guards() -> None:
     net = Net()
     for _ in range(3):
         jm.jacobian(net, torch.randn(3, 2))
-    assert len(_guard._SEEN) > 0
+    assert _guard.peek(net).seen is not None
     jm.clear_cache()
-    assert len(_guard._SEEN) == 0 and len(_guard._STATES) == 0
+    assert _guard.peek(net) is None and len(_guard._STATES) == 0
 
 
 class _Act(nn.Module):

@@ -243,7 +243,6 @@ class Kind:
 
 
 register(_MEMOS, "what is kept per function")
-register(_guard._SEEN, "guards: each function's calls")
 register(_guard._STATES, "guards: the states of each kind of function")
 register(_guard._OWNERS, "guards: wrappers jacmode made of a function")
 

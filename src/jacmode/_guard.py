@@ -101,7 +101,6 @@ class _Seen:
 # is the same, so the instances of a class share their states (and a test suite or an ensemble
 # traces a class once); the caches stay per instance, since they are keyed by the function too.
 _STATES: "weakref.WeakKeyDictionary[Any, list[tuple[Any, int]]]" = weakref.WeakKeyDictionary()
-_SEEN: "weakref.WeakKeyDictionary[Any, _Seen]" = weakref.WeakKeyDictionary()
 MAX_KIND_STATES = 32
 
 
@@ -184,9 +183,11 @@ class Memo:
         warned: the warnings given about f (:func:`warn_once`).
         declined: the inputs for which ``structure="auto"`` found no sparsity worth using
             (``_sparse/api.py``).
+        seen: f's calls as the guard counts them (:class:`_Seen`: guards made, the last state
+            passed, why nothing is reused), from its first call on.
     """
 
-    __slots__ = ("facts", "profiles", "last", "eager", "rows", "warned", "declined")
+    __slots__ = ("facts", "profiles", "last", "eager", "rows", "warned", "declined", "seen")
 
     def __init__(self) -> None:
         self.facts: dict[tuple, Any] = {}
@@ -196,6 +197,7 @@ class Memo:
         self.rows: dict[tuple, Any] = {}
         self.warned: set[str] = set()
         self.declined: set[tuple] = set()
+        self.seen: Optional[_Seen] = None
 
 
 # function (weakly) -> its Memo: the one table of what jacmode keeps per function (registered with
@@ -251,10 +253,11 @@ def current(ident: Any) -> Optional[int]:
 def why_not(f: Any) -> str:
     """Why calls of ``f`` reuse nothing (empty when they may)."""
     try:
-        seen = _SEEN.get(f)
+        weakref.ref(f)
     except TypeError:
         return f"{type(f).__name__} objects cannot be weakly referenced"
-    return "" if seen is None else seen.reason
+    m = peek(f)
+    return "" if m is None or m.seen is None else m.seen.reason
 
 
 def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
@@ -264,14 +267,14 @@ def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optiona
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return _in_transform(f, args, kwargs)
     try:
-        seen = _SEEN.get(f)
+        m = _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined]  # (peek, inline: every call)
     except TypeError:  # not weakly referenceable
         return None
+    seen = None if m is None else m.seen
     if seen is None:  # the first call: nothing to reuse yet, and no guard made for a function called once
-        try:
-            _SEEN[f] = _Seen()
-        except TypeError:
-            pass
+        m = memo(f)
+        if m is not None:
+            m.seen = _Seen()
         return None
     if seen.reason:
         return None
