@@ -64,24 +64,28 @@ def hooks_in_flight() -> bool:
 # ---- dicts of tensors bound into a user's model, and the calls they disturb ----
 #
 # NOTE: [Binds and the calls they disturb]
-# A call with ``wrt`` a dict of tensors (and the functional style where fn is ``functional_call`` in
-# disguise) binds the dict's tensors into the user's model for its duration (``_state.bind``,
-# torch's ``_reparametrize_module``). Binds take turns (:data:`BINDING`), but another thread's
-# jacmode call that reads the same model meanwhile would compute with the dict's tensors. So binds
-# are numbered and the models being bound are listed (:func:`bind_started`, :func:`bind_ended`,
-# under BINDING, before the swap and after the swap back); every outermost entry point takes a
-# stamp when it starts (:func:`bind_stamp`: two reads) and, when it ends (returned or raised), asks
-# whether another thread bound a model it reads in between (:func:`disturbed`: two reads unless a
-# bind happened); if so, the call runs again holding BINDING, when no bind can start
-# (``_guard.entry``). Its result is then the one it would give alone. BINDING is SERIAL itself: a
-# bind may happen inside a forward-mode pass (a dict call inside f), and one lock cannot be taken
-# in opposite orders.
+# A call with ``wrt`` a dict of tensors binds the dict's tensors into the user's model for its
+# duration (``_state.bind``, torch's ``_reparametrize_module``), and a call in the functional style
+# runs an fn that may swap tensors into the modules it refers to (``functional_call``; counted as
+# binds of them, :func:`touching`). Binds take turns (:data:`BINDING`), but another thread's jacmode
+# call that reads the same model meanwhile would compute with the bound tensors. So binds are
+# numbered and listed with the ids of the modules they touch (:func:`bind_started`,
+# :func:`bind_ended`, under BINDING, before the swap and after the swap back). Every scope an entry
+# point opens takes a stamp (:func:`bind_stamp`) and asks, whenever it reads a cache and when its
+# call ends, whether another thread bound a module it reads since (:func:`disturbed`: two reads
+# where no bind happened). A disturbed scope keeps and reads nothing from then on; its call runs
+# again holding BINDING, when no bind can start (``_guard.scoped_call``), and its state guard writes
+# no slot back (the slots are the bind's). Its result is then the one it would give alone. BINDING
+# is SERIAL itself: a bind may happen inside a forward-mode pass (a dict call inside f), and one
+# lock cannot be taken in opposite orders.
 
 BINDING = SERIAL
 _BEGUN = [0]  # binds begun in the process, ever
 # (number, ids of the bound model's modules, thread ident) of the last binds
 _RECENT: "deque[tuple[int, frozenset[int], int]]" = deque(maxlen=256)
 _BINDS: dict[int, tuple[frozenset[int], int]] = {}  # number -> (ids, thread ident) of the binds in flight
+
+
 class _Mine(threading.local):
     begun = 0  # binds begun by this thread
 
