@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -297,6 +298,21 @@ def test_parameter_jacobians_and_plain_backward_in_threads(found: dict[str, dict
     _check(found["params"])
 
 
+def _bind_in_a_thread(model: Any) -> None:
+    """Another thread binds ``model`` (as a dict call or functional_call would) and finishes."""
+    import threading
+
+    from jacmode import _threads
+
+    def bind() -> None:
+        with _threads.touching([model]):
+            pass
+
+    t = threading.Thread(target=bind)
+    t.start()
+    t.join()
+
+
 def test_which_binds_disturb_a_call() -> None:
     """A call is disturbed by another thread's bind of a model it reads, in flight when it began or
     begun since; not by its own thread's binds (however many: more than the list of recent binds
@@ -309,23 +325,14 @@ def test_which_binds_disturb_a_call() -> None:
 
     net, other = nn.Sequential(nn.Linear(2, 3), nn.Linear(3, 1)), nn.Linear(2, 2)
     used = {id(m) for m in net.modules()}
-
-    def bind_in_a_thread(model: nn.Module) -> None:
-        def bind() -> None:
-            with _threads.touching([model]):
-                pass
-        t = threading.Thread(target=bind)
-        t.start()
-        t.join()
-
     stamp = _threads.bind_stamp()
     for _ in range(600):
         with _threads.touching([net]):
             pass
     assert not _threads.disturbed(stamp, lambda: used)
-    bind_in_a_thread(other)
+    _bind_in_a_thread(other)
     assert not _threads.disturbed(stamp, lambda: used)
-    bind_in_a_thread(net[1])  # a submodule of net
+    _bind_in_a_thread(net[1])  # a submodule of net
     assert _threads.disturbed(stamp, lambda: used)
     ready, done = threading.Event(), threading.Event()
 
@@ -347,13 +354,10 @@ def test_which_binds_disturb_a_call() -> None:
 def test_a_disturbed_call_over_an_iterator_of_batches_is_refused() -> None:
     """A call that another thread's bind disturbed runs again, which a data set given as an iterator
     cannot: a clear error instead of a result from fewer batches."""
-    import threading
-
     import torch
     from torch import nn
 
     import jacmode as jm
-    from jacmode import _threads
 
     class Busy(nn.Module):
         """A model whose forward lets another thread bind it (once) while the call runs."""
@@ -366,13 +370,7 @@ def test_a_disturbed_call_over_an_iterator_of_batches_is_refused() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             if not self.done:
                 self.done = True
-
-                def bind() -> None:
-                    with _threads.touching([self]):
-                        pass
-                t = threading.Thread(target=bind)
-                t.start()
-                t.join()
+                _bind_in_a_thread(self)
             return self.lin(x)
 
     net = Busy()

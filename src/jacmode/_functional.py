@@ -241,14 +241,15 @@ def _run(entry: Callable[..., Any], f: Any, fargs: tuple[Any, ...], rest: tuple[
         if hidden is not None:  # the model itself, on its own input
             model, x_in, slots = hidden
             return run(model, x_in, {slot: call.leaves[j] for slot, j in slots.items()}), slots
-        shared_rows(call, used_modules(f), entry.__name__ if tensor_output else None, sample_dims)
+        shared_rows(call, used, entry.__name__ if tensor_output else None, sample_dims)
         slots = {f"p{k}": leaf.index for k, leaf in enumerate(call.diff)}
         with rows_bound(call):
             return run(call.fn, call.x, {slot: call.leaves[j] for slot, j in slots.items()}), slots
 
     # fn may swap the shared tensors into the modules it refers to (functional_call): as a bind of
     # them, so that other threads' calls that read those modules meanwhile run again
-    with touching([m for m in used_modules(f) if not isinstance(m, FunctionRows)]):
+    used = used_modules(f)  # (once: the module of rows and the binds both read it)
+    with touching([m for m in used if not isinstance(m, FunctionRows)]):
         res, slots = _guard.scoped_call(f, fargs, {}, scoped)
     return res, call, slots
 

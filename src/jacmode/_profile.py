@@ -398,7 +398,7 @@ def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
     from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not returned. None where
     anything differs: the caller then walks (the key decides).
     """
-    try:  # _cache.peek(f), inline: every repeated call reads it
+    try:  # _guard.peek(f), inline: every repeated call reads it
         m = _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined]
     except TypeError:  # not weak-referenceable
         return None

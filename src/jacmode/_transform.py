@@ -369,7 +369,7 @@ def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...],
     values (all of them, in the entry point's order, as :func:`eager` is given them), or None:
     the repeated call's look-up, without building the options' dict (``types``: the values'
     types, when the caller has them)."""
-    try:  # _cache.peek(f), inline: every repeated eager call reads it
+    try:  # _guard.peek(f), inline: every repeated eager call reads it
         m = _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined]
         if m is None:  # no eager call yet
             return None
