@@ -100,6 +100,19 @@ def _model() -> tuple[Net, Tensor]:
     return Net().double(), torch.randn(4, 3, dtype=torch.float64)
 
 
+# Parameter Jacobians: from the fourth call on, a hit runs the probe engine's generated code, whose
+# rewrites order some products' sums differently (checked against the engine to 1e-12 when made,
+# _probes/generated.py): the same numbers to the last bits, which can differ on some CPUs. Every
+# other hit computes what the full path computes, in the same order: the same bits.
+_REORDERED = {"jacobian params", "jacobian transform"}
+
+
+def _same(name: str, got: Tensor, want: Tensor) -> bool:
+    if name in _REORDERED:
+        return bool(torch.allclose(got, want, rtol=1e-12, atol=1e-12 * float(want.abs().max())))
+    return torch.equal(got, want)
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_hit_is_bit_identical_to_the_full_path_and_values_keep_the_profile(name: str) -> None:
     f, x = _model()
@@ -118,7 +131,7 @@ def test_a_hit_is_bit_identical_to_the_full_path_and_values_keep_the_profile(nam
     hit = CASES[name][0](f, x2)
     jm.clear_cache()
     assert _profile.count(f) == 0
-    assert torch.equal(CASES[name][0](f, x2), hit)  # full path again: the same bits
+    assert _same(name, CASES[name][0](f, x2), hit)  # full path again: the same bits (see _REORDERED)
 
 
 def _train_eval(f: Net) -> None:

@@ -66,6 +66,7 @@ from .._transforms import in_transform
 from . import bindings, rewrites
 from .bound import Source, _getter
 from . import taylor as _taylor
+from .._rules import linear as _linear
 from .program import Program, Step
 
 try:  # the mode behind ``with torch.device(...)`` and ``torch.set_default_device``
@@ -410,7 +411,11 @@ def _generate(name: str, program: Program, layout: _Layout, values: list[Any], t
 
     try:  # one trace at a time in the process (see [Threads] in _threads.py)
         with SERIAL, torch.enable_grad():  # see the note: no in-place reuse decided from reference counts
-            gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
+            token = _linear.TRACED_GRAD.set(grad)  # the rules choose their products for the run's grad mode
+            try:
+                gm = make_fx(traced, tracing_mode="fake")(z.detach(), *(t.detach() for t in tensors))
+            finally:
+                _linear.TRACED_GRAD.reset(token)
     except Exception as err:  # noqa: BLE001 -- a rule that branches on values, an op fake tensors lack
         return f"make_fx could not trace the program ({type(err).__name__}: {str(err).splitlines()[0][:120] if str(err) else ''})"
     rewrites.constants(gm)

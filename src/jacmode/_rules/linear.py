@@ -29,6 +29,7 @@ B = 512 spends 0.1-0.4 ms less in the writes, 3-10% of the fill of its result).
 from __future__ import annotations
 
 import operator
+from contextvars import ContextVar
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -77,9 +78,20 @@ def _affine(v: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     if weight.shape[1] == 1:
         return torch.addcmul(bias, v, weight.t())
     wt = weight.t()
-    if weight.shape[1] < weight.shape[0] and torch.is_grad_enabled():  # generated code is traced detached
+    if weight.shape[1] < weight.shape[0] and _grad_mode():
         wt = wt.contiguous()
     return torch.mm(v, wt).add_(bias)
+
+
+# the grad mode that code traced from these rules will run under (``_capture/codegen.py`` traces
+# under grad mode whatever the run's), so that traced code takes the same products as the rules
+# run eagerly: a transposed view and its copy give results that can differ in the last bit
+TRACED_GRAD: ContextVar[Optional[bool]] = ContextVar("TRACED_GRAD", default=None)
+
+
+def _grad_mode() -> bool:
+    traced = TRACED_GRAD.get()
+    return torch.is_grad_enabled() if traced is None else traced
 
 
 def _weight_columns(x: Traced, weight: Tensor, last: bool = False) -> Optional[Callable[[Seed], Tensor]]:
@@ -121,10 +133,18 @@ def _coefficients(alg: Algebra, weight: Tensor) -> Callable[[Tensor], Tensor]:
             if c.dim() == 3 and c.shape[0] >= LAST_MIN_DIRECTIONS:
                 # bmm, not matmul: matmul folds a weight that requires grad into the slow product
                 return torch.bmm(weight.expand(c.shape[1], *weight.shape), c.permute(1, 2, 0)).permute(2, 0, 1)
-            return F.linear(c, weight)
+            return _folded(c, weight)
 
         return apply
-    return lambda c: F.linear(c, weight)
+    return lambda c: _folded(c, weight)
+
+
+def _folded(c: Tensor, weight: Tensor) -> Tensor:
+    """F.linear(c, W) as one product of the rows of a contiguous c. Eager ``matmul`` copies a
+    non-contiguous c (the directions-last layout) into rows itself, but its traced decomposition
+    (``_capture/codegen.py``) takes a batched product instead, whose sums can differ in the last
+    bit: copied here, generated code computes what the rules compute eagerly, bit for bit."""
+    return F.linear(c if c.dim() < 3 else c.contiguous(), weight)
 
 
 def _matrix_rows(x: Traced, w: Tensor) -> Optional[Callable[[Seed], Tensor]]:
