@@ -92,7 +92,7 @@ def _several_tensors(x: Any, *, wrt: str, name: str) -> str:
     what = f"a {type(x).__name__} of {len(x)} items"
     if wrt == "inputs":
         rest = ("Pass the tensors that are not differentiated through a closure, e.g. "
-                f"`jm.jacobian(lambda x: f(x, mask), x)`; to differentiate several, concatenate them "
+                "`jm.jacobian(lambda x: f(x, mask), x)`; to differentiate several, concatenate them "
                 "per sample (`torch.cat([a.flatten(1), b.flatten(1)], 1)`) and split them inside f.")
     else:
         rest = ("Pass the other arguments of the model through a wrapper module whose forward takes x "

@@ -115,12 +115,20 @@ class _Scope:
     """One entry point's scope for ``f`` (see the note): the generation of f's state, and the binds
     of dicts into models (``_threads.bind_stamp``) when it began."""
 
-    __slots__ = ("f", "generation", "stamp", "hit", "used")
+    __slots__ = ("f", "generation", "memo", "stamp", "hit", "used")
 
-    def __init__(self, f: Any, generation: Optional[int], stamp: Stamp) -> None:
-        self.f, self.generation, self.stamp = f, generation, stamp
+    def __init__(self, f: Any, found: tuple[Optional[int], Optional[Memo]], stamp: Stamp) -> None:
+        self.f, self.stamp = f, stamp
+        self.generation, self.memo = found  # memo: f's Memo as the guard read it (the call's one look-up)
         self.hit = False
         self.used: Optional[set[int]] = None
+
+    def current(self) -> Optional[int]:
+        """The scope's generation, or None once another thread's bind disturbed it (:func:`current`)."""
+        stamp = self.stamp  # (no bind since the scope began: its generation, without a call)
+        if self.generation is None or (_BEGUN[0] == stamp[0] and not stamp[1]):
+            return self.generation
+        return None if self.disturbed() else self.generation
 
     def disturbed(self) -> bool:
         """Whether another thread bound a dict into a model f reads since the scope began (then
@@ -242,12 +250,23 @@ def current(ident: Any) -> Optional[int]:
         return None
     for scope in reversed(stack):
         if scope.f is ident:
-            stamp = scope.stamp  # (no bind since the scope began: its generation, without a call)
-            if scope.generation is None or (_BEGUN[0] == stamp[0] and not stamp[1]):
-                return scope.generation
-            return None if scope.disturbed() else scope.generation
+            return scope.current()
     owner = _owner(ident)
     return None if owner is None else current(owner)
+
+
+def held(f: Any) -> Optional[_Scope]:
+    """The calling thread's innermost scope whose function is ``f`` itself, or None: its
+    generation (:meth:`_Scope.current`) and the Memo the guard read for it at entry (:attr:`memo`),
+    so that a repeated call reads the table :data:`_MEMOS` once."""
+    try:
+        stack = _local.stack
+    except AttributeError:
+        return None
+    for scope in reversed(stack):
+        if scope.f is f:
+            return scope
+    return None
 
 
 def why_not(f: Any) -> str:
@@ -262,20 +281,31 @@ def why_not(f: Any) -> str:
 
 def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
     """The generation of the state ``f(*args, **kwargs)`` reads (see the note), or None."""
+    return _found(f, args, kwargs)[0]
+
+
+def _found(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Optional[int], Optional[Memo]]:
+    """:func:`generation`, and f's Memo (None: none, or f is not weakly referenceable), from one
+    read of :data:`_MEMOS`."""
     if torch.compiler.is_dynamo_compiling():
-        return None  # inside torch.compile: the tensors are the caller's fakes
+        return None, None  # inside torch.compile: the tensors are the caller's fakes
     if torch._C._functorch.peek_interpreter_stack() is not None:
         return _in_transform(f, args, kwargs)
     try:
         m = _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined]  # (peek, inline: every call)
     except TypeError:  # not weakly referenceable
-        return None
+        return None, None
     seen = None if m is None else m.seen
     if seen is None:  # the first call: nothing to reuse yet, and no guard made for a function called once
         m = memo(f)
         if m is not None:
             m.seen = _Seen()
-        return None
+        return None, m
+    return _state_of(f, args, kwargs, seen), m
+
+
+def _state_of(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any], seen: _Seen) -> Optional[int]:
+    """The generation of f's state from its guards (the last one passed first), or of a guard made now."""
     if seen.reason:
         return None
     frame = {"f": f, "args": args, "kwargs": kwargs}
@@ -314,7 +344,7 @@ def generation(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optiona
         return state[1]
 
 
-def _in_transform(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Optional[int]:
+def _in_transform(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Optional[int], Optional[Memo]]:
     """The generation of a call inside a torch.func transform (vmap over an ensemble's inputs, grad
     of a meta-objective): the same as outside, for f and the tensors the transforms wrap (each
     read as the tensor it wraps), with the transforms' stack cleared while the guard is traced or
@@ -328,7 +358,7 @@ def _in_transform(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Opti
             for table in (m._parameters, m._buffers):
                 for t in table.values():
                     if t is not None and wrapped(t):
-                        return None
+                        return None, None
 
     def plain(v: Any) -> Any:
         if isinstance(v, Tensor):
@@ -342,7 +372,7 @@ def _in_transform(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Opti
         return v
 
     with temporarily_clear_interpreter_stack():
-        return generation(f, plain(args), plain(kwargs))
+        return _found(f, plain(args), plain(kwargs))
 
 
 def _passes(manager: Any, frame: dict[str, Any]) -> bool:
@@ -500,7 +530,7 @@ def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Ca
     if stack and stack[-1].f is f:
         return run()
     stamp = bind_stamp()  # (before the generation: a bind during its trace disturbs the scope too)
-    scope = _Scope(f, generation(f, fargs, fkwargs), stamp)
+    scope = _Scope(f, _found(f, fargs, fkwargs), stamp)
     stack.append(scope)
     try:
         result = run()
@@ -519,7 +549,7 @@ def scoped_call(f: Any, fargs: tuple[Any, ...], fkwargs: dict[str, Any], run: Ca
             "cannot be run again. Pass a data set that can be iterated twice (a DataLoader, a list), or make the "
             "calls on this model from one thread.")
     with BINDING:  # no bind can start: the call as it would run alone
-        stack.append(_Scope(f, generation(f, fargs, fkwargs), bind_stamp()))
+        stack.append(_Scope(f, _found(f, fargs, fkwargs), bind_stamp()))
         try:
             return run()
         finally:

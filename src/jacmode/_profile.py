@@ -37,7 +37,6 @@ from __future__ import annotations
 import itertools
 import operator
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Generic, Hashable, Optional, TypeVar
 
@@ -48,8 +47,7 @@ from torch.nn.modules.dropout import _DropoutNd
 
 from . import _state
 from ._cache import Field, _resolved
-from ._guard import _MEMOS, memo, peek
-from ._guard import current
+from ._guard import held, memo, peek
 from ._state import Survey, modules_of
 from ._transforms import _PEEK, in_transform
 from ._capture.bound import Source
@@ -398,12 +396,11 @@ def recheck(f: Any, token: int, *args: Any) -> Optional[Profile]:
     from the cache since (:func:`forget`, a newer one, ``clear_cache``) is not returned. None where
     anything differs: the caller then walks (the key decides).
     """
-    try:  # _guard.peek(f), inline: every repeated call reads it
-        m = _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined]
-    except TypeError:  # not weak-referenceable
+    scope = held(f)  # f's scope: its generation, and f's Memo as the guard read it (no second look-up)
+    if scope is None or scope.memo is None:
         return None
-    found = None if m is None else m.last.get(token)
-    if found is None or not found.live or found.generation != current(f) or found.generation is None:
+    found = scope.memo.last.get(token)
+    if found is None or not found.live or found.generation is None or found.generation != scope.current():
         return None
     return found if found.check.test(f, *args) else None
 

@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import inspect
 import warnings
-import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Hashable, Optional, Union
 
@@ -32,7 +31,7 @@ from torch import Tensor
 
 from . import _checks, _guard
 from ._cache import Field
-from ._guard import _MEMOS, memo
+from ._guard import held, memo, peek
 from ._errors import JacmodeWarning, user_stacklevel
 from ._operands import check_dims
 from ._profile import freeze as _freeze, token as _token
@@ -369,10 +368,11 @@ def eager_hit(op: Callable[..., Any], f: Any, values: tuple[Any, ...],
     values (all of them, in the entry point's order, as :func:`eager` is given them), or None:
     the repeated call's look-up, without building the options' dict (``types``: the values'
     types, when the caller has them)."""
-    try:  # _guard.peek(f), inline: every repeated eager call reads it
-        m = _MEMOS.data.get(weakref.ref(f))  # type: ignore[attr-defined]
-        if m is None:  # no eager call yet
-            return None
+    scope = held(f)  # f's Memo as the call's guard read it (no second look-up), else the table's
+    m = scope.memo if scope is not None else peek(f)
+    if m is None:  # no eager call yet
+        return None
+    try:
         return m.eager.get((_spec(op).name, values, tuple(map(type, values)) if types is None else types))
     except TypeError:  # f cannot be weakly referenced, or an unhashable option (a list of names)
         return None
