@@ -21,7 +21,9 @@ What jacmode finds out about a function is kept in one place: ``_guard._MEMOS`` 
 every fact found about it (:class:`Kind`: coupling verdicts, captured programs, coverage,
 footprints, capabilities, autotuned modes, sparsity patterns, ...), its profiles, the profile its
 last repeated call served, its eager calls' transforms and the guard's count of its calls. A
-repeated call reads the fields it needs from this one table. Every fact is keyed by the generation of f's state in the call's scope
+call reads this table once: its guard finds f's Memo there, and the call's scope holds it
+(``_guard.held``) for the look-ups that follow. Every fact is keyed by the generation of f's
+state in the call's scope
 (``_guard.py``: a fact is found again only under a state that passes the guards of the one it was
 found under) and by what it depends on (see :func:`problem_key`); a call with no generation (a
 first call, a function that cannot be guarded or weakly referenced) neither reads nor writes one.

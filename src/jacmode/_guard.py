@@ -471,7 +471,8 @@ def _made(f: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     manager = getattr(entries[0], "guard_manager", None) if len(entries) == 1 else None
     if manager is None or not callable(getattr(manager, "check", None)):  # another torch: nothing guarded
         return "TorchDynamo kept no guard manager for it"
-    return manager
+    root = getattr(manager, "root", None)  # what the wrapper's check calls (one Python frame fewer per call)
+    return root if callable(getattr(root, "check", None)) else manager
 
 
 def _inputs(f: Any, args: tuple[Any, ...], options: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
