@@ -127,6 +127,45 @@ def test_probes_fire_and_read_the_dicts_tensors() -> None:
     assert len(set(sizes)) == 1
 
 
+class _Seen(nn.Module):
+    """An MLP whose forward records (in the class) the module it runs as and the first layer's weight there."""
+
+    log: list[tuple[nn.Module, Tensor]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(3, 5), nn.Linear(5, 2)
+        self.act: Callable[[Tensor], Tensor] = torch.tanh
+
+    def forward(self, x: Tensor) -> Tensor:
+        _Seen.log.append((self, self.lin.weight))
+        return self.out(self.act(self.lin(x)))
+
+
+def test_calls_at_a_dict_run_on_a_kept_copy_of_the_model() -> None:
+    """The user's model never holds the dict's tensors (its forward runs as a copy's); one copy serves
+    every step of a functional optimiser, and follows the model's changes between steps (an
+    attribute, a layer replaced by one of another shape, train/eval)."""
+    net = _Seen().to(DT)
+    x = torch.randn(6, 3, dtype=DT)
+    log = _Seen.log
+    log.clear()
+    for step in range(6):
+        if step == 3:
+            net.act = torch.sin  # the copy reads the model as it is now
+        if step == 4:
+            net.out = nn.Linear(5, 4).to(DT)  # a layer of another shape: a new copy
+        params, ref = other(net), copy.deepcopy(net)  # (the oracles run on a deep copy: logged as it)
+        close(jm.jacobian(net, x, wrt=params, flatten=False), oracle(ref, params, x))
+        close(jm.per_sample_grads(net, x, lambda o: (o ** 2).sum(1), wrt=params, flatten=False),
+              vmap(grad(lambda p, xb: (functional_call(ref, p, (xb[None],)) ** 2).sum()), in_dims=(None, 0))(params, x))
+    assert log and all(module is not net for module, _ in log)
+    assert all(net.lin.weight is not w for _, w in log)
+    log.clear()
+    copies = jm._guard.peek(net).copies  # one thread: one copy, kept (remade once, for the new shape)
+    assert len(copies) == 1
+
+
 @pytest.mark.parametrize("mode", ["auto", "forward", "reverse"])
 def test_create_graph_gives_gradients_to_the_dict(mode: str) -> None:
     net = mlp()

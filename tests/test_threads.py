@@ -228,6 +228,42 @@ finish(net, before)
 """
 
 
+_DICTS = """
+net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).double()
+x = torch.randn(5, 3, dtype=torch.float64)
+before = {n: (p, p.detach().clone()) for n, p in net.named_parameters()}
+own = {n: p.detach().clone() for n, p in net.named_parameters()}
+dicts = [{n: p + 0.3 * (k + 1) for n, p in own.items()} for k in range(3)]  # other values than the model's
+one = lambda p, xb: functional_call(net, p, (xb[None],))[0]  # (the oracles: computed before any thread runs)
+flat = lambda blocks: torch.cat([blocks[n].reshape(5, 2, -1) for n in own], 2)
+loss = lambda out: (out ** 2).sum(1)
+grads = lambda p: torch.cat([g.reshape(5, -1) for g in vmap(
+    torch.func.grad(lambda p, xb: loss(functional_call(net, p, (xb[None],)))[0]), in_dims=(None, 0))(p, x).values()], 1)
+cases = []
+for k, d in enumerate(dicts):
+    cases.append((f"jacobian at a dict {k}", lambda d=d: jm.jacobian(net, x, wrt=d),
+                  flat(vmap(jacrev(one), in_dims=(None, 0))(d, x))))
+    cases.append((f"per_sample_grads at a dict {k}", lambda d=d: jm.per_sample_grads(net, x, loss, wrt=d), grads(d)))
+with torch.no_grad():
+    y_own = net(x).clone()
+
+
+def forward_only():  # the model's own output, whatever the calls at a dict do meanwhile
+    while not stop.is_set():
+        with torch.no_grad():
+            y = net(x)
+        if not torch.equal(y, y_own):
+            plain_errors.append("a plain forward of the model computed with other tensors")
+
+
+watcher = threading.Thread(target=forward_only)
+watcher.start()
+run(net, x, cases)
+watcher.join()
+finish(net, before)
+"""
+
+
 # Between two cases of one child: the lists and the stop event of the prelude start empty again.
 _RESET = """
 errors.clear(); mismatches.clear(); plain_errors.clear(); stop.clear()
@@ -290,6 +326,15 @@ def test_calls_beside_dicts_bound_into_the_model() -> None:
     is left with its own parameters."""
     [binds] = _child([_BINDS], rounds=3, calls=30)
     _check(binds)
+
+
+def test_a_plain_forward_beside_calls_at_a_dict() -> None:
+    """jacobian and per_sample_grads at dicts of tensors (``wrt=params``) from four threads at once,
+    beside a plain forward and a plain forward/backward of the same model: the calls run on copies
+    of the model, so the plain passes compute with the model's own parameters all along, and every
+    result is torch.func's at its dict."""
+    [dicts] = _child([_DICTS], rounds=3, calls=30)
+    _check(dicts)
 
 
 def test_parameter_jacobians_and_plain_backward_in_threads(found: dict[str, dict]) -> None:

@@ -5,13 +5,16 @@ torch.func users hold parameters as a dict (``dict(model.named_parameters())`` d
 updated by a functional optimiser, one slice of ``torch.func.stack_module_state``, a meta-learner's
 fast weights) and evaluate ``functional_call(model, params, x)``. ``wrt=params`` asks for the
 derivative of that call with respect to the dict's tensors. It is served by the parameter path of
-the module itself, run while the module *holds* the dict's tensors:
+the module itself, run while a copy of the module *holds* the dict's tensors:
 
 * :func:`accepts_params_dict` wraps an entry point: a dict ``wrt`` is validated
   (``_checks.check_param_values``: names of the module's parameters or floating buffers, tensors
-  of their shapes, one floating dtype and device), then the call runs inside :func:`bind`, with
-  ``wrt`` the list of the dict's names (the result in the dict's order);
-* :func:`bind` swaps the dict's tensors into the module's slots with torch's own
+  of their shapes, one floating dtype and device), then the call runs on a structural copy of the
+  module (:func:`bound_copy`: kept per model, claimed by one call at a time, brought up to the
+  model's state at each claim), inside :func:`bind`, with ``wrt`` the list of the dict's names
+  (the result in the dict's order). The user's module never holds the dict's tensors, so a plain
+  forward of it in another thread meanwhile computes with its own;
+* :func:`bind` swaps the dict's tensors into the copy's slots with torch's own
   ``_reparametrize_module`` (what ``functional_call`` enters; tied weights follow the dict's
   entry as ``functional_call``'s ``tie_weights=True`` does) and swaps the module's own back on exit,
   also when the call raises. Inside, ``module.weight`` IS the dict's tensor, so everything that
@@ -37,10 +40,11 @@ with the result assembled functionally.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import threading
-from typing import Any, Callable, Optional, Sequence, TypeVar, Union, cast
+from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar, Union, cast
 
 import torch
 from torch import Tensor, nn
@@ -49,10 +53,10 @@ from torch.utils._pytree import tree_flatten
 
 from . import _checks, _guard, _losses
 from ._args import Call, Leaf, _in_dim, check_argnums, check_in_dims, describe_call, parameter_names
-from ._args.params import LOOP, FunctionRows, arguments, batched_leaves, merge_pair, rows_bound, shared_rows
-from ._cache import Kind, rng_kept
+from ._args.params import LOOP, FunctionRows, _forward_rows, arguments, batched_leaves, merge_pair, rows_bound, shared_rows
+from ._cache import Field, Kind, rng_kept
 from ._state import bind, bound_values, preserved_state, used_modules
-from ._threads import clone_tree, touching, transient_hooks
+from ._threads import _ORIGINAL, clone_tree, refresh, touching, transient_hooks
 from ._transforms import in_transform, outside, plain
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -74,11 +78,80 @@ def accepts_params_dict(entry: F) -> F:
         if not isinstance(wrt, dict):
             return entry(f, *args, **kwargs)
         values = _checks.check_param_values(f, wrt)
-        with bind(f, values):
+        with bound_copy(f, values) as copy:
             kwargs["wrt"] = list(values)
-            return entry(f, *args, **kwargs)
+            return entry(copy, *args, **kwargs)
 
     return cast(F, wrapper)
+
+
+# model -> {number: a structural copy of it} (Memo.copies): what calls with wrt a dict run on
+_COPIES = Field("copies", "copies of a model that hold a dict's tensors")
+_IN_USE: set[int] = set()  # ids of the copies that calls run on now (changed under _COPYING)
+_COPYING = threading.Lock()
+MAX_COPIES = 8  # kept per model: threads beyond run on a copy of their own, made per call
+
+
+@contextlib.contextmanager
+def bound_copy(model: nn.Module, values: dict[str, Tensor]) -> Iterator[nn.Module]:
+    """A structural copy of ``model`` holding ``values`` in its slots, for the block (see the note).
+
+    The copy (``_threads.clone_tree``: new module objects sharing the model's tensors and
+    attributes) is kept per model and claimed by one call at a time, so that what calls find out
+    about it (profiles, generated code) serves the next steps of a functional optimiser; at each
+    claim it is brought up to the model's present state (``_threads.refresh``), or made anew where
+    the model's tree changed shape. The user's model never holds the dict's tensors: a forward of
+    it in another thread meanwhile computes with its own."""
+    if isinstance(model, FunctionRows):  # jacmode's own slots, in a module this thread claimed
+        with bind(model, values):
+            yield model
+        return
+    copy, claimed = _claim(model)
+    try:
+        with bind(copy, values):
+            yield copy
+    finally:
+        if claimed:
+            with _COPYING:
+                _IN_USE.discard(id(copy))
+
+
+def _claim(model: nn.Module) -> tuple[nn.Module, bool]:
+    """A copy of ``model`` for one call, up to date, and whether it is a kept one (to release)."""
+    kept = _guard.memo(model)
+    copies: Optional[dict[int, nn.Module]] = None if kept is None else kept.copies
+    slot, copy = None, None
+    with _COPYING:
+        for slot, copy in (copies or {}).items():
+            if id(copy) not in _IN_USE:
+                _IN_USE.add(id(copy))
+                break
+        else:
+            slot, copy = (len(copies), None) if copies is not None and len(copies) < MAX_COPIES else (None, None)
+    if copy is not None and refresh(copy, model):
+        return copy, True
+    new = _copy(model)
+    if slot is None or copies is None:
+        return new, False
+    with _COPYING:
+        if copy is not None:
+            _IN_USE.discard(id(copy))
+        copies[slot] = new
+        _IN_USE.add(id(new))
+    return new, True
+
+
+def _copy(model: nn.Module) -> nn.Module:
+    """A structural copy of ``model`` that is the module of its calls: unlike the clones engines make
+    of a module for one pass, none of its modules names the user's as its original (a module of
+    sample rows made of it reads the call it is bound to), except a copy of a module of sample
+    rows itself, which reads the call of the module it copies (``_args/params.py``)."""
+    copy = clone_tree(model)
+    rows = getattr(type(model), "forward", None) is _forward_rows
+    for m in copy.modules():
+        if not (rows and m is copy):
+            m.__dict__.pop(_ORIGINAL, None)
+    return copy
 
 
 def selection_key(model: nn.Module, named: Sequence[tuple[str, Tensor]]) -> tuple:

@@ -193,9 +193,11 @@ class Memo:
             (``_sparse/api.py``).
         seen: f's calls as the guard counts them (:class:`_Seen`: guards made, the last state
             passed, why nothing is reused), from its first call on.
+        copies: structural copies of a model that calls with ``wrt`` a dict of tensors run on
+            (``_functional.bound_copy``).
     """
 
-    __slots__ = ("facts", "profiles", "last", "eager", "rows", "warned", "declined", "seen")
+    __slots__ = ("facts", "profiles", "last", "eager", "rows", "warned", "declined", "seen", "copies")
 
     def __init__(self) -> None:
         self.facts: dict[tuple, Any] = {}
@@ -206,6 +208,7 @@ class Memo:
         self.warned: set[str] = set()
         self.declined: set[tuple] = set()
         self.seen: Optional[_Seen] = None
+        self.copies: dict[int, Any] = {}
 
 
 # function (weakly) -> its Memo: the one table of what jacmode keeps per function (registered with

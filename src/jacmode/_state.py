@@ -27,8 +27,9 @@ and restricts ``scaled_dot_product_attention`` to its math backend, because the 
 across threads and the last one out restores them.
 
 A call with ``wrt`` a dict of tensors (``functional_call``'s convention, ``_functional.py``) runs
-with those tensors in the model's slots (:func:`bind`, torch's ``_reparametrize_module``), and its
-own tensors back on exit; :func:`bound_values` names them for the code that must tell them apart.
+on a structural copy of the model with those tensors in its slots (:func:`bind`, torch's
+``_reparametrize_module``), and the copy's own tensors back on exit; :func:`bound_values` names
+them for the code that must tell them apart.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ._threads import _BEGUN, BINDING, bind_ended, bind_stamp, bind_started, disturbed
+from ._threads import _BEGUN, bind_stamp, disturbed
 
 
 _KERNELS_LOCK = threading.Lock()
@@ -430,12 +431,10 @@ class Keyed:
 
 # ---- tensors bound into a model's slots for one call (wrt a dict: _functional.py) ----
 
-# id(module) -> stack of the dicts bound to it by jacmode (innermost last)
+# id(module) -> stack of the dicts bound to it by jacmode (innermost last). The module is never
+# the user's: a call with wrt a dict runs on a structural copy of the model that only its thread
+# reads (_functional.bound_copy), so no other thread ever sees the dict's tensors.
 _BOUND: dict[int, list[dict[str, Tensor]]] = {}
-# Bound calls take turns across threads (_threads.BINDING): the dict's tensors sit in the user's
-# module while one runs, so two at once would read each other's; another thread's jacmode call
-# that reads the module meanwhile runs again (the note [Binds and the calls they disturb] in
-# _threads.py). A plain forward of the model in another thread meanwhile sees them: docs/structure.md.
 
 
 def bound_values(model: Any) -> Optional[dict[str, Tensor]]:
@@ -446,7 +445,8 @@ def bound_values(model: Any) -> Optional[dict[str, Tensor]]:
 
 @contextlib.contextmanager
 def bind(model: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str, Tensor]]:
-    """Run a block with ``model`` holding ``values`` in its slots; its own tensors back on exit (see the note).
+    """Run a block with ``model`` holding ``values`` in its slots; its own tensors back on exit (see the
+    note). ``model`` is a copy only the calling thread reads (``_functional.bound_copy``).
 
     Yields the bound tensors by name, in the dict's order (a tensor given for two names bound as two views).
     """
@@ -458,20 +458,15 @@ def bind(model: nn.Module, values: dict[str, Tensor]) -> Iterator[dict[str, Tens
             t = t.view_as(t)  # its own object: its own columns, as jacrev over the dict gives
         seen.add(id(t))
         held[name] = t
-    with BINDING:
-        number = bind_started(model)  # (before the swap: a call that starts meanwhile sees it in flight)
+    with _reparametrize_module(model, dict(held), tie_weights=True):
+        _BOUND.setdefault(id(model), []).append(held)
         try:
-            with _reparametrize_module(model, dict(held), tie_weights=True):
-                _BOUND.setdefault(id(model), []).append(held)
-                try:
-                    yield held
-                finally:
-                    stack = _BOUND[id(model)]
-                    stack.pop()
-                    if not stack:
-                        del _BOUND[id(model)]
+            yield held
         finally:
-            bind_ended(number)
+            stack = _BOUND[id(model)]
+            stack.pop()
+            if not stack:
+                del _BOUND[id(model)]
 
 
 def _tied_names(model: nn.Module) -> dict[str, list[str]]:

@@ -64,11 +64,11 @@ def hooks_in_flight() -> bool:
 # ---- dicts of tensors bound into a user's model, and the calls they disturb ----
 #
 # NOTE: [Binds and the calls they disturb]
-# A call with ``wrt`` a dict of tensors binds the dict's tensors into the user's model for its
-# duration (``_state.bind``, torch's ``_reparametrize_module``), and a call in the functional style
-# runs an fn that may swap tensors into the modules it refers to (``functional_call``; counted as
-# binds of them, :func:`touching`). Binds take turns (:data:`BINDING`), but another thread's jacmode
-# call that reads the same model meanwhile would compute with the bound tensors. So binds are
+# A call in the functional style runs an fn that may swap tensors into the user's modules it refers
+# to (``functional_call``; counted as binds of them, :func:`touching`). (A call with ``wrt`` a dict
+# of tensors binds nothing into the user's model: it runs on a copy, ``_functional.bound_copy``.)
+# Binds take turns (:data:`BINDING`), but another thread's jacmode call that reads the same model
+# meanwhile would compute with the bound tensors. So binds are
 # numbered and listed with the ids of the modules they touch (:func:`bind_started`,
 # :func:`bind_ended`, under BINDING, before the swap and after the swap back). Every scope an entry
 # point opens takes a stamp (:func:`bind_stamp`) and asks, whenever it reads a cache and when its
@@ -177,6 +177,54 @@ def clone_tree(root: nn.Module, memo: Optional[dict[int, nn.Module]] = None) -> 
 
 
 _ORIGINAL = "_jacmode_clone_of"  # a clone's attribute: the user's module it copies
+_CONTAINERS = (dict, OrderedDict, set)
+
+
+def refresh(clone: nn.Module, root: nn.Module) -> bool:
+    """Bring ``clone``, a structural clone of ``root`` (:func:`clone_tree`), up to root's present
+    state, in place: pair by pair down both trees, each module's attributes, and the contents of
+    its parameter, buffer and hook dicts (kept as the clone's own objects, which code generated for
+    the clone reads). False, having changed nothing that matters, where the trees differ in shape
+    (another child name or class, a module shared in one tree and not in the other): then the
+    caller makes a new clone."""
+    pairs: list[tuple[nn.Module, nn.Module]] = []
+    seen: dict[int, nn.Module] = {id(root): clone}
+    mine: dict[int, nn.Module] = {id(clone): root}
+    stack = [(root, clone)]
+    while stack:  # the shapes first: nothing is written unless they match
+        o, c = stack.pop()
+        if type(c) is not type(o) or list(o._modules) != list(c._modules):
+            return False
+        pairs.append((o, c))
+        for name, child in o._modules.items():
+            other = c._modules[name]
+            if child is None or other is None:
+                if child is not other:
+                    return False
+                continue
+            if seen.get(id(child), other) is not other or mine.get(id(other), child) is not child:
+                return False
+            if id(child) not in seen:
+                seen[id(child)], mine[id(other)] = other, child
+                stack.append((child, other))
+    for o, c in pairs:
+        od, cd = o.__dict__, c.__dict__
+        for key, value in od.items():
+            if key == "_modules" or key == _ORIGINAL:
+                continue
+            if type(value) in _CONTAINERS:
+                held = cd.get(key)
+                if held is not None and type(held) is type(value):
+                    if value or held:  # (most hook dicts: empty in both)
+                        held.clear()
+                        held.update(value)
+                else:
+                    cd[key] = type(value)(value)
+            elif cd.get(key, refresh) is not value:
+                cd[key] = value
+        for key in [k for k in cd if k not in od and k != _ORIGINAL]:
+            del cd[key]
+    return True
 
 
 def original(module: nn.Module) -> nn.Module:

@@ -738,6 +738,10 @@ CONVENTIONS = ("eager", "transform", "lambda", "lambda_fresh")  # the last two: 
 # (jm.jacobian(fn, params, x, argnums=0, in_dims=(None, 0))): parameter Jacobians and the products
 FUNCTIONAL = "functional"
 FUNCTIONAL_ENTRIES = ("jacobian_params", "per_sample_grads", "ntk", "ntk_trace", "ggn", "ggn_diagonal")
+# the same entry points at a dict of the model's trainable parameters as they are now (wrt=dict: the
+# call runs on a copy of the model holding new tensors of the same values, as a functional optimiser
+# passes them at every step)
+DICT = "dict"
 
 
 def _trainable(net: nn.Module, names: Optional[list[str]]) -> list[tuple[str, Tensor]]:
@@ -909,6 +913,8 @@ def valid(case: Case) -> bool:
     if case.convention == FUNCTIONAL and (en.name not in FUNCTIONAL_ENTRIES or case.mix is not None
                                           or case.change == "tuple_out"):  # (blocks per output: torch.func's pytree)
         return False
+    if case.convention == DICT and (en.name not in FUNCTIONAL_ENTRIES or case.mix is not None):
+        return False
     if ch.input_only and case.convention in ("lambda", "lambda_fresh"):
         return False  # f is already the user's lambda
     if case.batch < ch.min_batch:
@@ -929,7 +935,7 @@ def draw(rng: random.Random, seed: int, change: Optional[str] = None, entry: Opt
         if en.name == "divergence" and d_out != d_in:
             d_in = d_out
         convention = rng.choice(CONVENTIONS if en.kind == "input" and not ch.input_only else
-                                (*CONVENTIONS[:2], FUNCTIONAL) if en.name in FUNCTIONAL_ENTRIES
+                                (*CONVENTIONS[:2], FUNCTIONAL, DICT) if en.name in FUNCTIONAL_ENTRIES
                                 else CONVENTIONS[:2])
         calls = rng.choice([2, 3, 4, 4, 5, 5, 6, 6, 6]) if rng.random() > 0.03 else 1
         at = rng.choice(range(1, calls)) if calls > 1 and rng.random() > 0.1 else 0
@@ -1058,6 +1064,9 @@ def call(case: Case, w: World, x: Tensor, i: int) -> Any:
     f = w.net if en.kind == "module" else w.f
     if case.convention == FUNCTIONAL:
         return _functional_call(en, w.notes["functional"], w.net, x)
+    if case.convention == DICT:
+        values = {n: p.detach().clone() for n, p in _trainable(w.net, None)}
+        return en.op(w.net, x, **{**en.opts(case.d_in), "wrt": values})
     if case.convention == "lambda":
         f = w.notes["held"]
     elif case.convention == "lambda_fresh":
