@@ -202,7 +202,9 @@ finish(net, before)
 """
 
 
-_BINDS = """
+# A model, dicts of other values than its own, and torch.func's per-sample Jacobian at a dict (the
+# oracles are computed before any thread runs)
+_AT_DICTS = """
 net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).double()
 x = torch.randn(5, 3, dtype=torch.float64)
 before = {n: (p, p.detach().clone()) for n, p in net.named_parameters()}
@@ -210,6 +212,10 @@ own = {n: p.detach().clone() for n, p in net.named_parameters()}
 dicts = [{n: p + 0.3 * (k + 1) for n, p in own.items()} for k in range(2)]  # other values than the model's
 one = lambda p, xb: functional_call(net, p, (xb[None],))[0]
 flat = lambda blocks: torch.cat([blocks[n].reshape(5, 2, -1) for n in own], 2)
+"""
+
+
+_BINDS = _AT_DICTS + """
 fn = lambda p, v: torch.sin(functional_call(net, p, (v,)))   # torch.func's style: fn swaps p into net
 cases = [
     ("jacobian wrt params", lambda: jm.jacobian(net, x, wrt="params"), flat(vmap(jacrev(one), in_dims=(None, 0))(own, x))),
@@ -228,14 +234,7 @@ finish(net, before)
 """
 
 
-_DICTS = """
-net = nn.Sequential(nn.Linear(3, 6), nn.Tanh(), nn.Linear(6, 2)).double()
-x = torch.randn(5, 3, dtype=torch.float64)
-before = {n: (p, p.detach().clone()) for n, p in net.named_parameters()}
-own = {n: p.detach().clone() for n, p in net.named_parameters()}
-dicts = [{n: p + 0.3 * (k + 1) for n, p in own.items()} for k in range(3)]  # other values than the model's
-one = lambda p, xb: functional_call(net, p, (xb[None],))[0]  # (the oracles: computed before any thread runs)
-flat = lambda blocks: torch.cat([blocks[n].reshape(5, 2, -1) for n in own], 2)
+_DICTS = _AT_DICTS + """
 loss = lambda out: (out ** 2).sum(1)
 grads = lambda p: torch.cat([g.reshape(5, -1) for g in vmap(
     torch.func.grad(lambda p, xb: loss(functional_call(net, p, (xb[None],)))[0]), in_dims=(None, 0))(p, x).values()], 1)
@@ -319,9 +318,9 @@ def test_modules_of_sample_rows_in_threads() -> None:
 
 
 def test_calls_beside_dicts_bound_into_the_model() -> None:
-    """jacobian at a dict of tensors (``wrt=params``) and in torch.func's functional style (fn calls
-    ``functional_call(net, p, x)``), which put other tensors into the model's slots while they run,
-    from four threads at once with calls on the model's own parameters and inputs: each result is
+    """jacobian at a dict of tensors (``wrt=params``, run on a copy of the model) and in torch.func's
+    functional style (fn calls ``functional_call(net, p, x)``, which puts other tensors into the
+    model's slots while it runs), from four threads at once with calls on the model's own parameters and inputs: each result is
     the one it would be alone (a call that another thread's bind disturbed runs again), and the model
     is left with its own parameters."""
     [binds] = _child([_BINDS], rounds=3, calls=30)

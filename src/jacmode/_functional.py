@@ -16,8 +16,8 @@ the module itself, run while a copy of the module *holds* the dict's tensors:
   forward of it in another thread meanwhile computes with its own;
 * :func:`bind` swaps the dict's tensors into the copy's slots with torch's own
   ``_reparametrize_module`` (what ``functional_call`` enters; tied weights follow the dict's
-  entry as ``functional_call``'s ``tie_weights=True`` does) and swaps the module's own back on exit,
-  also when the call raises. Inside, ``module.weight`` IS the dict's tensor, so everything that
+  entry as ``functional_call``'s ``tie_weights=True`` does) and swaps the copy's own back on exit,
+  also when the call raises. Inside, the copy's ``module.weight`` IS the dict's tensor, so everything that
   reads the module -- the selection (``_checks.check_param_selection`` returns the bound tensors,
   in the dict's order), the probe engines' hooks (``_probes/probes.py`` checks that the tensor a
   module holds is the selected one), the generic engines' ``functional_call`` over the flat

@@ -247,13 +247,9 @@ def _memos() -> Iterator[tuple[Any, Memo]]:
 def current(ident: Any) -> Optional[int]:
     """The generation of ``ident`` in the calling thread's scope, or None (nothing may be reused;
     also once another thread's bind disturbed the scope, so that nothing found then is kept)."""
-    try:
-        stack = _local.stack
-    except AttributeError:
-        return None
-    for scope in reversed(stack):
-        if scope.f is ident:
-            return scope.current()
+    scope = held(ident)
+    if scope is not None:
+        return scope.current()
     owner = _owner(ident)
     return None if owner is None else current(owner)
 
