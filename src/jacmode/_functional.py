@@ -120,22 +120,23 @@ def _claim(model: nn.Module) -> tuple[nn.Module, bool]:
     """A copy of ``model`` for one call, up to date, and whether it is a kept one (to release)."""
     kept = _guard.memo(model)
     copies: Optional[dict[int, nn.Module]] = None if kept is None else kept.copies
-    slot, copy = None, None
-    with _COPYING:
-        for slot, copy in (copies or {}).items():
-            if id(copy) not in _IN_USE:
-                _IN_USE.add(id(copy))
-                break
-        else:
-            slot, copy = (len(copies), None) if copies is not None and len(copies) < MAX_COPIES else (None, None)
-    if copy is not None and refresh(copy, model):
-        return copy, True
-    new = _copy(model)
-    if slot is None or copies is None:
+    with _COPYING:  # a kept copy no call runs on now, claimed
+        free = next(((k, c) for k, c in (copies or {}).items() if id(c) not in _IN_USE), None)
+        if free is not None:
+            _IN_USE.add(id(free[1]))
+    if free is not None and refresh(free[1], model):
+        return free[1], True
+    new = _copy(model)  # none free, or the model's tree changed shape
+    if copies is None:
         return new, False
-    with _COPYING:
-        if copy is not None:
-            _IN_USE.discard(id(copy))
+    with _COPYING:  # kept in the stale copy's place, or in a new one while fewer than MAX_COPIES
+        if free is not None:
+            _IN_USE.discard(id(free[1]))
+            slot = free[0]
+        elif len(copies) < MAX_COPIES:
+            slot = max(copies, default=-1) + 1
+        else:
+            return new, False
         copies[slot] = new
         _IN_USE.add(id(new))
     return new, True

@@ -141,9 +141,10 @@ def _coefficients(alg: Algebra, weight: Tensor) -> Callable[[Tensor], Tensor]:
 
 def _folded(c: Tensor, weight: Tensor) -> Tensor:
     """F.linear(c, W) as one product of the rows of a contiguous c. Eager ``matmul`` copies a
-    non-contiguous c (the directions-last layout) into rows itself, but its traced decomposition
-    (``_capture/codegen.py``) takes a batched product instead, whose sums can differ in the last
-    bit: copied here, generated code computes what the rules compute eagerly, bit for bit."""
+    non-contiguous c (the directions-last layout) that needs no gradient into rows itself, but its
+    traced decomposition (``_capture/codegen.py``) takes a batched product instead, whose sums can
+    differ in the last bit: copied here, generated code computes what the rules compute eagerly,
+    bit for bit."""
     return F.linear(c if c.dim() < 3 else c.contiguous(), weight)
 
 
